@@ -1,0 +1,351 @@
+"""Training-Free GRPO (arXiv 2510.08191) as a DSPy teleprompter.
+
+GRPO's outer loop is kept: each query of a batch is attempted `num_generations` times, the attempts are
+scored, and a group is only informative when its rewards differ. The gradient step is replaced by edits of
+an experience library that lives in the program's instructions:
+
+    rollouts -> rewards -> (groups with contrast) -> summaries -> group advantages -> consolidation -> library
+
+Every stage runs its LM calls in parallel; only the consolidation of a step is one call. Every finished unit
+of work is checkpointed in `log_dir` (see `checkpoint.py`), so a crashed run resumes without resending it.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import statistics
+import time
+from typing import Any, Callable
+
+import dspy
+from dspy.teleprompt.teleprompt import Teleprompter
+
+from tfgrpo.optimizers.checkpoint import Checkpoint, digest
+from tfgrpo.optimizers.utils import Failed, add_usage, clip, format_fields, format_prediction, jsonable, majority, \
+    run_parallel, usage_of
+from tfgrpo.programs.inject import LIBRARY_KEY, apply_library, resolve_targets
+from tfgrpo.programs.library import ExperienceLibrary
+from tfgrpo.signatures.learning import AdvantageExtractor, Consolidator, Summarizer
+from tfgrpo.signatures.operations import Operation
+
+logger = logging.getLogger(__name__)
+
+STAGES = ("rollout", "reward", "summary", "advantage", "consolidation")
+
+
+class TrainingFreeGRPO(Teleprompter):
+    def __init__(
+        self,
+        metric: Callable,
+        *,
+        # group rollouts
+        num_generations: int = 5,  # G: attempts per query; 1 disables the group comparison (an ablation)
+        temperature: float = 0.7,  # sampling temperature of the attempts while learning
+        # schedule
+        num_train_epochs: int = 3,  # passes over the trainset
+        batch_size: int = 50,  # queries per optimization step
+        seed: int = 0,  # shuffling of the trainset and the attempts' rollout IDs
+        # learning calls
+        reflection_lm: dspy.BaseLM | None = None,  # LM of the learning calls; None: the student's LM
+        max_operations_per_group: int = 2,  # cap on the edits one group may propose
+        use_ground_truth: bool = True,  # False: majority vote of the group is the pseudo-label, no answer key shown
+        # the library
+        max_experiences: int | None = None,  # cap on the library's size; None: no cap
+        max_words_per_experience: int = 32,  # longer experiences are refused
+        target_predictors: list[str] | None = None,  # predictor names that get the library; None: all
+        # execution
+        num_threads: int = 8,  # concurrent LM calls within a stage
+        max_failure_rate: float = 0.5,  # stop when more of a step's attempts than this fail (the checkpoint stays)
+        log_dir: str | None = None,  # where every finished unit of work is saved, and resumed from
+        progress: Callable[[str, int, int], None] | None = None,  # progress(stage, done, total), for UIs
+    ):
+        if num_generations < 1 or batch_size < 1 or num_train_epochs < 0 or num_threads < 1:
+            raise ValueError("num_generations, batch_size and num_threads must be >= 1, num_train_epochs >= 0")
+        if not callable(metric):
+            raise TypeError("metric must be callable: metric(example, prediction, trace=None) -> float | dspy.Prediction")
+        self.metric = metric
+        self.num_generations, self.temperature = num_generations, temperature
+        self.num_train_epochs, self.batch_size, self.seed = num_train_epochs, batch_size, seed
+        self.reflection_lm, self.max_operations_per_group = reflection_lm, max_operations_per_group
+        self.use_ground_truth = use_ground_truth
+        self.max_experiences, self.max_words_per_experience = max_experiences, max_words_per_experience
+        self.target_predictors = target_predictors
+        self.num_threads, self.max_failure_rate = num_threads, max_failure_rate
+        self.log_dir, self.progress = log_dir, progress
+
+    # -- the outer loop -------------------------------------------------------------------------------------
+    def compile(self, student: dspy.Module, *, trainset: list, teacher=None, valset: list | None = None) -> dspy.Module:
+        if not trainset:
+            raise ValueError("trainset is empty")
+        program = student.deepcopy()
+        targets = resolve_targets(program, self.target_predictors)
+        self._policy_lms(program)  # fail early, with a clear message, when no LM is configured
+        start = getattr(student, LIBRARY_KEY, None)
+        library = ExperienceLibrary.from_state(start.dump_state()) if isinstance(start, ExperienceLibrary) else \
+            ExperienceLibrary(max_words=self.max_words_per_experience, max_experiences=self.max_experiences)
+        library.max_words, library.max_experiences = self.max_words_per_experience, self.max_experiences
+        ckpt = Checkpoint(self.log_dir)
+        ckpt.start(self._fingerprint(program, targets, trainset, valset, library))
+
+        rng, step, steps, epochs = random.Random(self.seed), 0, [], []
+        best: tuple[float, dict] | None = None
+        for epoch in range(self.num_train_epochs):
+            order = list(range(len(trainset)))
+            rng.shuffle(order)
+            for at in range(0, len(order), self.batch_size):
+                batch = order[at: at + self.batch_size]
+                library, stats = self._step(program, targets, library, trainset, batch, step, epoch, ckpt)
+                steps.append(stats)
+                step += 1
+            if valset:
+                score = self._validate(program, targets, library, valset, epoch, ckpt)
+                epochs.append({"epoch": epoch, "val_score": score, "library_size": len(library)})
+                if best is None or score >= best[0]:  # ties go to the later library
+                    best = (score, library.dump_state())
+
+        final = ExperienceLibrary.from_state(best[1]) if best else library
+        compiled = apply_library(student.deepcopy(), final, targets)
+        compiled.detailed_results = {"steps": steps, "epochs": epochs, "reused_units": ckpt.reused,
+                                     "best_val_score": best[0] if best else None}
+        compiled._compiled = True
+        return compiled
+
+    # -- one optimization step ------------------------------------------------------------------------------
+    def _step(self, program, targets, library, trainset, batch, step, epoch, ckpt):
+        key = f"steps/{step:04d}"
+        done = ckpt.get(f"{key}/done")
+        if done is not None:
+            logger.info("Step %d: complete in the checkpoint, reused", step)
+            return ExperienceLibrary.from_state(done["library"]), done["stats"]
+        G, t0, timing = self.num_generations, time.time(), {}
+        stats: dict[str, Any] = {"step": step, "epoch": epoch, "batch_size": len(batch), "usage": {}}
+        qkeys = {qi: _query_key(trainset[qi], qi) for qi in batch}
+        rendered_library = library.render() or "(empty)"
+
+        # 1. rollouts: G distinct samples per query, each candidate with its own LM copies (rollout_id)
+        candidates, rollout_lms = self._candidates(program, targets, library, step)
+        jobs = [(qi, g) for qi in batch for g in range(G)]
+
+        def rollout(job):
+            qi, g = job
+            unit = f"{key}/rollouts/{qi}_{g}"
+            if (rec := ckpt.get(unit)) is not None:
+                return rec
+            try:
+                pred = candidates[g](**trainset[qi].inputs())
+                rec = {"outputs": jsonable(dict(pred.items())), "attempt": format_prediction(pred), "error": None}
+            except Exception as exc:  # recorded and scored as a failure, never dropped
+                rec = {"outputs": None, "attempt": f"(the program failed: {type(exc).__name__}: {exc})",
+                       "error": f"{type(exc).__name__}: {exc}"}
+            rec["tool_calls"] = _tool_calls(rec["outputs"])
+            ckpt.put(unit, rec)
+            return rec
+
+        records = dict(zip(jobs, self._parallel(rollout, jobs, "rollout")))
+        stats["usage"]["rollout"] = usage_of(rollout_lms)
+        failures = [r for r in records.values() if r["error"]]
+        if len(failures) > self.max_failure_rate * len(jobs):
+            raise RuntimeError(f"step {step}: {len(failures)} of {len(jobs)} attempts failed (first: "
+                               f"{failures[0]['error']}); finished work is kept in log_dir={self.log_dir!r}")
+        timing["rollout"] = time.time() - t0
+
+        # 2. rewards, against the ground truth or against the group's majority answer
+        references = {qi: self._reference(trainset[qi], [records[(qi, g)] for g in range(G)]) for qi in batch}
+
+        def reward(job):
+            unit = f"{key}/rewards/{job[0]}_{job[1]}"
+            if (rec := ckpt.get(unit)) is None:
+                rec = self._score(references[job[0]], records[job])
+                ckpt.put(unit, rec)
+            return rec
+
+        for job, scored in zip(jobs, self._parallel(reward, jobs, "reward")):
+            records[job].update(scored if not isinstance(scored, Failed) else {"reward": 0.0, "feedback": scored.error})
+        timing["reward"] = time.time() - t0 - sum(timing.values())
+
+        # 3. only groups whose rewards differ carry a direction; the others cost no further call
+        kept = [qi for qi in batch if len({records[(qi, g)]["reward"] for g in range(G)}) > 1]
+        rewards = [r["reward"] for r in records.values()]
+        stats.update(mean_reward=statistics.fmean(rewards), groups=len(batch), groups_kept=len(kept),
+                     frac_skipped_zero_std=1 - len(kept) / len(batch), rollout_failures=len(failures),
+                     tool_calls_mean=statistics.fmean(r["tool_calls"] for r in records.values()))
+        logger.info("Step %d: mean reward %.3f, %d/%d groups with contrast", step, stats["mean_reward"], len(kept), len(batch))
+
+        # 4. summaries of every attempt in a kept group
+        gt = self.use_ground_truth
+        summarizer, advantage, consolidator = Summarizer(gt), AdvantageExtractor(gt), Consolidator()
+        lms = {name: self._reflection_lm(program).copy() for name in ("summary", "advantage", "consolidation")}
+        for module, name in ((summarizer, "summary"), (advantage, "advantage"), (consolidator, "consolidation")):
+            module.set_lm(lms[name])
+        answer_key = {qi: format_fields(trainset[qi].labels()) for qi in batch} if gt else {}
+        summary_jobs = [(qi, g) for qi in kept for g in range(G)]
+
+        def summarize(job):
+            unit = f"{key}/summaries/{job[0]}_{job[1]}"
+            if (rec := ckpt.get(unit)) is None:
+                r = records[job]
+                rec = summarizer(task_input=format_fields(trainset[job[0]].inputs()), attempt=r["attempt"],
+                                 outcome=_outcome(r), reference_answer=answer_key.get(job[0], ""),
+                                 experiences=rendered_library)
+                ckpt.put(unit, rec)
+            return rec
+
+        learning_failures = 0
+        for job, summary in zip(summary_jobs, self._parallel(summarize, summary_jobs, "summary")):
+            if isinstance(summary, Failed):  # fall back to the raw attempt, cut short
+                learning_failures += 1
+                logger.warning("Summary of query %s attempt %d failed (%s); using the raw attempt", *job, summary.error)
+                summary = clip(records[job]["attempt"], 1500)
+            records[job]["summary"] = summary
+        stats["usage"]["summary"] = usage_of([lms["summary"]])
+        timing["summary"] = time.time() - t0 - sum(timing.values())
+
+        # 5. group advantage: what did the better attempts know? -> at most N operations per group
+        def extract(qi):
+            unit = f"{key}/advantages/{qi}"
+            if (ops := ckpt.get(unit)) is None:
+                attempts = "\n\n".join(f"Attempt {g + 1} (reward {records[(qi, g)]['reward']:.2f}):\n"
+                                       f"{records[(qi, g)]['summary']}" for g in range(G))
+                ops = [o.model_dump() for o in advantage(
+                    task_input=format_fields(trainset[qi].inputs()), reference_answer=answer_key.get(qi, ""),
+                    attempts=attempts, experiences=rendered_library, max_operations=self.max_operations_per_group,
+                    max_words=self.max_words_per_experience)]
+                ckpt.put(unit, ops)
+            return ops
+
+        proposals: list[tuple[str, Operation]] = []
+        for qi, ops in zip(kept, self._parallel(extract, kept, "advantage")):
+            if isinstance(ops, Failed):
+                learning_failures += 1
+                logger.warning("Group advantage of query %s failed (%s); the group proposes nothing", qi, ops.error)
+                continue
+            proposals += [(qkeys[qi], Operation.model_validate(o)) for o in ops]
+        stats["usage"]["advantage"] = usage_of([lms["advantage"]])
+        timing["advantage"] = time.time() - t0 - sum(timing.values())
+
+        # 6. consolidation: one call turns the batch's proposals into the plan; 7. the plan is applied in code
+        plan, stats["consolidation"] = self._consolidate(consolidator, library, proposals, key, ckpt)
+        stats["usage"]["consolidation"] = usage_of([lms["consolidation"]])
+        sources = sorted({q for q, _ in proposals})
+        report = library.apply(plan, step=step, sources=sources)
+        timing["consolidation"] = time.time() - t0 - sum(timing.values())
+        stats.update(operations_proposed=len(proposals), operations_applied=report.applied,
+                     operations_rejected=len(report.rejected), learning_failures=learning_failures,
+                     library_size=len(library), seconds=timing, wall_s=time.time() - t0)
+        logger.info("Step %d: %d operations proposed, applied %s, %d refused; library has %d experiences",
+                    step, len(proposals), report.applied, len(report.rejected), len(library))
+        ckpt.put(f"{key}/done", {"library": library.dump_state(), "stats": stats})
+        return library, stats
+
+    def _consolidate(self, consolidator, library, proposals, key, ckpt) -> tuple[list[Operation], str]:
+        if not proposals:
+            return [], "nothing proposed"
+        if (saved := ckpt.get(f"{key}/plan")) is not None:
+            return [Operation.model_validate(o) for o in saved["plan"]], saved["status"]
+        if self.progress:
+            self.progress("consolidation", 0, 1)
+        try:
+            plan, status = consolidator(experiences=library.render() or "(empty)", proposals=proposals,
+                                        max_words=self.max_words_per_experience), "ok"
+        except Exception as exc:  # the proposals were validated one by one already: apply them as they are
+            logger.warning("Consolidation failed (%s); applying the %d proposals directly", exc, len(proposals))
+            plan, status = [op for _, op in proposals], "fallback: proposals applied directly"
+        ckpt.put(f"{key}/plan", {"plan": [o.model_dump() for o in plan], "status": status})
+        if self.progress:
+            self.progress("consolidation", 1, 1)
+        return plan, status
+
+    # -- pieces ---------------------------------------------------------------------------------------------
+    def _parallel(self, fn, items, stage):
+        return run_parallel(fn, items, num_threads=self.num_threads, stage=stage, progress=self.progress)
+
+    def _policy_lms(self, program) -> dict[int, dspy.BaseLM]:
+        lms = {}
+        for name, predictor in program.named_predictors():
+            lm = predictor.lm or dspy.settings.lm
+            if lm is None:
+                raise ValueError(f"predictor {name!r} has no LM: call dspy.configure(lm=dspy.LM(...)) or set one on it")
+            lms[id(lm)] = lm
+        return lms
+
+    def _reflection_lm(self, program) -> dspy.BaseLM:
+        return self.reflection_lm or dspy.settings.lm or next(iter(self._policy_lms(program).values()))
+
+    def _candidates(self, program, targets, library, step):
+        """G copies of the program with the library in their instructions and private, distinct LM copies."""
+        candidates, lms = [], []
+        for g in range(self.num_generations):
+            cand = apply_library(program.deepcopy(), library, targets)
+            rollout_id = int(digest([self.seed, step, g]), 16) % 2**31
+            copies: dict[int, dspy.BaseLM] = {}
+            for _, predictor in cand.named_predictors():
+                base = predictor.lm or dspy.settings.lm
+                if id(base) not in copies:
+                    copies[id(base)] = base.copy(rollout_id=rollout_id, temperature=self.temperature)
+                predictor.lm = copies[id(base)]
+            candidates.append(cand)
+            lms += copies.values()
+        return candidates, lms
+
+    def _reference(self, example, group: list[dict]) -> dspy.Example:
+        """The example to score against: itself, or (without ground truth) the group's majority answers."""
+        if self.use_ground_truth:
+            return example
+        labels = {k: majority([(r["outputs"] or {}).get(k) for r in group]) for k in example.labels().keys()}
+        return dspy.Example(**example.inputs(), **labels).with_inputs(*example.inputs().keys())
+
+    def _score(self, example, record: dict) -> dict:
+        if record["error"] or record["outputs"] is None:
+            return {"reward": 0.0, "feedback": f"the attempt failed: {record['error']}"}
+        result = self.metric(example, dspy.Prediction(**record["outputs"]), None)
+        score, feedback = (result.score, getattr(result, "feedback", "") or "") if hasattr(result, "score") else (result, "")
+        score = float(score)
+        if not 0.0 <= score <= 1.0:
+            raise ValueError(f"metric returned {score}; rewards must lie in [0, 1]")
+        return {"reward": score, "feedback": str(feedback)}
+
+    def _validate(self, program, targets, library, valset, epoch, ckpt) -> float:
+        if (saved := ckpt.get(f"epochs/{epoch}")) is not None:
+            return saved["val_score"]
+        cand = apply_library(program.deepcopy(), library, targets)
+
+        def score(example):
+            try:
+                pred = cand(**example.inputs())
+                rec = {"outputs": jsonable(dict(pred.items())), "error": None}
+            except Exception as exc:
+                rec = {"outputs": None, "error": f"{type(exc).__name__}: {exc}"}
+            return self._score(example, rec)["reward"]
+
+        results = self._parallel(score, list(valset), "validation")
+        value = statistics.fmean(0.0 if isinstance(r, Failed) else r for r in results)
+        logger.info("Epoch %d: validation score %.3f with %d experiences", epoch, value, len(library))
+        ckpt.put(f"epochs/{epoch}", {"val_score": value, "library": library.dump_state()})
+        return value
+
+    def _fingerprint(self, program, targets, trainset, valset, library) -> dict:
+        knobs = {k: getattr(self, k) for k in ("num_generations", "temperature", "num_train_epochs", "batch_size", "seed",
+                                                "max_operations_per_group", "use_ground_truth", "max_experiences",
+                                                "max_words_per_experience")}
+        return {"knobs": knobs, "targets": targets,
+                "instructions": digest([p.signature.instructions for _, p in program.named_predictors()]),
+                "trainset": digest([dict(x) for x in trainset]), "valset": digest([dict(x) for x in valset or []]),
+                "initial_library": digest(library.dump_state())}
+
+
+def _query_key(example, index: int) -> str:
+    ident = example.get("id") if hasattr(example, "get") else None
+    return f"train#{index}" + (f":{ident}" if ident is not None else "")
+
+
+def _outcome(record: dict) -> str:
+    verdict = "judged correct" if record["reward"] >= 1 else "judged wrong" if record["reward"] <= 0 else "partly right"
+    return f"{verdict} (reward {record['reward']:.2f})" + (f"; {record['feedback']}" if record.get("feedback") else "")
+
+
+def _tool_calls(outputs: dict | None) -> int:
+    trajectory = (outputs or {}).get("trajectory")
+    if not isinstance(trajectory, dict):
+        return 0
+    return sum(1 for k, v in trajectory.items() if k.startswith("tool_name_") and v != "finish")

@@ -1,0 +1,128 @@
+"""Small helpers of the optimizer: parallel map, text rendering of examples and predictions, token counting."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import Counter
+from typing import Any, Callable
+
+import dspy
+from dspy.utils.parallelizer import ParallelExecutor
+
+logger = logging.getLogger(__name__)
+
+MAX_ATTEMPT_CHARS = 6000  # an attempt shown to a learning call is cut to this size (head and tail kept)
+
+
+class Failed:
+    """The result of a parallel item that raised: kept, not dropped, so callers can record it."""
+
+    def __init__(self, error: BaseException):
+        self.error = f"{type(error).__name__}: {error}"
+
+    def __repr__(self) -> str:
+        return f"Failed({self.error!r})"
+
+
+def run_parallel(fn: Callable, items: list, *, num_threads: int, stage: str,
+                 progress: Callable[[str, int, int], None] | None = None) -> list:
+    """Map `fn` over `items` on `num_threads` threads with DSPy settings propagated; order is kept.
+
+    An item that raises yields a `Failed` instead of stopping the others. `progress(stage, done, total)` is
+    called after every item (from worker threads, under a lock).
+    """
+    if not items:
+        return []
+    lock, done = threading.Lock(), [0]
+
+    def guarded(item):
+        try:
+            result = fn(item)
+        except Exception as exc:  # recorded by the caller; one bad item must not sink the batch
+            logger.debug("%s item failed", stage, exc_info=True)
+            result = Failed(exc)
+        if progress is not None:
+            with lock:
+                done[0] += 1
+                progress(stage, done[0], len(items))
+        return result
+
+    # timeout=0 turns off the executor's straggler re-submission, which would send duplicate LM calls.
+    executor = ParallelExecutor(num_threads=num_threads, max_errors=len(items) + 1, disable_progress_bar=True,
+                                timeout=0)
+    return executor.execute(guarded, items)
+
+
+def format_fields(values: dict[str, Any]) -> str:
+    """`name: value` lines, values rendered as text (JSON for structured ones)."""
+    return "\n".join(f"{k}: {_as_text(v)}" for k, v in values.items())
+
+
+def format_prediction(pred: Any) -> str:
+    """A prediction as text for a learning call: ReAct trajectories step by step, then the other outputs."""
+    if pred is None:
+        return "(no output)"
+    values = dict(pred.items()) if hasattr(pred, "items") else {"output": pred}
+    parts = []
+    trajectory = values.pop("trajectory", None)
+    if isinstance(trajectory, dict):
+        parts.append("trajectory:\n" + "\n".join(f"  {k}: {_as_text(v)}" for k, v in trajectory.items()))
+    elif trajectory is not None:
+        parts.append(f"trajectory: {_as_text(trajectory)}")
+    parts.append(format_fields(values))
+    return clip("\n".join(p for p in parts if p))
+
+
+def clip(text: str, limit: int = MAX_ATTEMPT_CHARS) -> str:
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]}\n[... {len(text) - limit} characters cut ...]\n{text[-half:]}"
+
+
+def _as_text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, ensure_ascii=False, default=str)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def jsonable(value: Any) -> Any:
+    """`value` made JSON-safe (for checkpoints): structures kept, anything else as text."""
+    return json.loads(json.dumps(value, ensure_ascii=False, default=str))
+
+
+def majority(values: list[Any]) -> Any:
+    """The most common value (first seen wins ties); None values do not vote."""
+    votes = Counter(json.dumps(v, sort_keys=True, default=str) for v in values if v not in (None, ""))
+    if not votes:
+        return None
+    best = max(votes.values())
+    for v in values:
+        if v not in (None, "") and votes[json.dumps(v, sort_keys=True, default=str)] == best:
+            return v
+
+
+def usage_of(lms: list[dspy.BaseLM]) -> dict[str, int]:
+    """Calls and tokens recorded in the history of the given LM copies (which then forget it)."""
+    calls = prompt = completion = cached = 0
+    for lm in lms:
+        for entry in lm.history:
+            calls += 1
+            usage = entry.get("usage") or {}
+            prompt += int(usage.get("prompt_tokens") or 0)
+            completion += int(usage.get("completion_tokens") or 0)
+            details = usage.get("prompt_tokens_details") or {}
+            cached += int((details.get("cached_tokens") if isinstance(details, dict) else 0) or 0)
+        lm.history.clear()
+    return {"calls": calls, "prompt_tokens": prompt, "completion_tokens": completion, "cached_tokens": cached}
+
+
+def add_usage(total: dict[str, int], more: dict[str, int]) -> dict[str, int]:
+    for k, v in more.items():
+        total[k] = total.get(k, 0) + v
+    return total

@@ -1,0 +1,199 @@
+"""The experience library: the only thing Training-Free GRPO learns.
+
+An experience is one short, general piece of advice ("When a problem asks for ..., first ..."). The library
+gives each one a stable ID that is never reused, remembers where it came from (the step and the training
+queries) and every edit made to it. Deleted and merged experiences are retired, not forgotten, so provenance
+survives. Edits arrive as `Operation`s and are applied all-or-nothing: a plan is checked and carried out on
+a scratch copy, and the library only changes once the whole plan has gone through.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import re
+from dataclasses import dataclass, field
+
+from dspy.predict.parameter import Parameter
+from pydantic import BaseModel, Field
+
+from tfgrpo.signatures.operations import Operation
+
+logger = logging.getLogger(__name__)
+
+
+class Edit(BaseModel):
+    """One entry of an experience's history."""
+
+    step: int
+    action: str  # add | modify | merge | delete | merged_into
+    text: str = ""  # the wording after the edit (before it, for delete)
+    related: list[str] = Field(default_factory=list)  # merged-from IDs, or the ID this one was merged into
+
+
+class Experience(BaseModel):
+    id: str
+    text: str
+    created_step: int
+    sources: list[str] = Field(default_factory=list)  # keys of the training queries it was learned from
+    history: list[Edit] = Field(default_factory=list)
+
+
+@dataclass
+class ApplyReport:
+    """What happened to a plan: the operations applied by action and those refused, with the reason."""
+
+    applied: dict[str, int] = field(default_factory=lambda: {"add": 0, "modify": 0, "merge": 0, "delete": 0})
+    rejected: list[tuple[Operation, str]] = field(default_factory=list)
+
+    @property
+    def num_applied(self) -> int:
+        return sum(self.applied.values())
+
+
+def _words(text: str) -> int:
+    return len(text.split())
+
+
+def _canonical(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", " ", text.lower()).strip()
+
+
+class ExperienceLibrary(Parameter):
+    """An ordered set of experiences with stable IDs, limits and history.
+
+    It is a DSPy `Parameter`, so a program that carries it as an attribute saves it with `program.save(...)`
+    and restores it with `program.load(...)`; stock DSPy ignores it when the attribute is absent.
+    """
+
+    def __init__(self, *, max_words: int = 32, max_experiences: int | None = None):
+        self.max_words = max_words  # an experience longer than this is refused
+        self.max_experiences = max_experiences  # None: no cap on the library's size
+        self.active: dict[str, Experience] = {}  # in insertion order, rendered in this order
+        self.retired: dict[str, Experience] = {}  # deleted or merged away; kept for provenance
+        self.next_id = 1
+
+    # -- reading -------------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.active)
+
+    def __iter__(self):
+        return iter(self.active.values())
+
+    def texts(self) -> list[str]:
+        return [e.text for e in self.active.values()]
+
+    def render(self) -> str:
+        """The library as the numbered lines that go into prompts: `[E3] When ..., ...`."""
+        return "\n".join(f"[{e.id}] {e.text}" for e in self.active.values())
+
+    # -- writing -------------------------------------------------------------------------------------------
+    def apply(self, operations: list[Operation], *, step: int, sources: list[str] | None = None) -> ApplyReport:
+        """Carry out a plan. Invalid operations are refused one by one (logged); the rest take effect at once.
+
+        The work happens on a scratch copy that replaces this library's state only at the end, so an
+        unexpected error leaves the library exactly as it was.
+        """
+        scratch = copy.deepcopy(self)
+        report = ApplyReport()
+        for op in operations:
+            reason = scratch._apply_one(op, step=step, sources=sources or [])
+            if reason is None:
+                report.applied[op.action] += 1
+            else:
+                report.rejected.append((op, reason))
+                logger.warning("Refused %s %s %r: %s", op.action, op.ids, op.text[:80], reason)
+        self.__dict__.update(scratch.__dict__)
+        return report
+
+    def _apply_one(self, op: Operation, *, step: int, sources: list[str]) -> str | None:
+        """Apply one operation in place; return None on success, else why it was refused (nothing changed)."""
+        needed = {"add": (0, 0), "modify": (1, 1), "delete": (1, 1), "merge": (2, None)}[op.action]
+        if len(op.ids) < needed[0] or (needed[1] is not None and len(op.ids) > needed[1]):
+            return f"{op.action} takes {needed[0] if needed[0] == needed[1] else 'at least %d' % needed[0]} ID(s), got {op.ids}"
+        if len(set(op.ids)) != len(op.ids):
+            return f"repeated IDs {op.ids}"
+        for i in op.ids:
+            if i not in self.active:
+                return f"unknown ID {i}" if i not in self.retired else f"ID {i} was already retired"
+        if op.action != "delete":
+            problem = self._check_text(op.text, ignore=op.ids)
+            if problem:
+                return problem
+        if op.action == "add":
+            if self.max_experiences is not None and len(self.active) >= self.max_experiences:
+                return f"library is full ({self.max_experiences} experiences)"
+            self._add(op.text, step=step, sources=sources, history=Edit(step=step, action="add", text=op.text))
+        elif op.action == "modify":
+            exp = self.active[op.ids[0]]
+            exp.text = op.text
+            exp.sources = list(dict.fromkeys(exp.sources + sources))
+            exp.history.append(Edit(step=step, action="modify", text=op.text))
+        elif op.action == "delete":
+            exp = self.active.pop(op.ids[0])
+            exp.history.append(Edit(step=step, action="delete", text=exp.text))
+            self.retired[exp.id] = exp
+        else:  # merge: the merged ones retire, a new experience carries their sources
+            merged = [self.active.pop(i) for i in op.ids]
+            merged_sources = [s for e in merged for s in e.sources]
+            new = self._add(op.text, step=step, sources=list(dict.fromkeys(merged_sources + sources)),
+                            history=Edit(step=step, action="merge", text=op.text, related=list(op.ids)))
+            for e in merged:
+                e.history.append(Edit(step=step, action="merged_into", text=e.text, related=[new.id]))
+                self.retired[e.id] = e
+        return None
+
+    def _check_text(self, text: str, *, ignore: list[str]) -> str | None:
+        if not text:
+            return "empty text"
+        if _words(text) > self.max_words:
+            return f"{_words(text)} words, over the limit of {self.max_words}"
+        key = _canonical(text)
+        for e in self.active.values():
+            if e.id not in ignore and _canonical(e.text) == key:
+                return f"duplicate of {e.id}"
+        return None
+
+    def _add(self, text: str, *, step: int, sources: list[str], history: Edit) -> Experience:
+        exp = Experience(id=f"E{self.next_id}", text=text, created_step=step, sources=list(sources), history=[history])
+        self.next_id += 1
+        self.active[exp.id] = exp
+        return exp
+
+    # -- persistence (the dspy Parameter protocol) ----------------------------------------------------------
+    def dump_state(self, json_mode: bool = True) -> dict:
+        return {
+            "format": "tfgrpo.experience_library/1",
+            "max_words": self.max_words,
+            "max_experiences": self.max_experiences,
+            "next_id": self.next_id,
+            "experiences": [e.model_dump() for e in self.active.values()],
+            "retired": [e.model_dump() for e in self.retired.values()],
+        }
+
+    def load_state(self, state: dict) -> "ExperienceLibrary":
+        fresh = self.from_state(state)
+        self.__dict__.update(fresh.__dict__)
+        return self
+
+    @classmethod
+    def from_state(cls, state: dict) -> "ExperienceLibrary":
+        """Rebuild a library from `dump_state()` output; raise ValueError with the reason on bad input."""
+        if not isinstance(state, dict) or state.get("format") != "tfgrpo.experience_library/1":
+            raise ValueError("not a tfgrpo experience library (missing or unknown 'format')")
+        try:
+            lib = cls(max_words=int(state["max_words"]), max_experiences=state.get("max_experiences"))
+            lib.active = {e.id: e for e in (Experience.model_validate(x) for x in state["experiences"])}
+            lib.retired = {e.id: e for e in (Experience.model_validate(x) for x in state.get("retired", []))}
+            lib.next_id = int(state["next_id"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"corrupt experience library: {exc}") from exc
+        used = [int(i[1:]) for i in [*lib.active, *lib.retired] if re.fullmatch(r"E\d+", i)]
+        if len(set(lib.active) | set(lib.retired)) != len(lib.active) + len(lib.retired):
+            raise ValueError("corrupt experience library: an ID is both active and retired")
+        if used and lib.next_id <= max(used):
+            raise ValueError("corrupt experience library: next_id would reuse an existing ID")
+        return lib
+
+    def reset(self) -> None:
+        self.__init__(max_words=self.max_words, max_experiences=self.max_experiences)

@@ -1,0 +1,55 @@
+"""Typed edits to the experience library.
+
+Every learning call that wants to change the library speaks in `Operation`s. The pydantic model fixes the
+shape (what the LM must return); whether an operation makes sense against the current library (does the ID
+exist, is the text short enough, is it a duplicate) is checked by `ExperienceLibrary.apply`, one operation
+at a time, so one bad operation never sinks the others.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+Action = Literal["add", "modify", "merge", "delete"]
+
+
+class Operation(BaseModel):
+    """One proposed edit of the experience library."""
+
+    action: Action = Field(description="add a new experience, modify one, merge several into one, or delete one")
+    ids: list[str] = Field(
+        default_factory=list,
+        description="IDs of existing experiences the edit targets: none for add, one for modify/delete, two or more for merge",
+    )
+    text: str = Field(default="", description="the experience's new wording (add, modify, merge); empty for delete")
+
+    @field_validator("action", mode="before")
+    @classmethod
+    def _lower_action(cls, value):
+        return value.strip().lower() if isinstance(value, str) else value
+
+    @field_validator("ids", mode="before")
+    @classmethod
+    def _normalize_ids(cls, value):
+        if value is None:
+            return []
+        if isinstance(value, (str, int)):
+            value = [value]
+        return [normalize_id(v) for v in value]
+
+    @field_validator("text", mode="before")
+    @classmethod
+    def _strip_text(cls, value):
+        return "" if value is None else str(value).strip()
+
+
+def normalize_id(raw) -> str:
+    """Accept the spellings a model uses for an ID ("E3", "[e3]", "3", 3) and return the canonical "E3"."""
+    text = str(raw).strip().strip("[]()<>{}\"'`").strip().upper()
+    if re.fullmatch(r"\d+", text):
+        return f"E{int(text)}"
+    match = re.fullmatch(r"E\s*-?\s*0*(\d+)", text)
+    return f"E{int(match.group(1))}" if match else text

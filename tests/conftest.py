@@ -1,0 +1,16 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # the scripted LM helpers
+
+import tfgrpo  # noqa: E402,F401  (sets LITELLM_LOCAL_MODEL_COST_MAP before dspy is imported)
+import dspy  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dspy_settings():
+    """Each test configures its own LM; none leaks into the next."""
+    with dspy.context(lm=None):
+        yield

@@ -65,7 +65,11 @@ def save_program(program: dspy.Module, path: str | Path) -> Path:
     """Save like `program.save(path)` but never write LM settings (model, base URL, keys): `lm` is null."""
     path = Path(path)
     state = program.dump_state()
-    for key, value in state.items():
+    if isinstance(program, dspy.Predict):  # a bare predictor dumps a flat state, without its attributes
+        state["lm"] = None
+        if isinstance(getattr(program, LIBRARY_KEY, None), ExperienceLibrary):
+            state[LIBRARY_KEY] = getattr(program, LIBRARY_KEY).dump_state()
+    for value in state.values():
         if isinstance(value, dict) and "lm" in value:
             value["lm"] = None
     state["metadata"] = {"dependency_versions": _versions(), "saved_by": "tfgrpo"}
@@ -93,13 +97,14 @@ def load_program(program: dspy.Module, path: str | Path, target_predictors: list
             library = ExperienceLibrary.from_state(state[LIBRARY_KEY])
         except ValueError as exc:
             raise ValueError(f"{path}: {exc}") from exc
+    if isinstance(program, dspy.Predict):  # a bare predictor was saved as one flat state
+        state = {"self": {k: v for k, v in state.items() if k not in (LIBRARY_KEY, "metadata")}}
     names = [name for name, _ in program.named_predictors()]
-    missing = [n for n in names if n not in state]
+    missing = [n for n in names if not isinstance(state.get(n), dict)]
     if missing:
         raise ValueError(f"{path}: no saved state for predictors {missing}; was it saved from this program?")
-    trial = program.deepcopy()
-    try:
-        for name, predictor in trial.named_predictors():
+    try:  # a trial run on a copy, so that a malformed file never leaves the program half-loaded
+        for name, predictor in program.deepcopy().named_predictors():
             predictor.load_state(state[name])
     except Exception as exc:  # dspy raises many types on malformed state
         raise ValueError(f"{path}: malformed predictor state ({type(exc).__name__}: {exc})") from exc

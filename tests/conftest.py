@@ -12,5 +12,6 @@ import dspy  # noqa: E402
 @pytest.fixture(autouse=True)
 def _fresh_dspy_settings():
     """Each test configures its own LM; none leaks into the next."""
-    with dspy.context(lm=None):
-        yield
+    dspy.configure(lm=None)
+    yield
+    dspy.configure(lm=None)

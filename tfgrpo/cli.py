@@ -1,0 +1,224 @@
+"""The `tfgrpo` command line: compile, evaluate, run (both), show, lm start|stop|status."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from tfgrpo.config import Config, ConfigError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Training-Free GRPO for DSPy programs.")
+lm_app = typer.Typer(no_args_is_help=True, help="Manage the embedded local model server.")
+app.add_typer(lm_app, name="lm")
+console = Console()
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", datefmt="[%X]",
+                        handlers=[RichHandler(console=console, show_path=False)], force=True)
+    logging.getLogger("tfgrpo").setLevel(logging.DEBUG if verbose else logging.INFO)
+    for noisy in ("LiteLLM", "litellm", "httpx", "dspy"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+
+
+def _load_config(path: Path) -> Config:
+    try:
+        return Config.load(path)
+    except ConfigError as exc:
+        console.print(f"[red]{exc}")
+        raise typer.Exit(2) from None
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("[bold]{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console)
+
+
+class _StageBars:
+    """The optimizer's progress(stage, done, total) callback, drawn as one bar per stage."""
+
+    def __init__(self, progress: Progress):
+        self.progress, self.tasks = progress, {}
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        if stage not in self.tasks:
+            self.tasks[stage] = self.progress.add_task(stage, total=total)
+        self.progress.update(self.tasks[stage], completed=done, total=total)
+
+
+def _task_parts(config: Config):
+    from tfgrpo.tasks.math import load_math, math_metric
+    from tfgrpo.tasks.math.programs import make_program
+
+    t = config.task
+    return (lambda: make_program(t.program, max_iters=t.max_iters)), math_metric, load_math
+
+
+def _compile(config: Config, policy, reflection) -> Path:
+    import dspy
+
+    from tfgrpo.optimizers import TrainingFreeGRPO
+    from tfgrpo.plots import learning_curve
+    from tfgrpo.programs import save_program
+
+    make, metric, load = _task_parts(config)
+    t, o, run_dir = config.task, config.optimizer, Path(config.run_dir)
+    trainset = load(t.trainset, limit=t.train_limit, offset=t.train_offset)
+    valset = load(t.valset, limit=t.val_limit) if t.valset else None
+    console.print(f"[bold]compile[/] {len(trainset)} training problems, G={o.num_generations}, "
+                  f"{o.num_train_epochs} epoch(s), batch {o.batch_size} -> {run_dir}")
+    dspy.configure(lm=policy)
+    optimizer = TrainingFreeGRPO(metric, reflection_lm=reflection, log_dir=str(run_dir / "checkpoint"),
+                                 **o.model_dump())
+    started = time.time()
+    with _progress() as progress:
+        optimizer.progress = _StageBars(progress)
+        compiled = optimizer.compile(make(), trainset=trainset, valset=valset)
+    steps = compiled.detailed_results["steps"]
+    save_program(compiled, run_dir / "program.json")
+    (run_dir / "library.json").write_text(json.dumps(compiled.experience_library.dump_state(), indent=2))
+    (run_dir / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    if steps:
+        learning_curve(steps, run_dir / "learning_curve.png")
+    console.print(f"compiled in {time.time() - started:.0f} s: {len(compiled.experience_library)} experiences")
+    _print_library(compiled.experience_library.dump_state())
+    return run_dir / "program.json"
+
+
+def _evaluate(config: Config, policy, program_path: Path) -> dict:
+    from tfgrpo.evaluate import evaluate_program, paired_difference, summarize, write_rows
+    from tfgrpo.programs import load_program
+
+    make, metric, load = _task_parts(config)
+    t, e, out = config.task, config.evaluate, Path(config.run_dir) / "eval"
+    examples = load(t.evalset, limit=t.eval_limit, offset=t.eval_offset)
+    programs = {"baseline": make(), "compiled": load_program(make(), program_path)}
+    console.print(f"[bold]evaluate[/] {len(examples)} problems x {e.num_runs} run(s), baseline and {program_path}")
+    rows, seconds = {}, {}
+    with _progress() as progress:
+        bars = _StageBars(progress)
+        for name, program in programs.items():
+            started = time.time()
+            rows[name] = evaluate_program(program, examples, metric, lm=policy, num_runs=e.num_runs,
+                                          num_threads=e.num_threads, name=name, progress=bars)
+            seconds[name] = time.time() - started
+            write_rows(rows[name], out / f"{name}.jsonl")
+    summary = {name: {**summarize(r), "seconds": seconds[name]} for name, r in rows.items()}
+    summary["paired"] = paired_difference(rows["baseline"], rows["compiled"], seed=e.seed)
+    summary["evalset"] = {"name": t.evalset, "offset": t.eval_offset, "limit": t.eval_limit}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    _print_summary(summary)
+    return summary
+
+
+def _print_summary(summary: dict) -> None:
+    table = Table(title="held-out evaluation (same problems, same runs)")
+    for col in ("program", "problems", "k", "Mean@k", "Pass@k", "tool calls", "tokens in/out", "errors", "seconds"):
+        table.add_column(col)
+    for name in ("baseline", "compiled"):
+        s = summary[name]
+        table.add_row(name, str(s["problems"]), str(s["k"]), f"{s['mean_at_k']:.3f}", f"{s['pass_at_k']:.3f}",
+                      f"{s['tool_calls_per_problem']:.2f}", f"{s['prompt_tokens']}/{s['completion_tokens']}",
+                      str(s["errors"]), f"{s['seconds']:.0f}")
+    console.print(table)
+    p = summary["paired"]
+    console.print(f"compiled - baseline = {p['difference']:+.3f} (95% bootstrap CI {p['ci95'][0]:+.3f} .. "
+                  f"{p['ci95'][1]:+.3f}) over {p['problems']} problems; {p['wins']} better, {p['losses']} worse")
+
+
+def _print_library(state: dict) -> None:
+    table = Table(title=f"experience library ({len(state['experiences'])} active, {len(state.get('retired', []))} retired)")
+    for col in ("id", "experience", "step", "sources", "edits"):
+        table.add_column(col, overflow="fold")
+    for e in state["experiences"]:
+        table.add_row(e["id"], e["text"], str(e["created_step"]), ", ".join(e["sources"][:4]) +
+                      (" ..." if len(e["sources"]) > 4 else ""), " > ".join(h["action"] for h in e["history"]))
+    console.print(table)
+
+
+@app.command()
+def compile(config: Path, verbose: bool = typer.Option(False, "--verbose", "-v")) -> None:
+    """Run Training-Free GRPO; writes program.json, library.json, steps.jsonl and learning_curve.png."""
+    from tfgrpo.lms import open_lms
+
+    _setup_logging(verbose)
+    cfg = _load_config(config)
+    with open_lms(cfg) as (policy, reflection):
+        path = _compile(cfg, policy, reflection)
+    console.print(f"artifacts in {path.parent}")
+
+
+@app.command()
+def evaluate(config: Path, program: Path = typer.Option(..., "--program", help="a compiled program.json"),
+             verbose: bool = typer.Option(False, "--verbose", "-v")) -> None:
+    """Evaluate the uncompiled baseline and a compiled program on the same held-out problems."""
+    from tfgrpo.lms import open_lms
+
+    _setup_logging(verbose)
+    cfg = _load_config(config)
+    with open_lms(cfg) as (policy, _):
+        _evaluate(cfg, policy, program)
+
+
+@app.command()
+def run(config: Path, verbose: bool = typer.Option(False, "--verbose", "-v")) -> None:
+    """compile, then evaluate the result against the baseline (the README's main job)."""
+    from tfgrpo.lms import open_lms
+
+    _setup_logging(verbose)
+    cfg = _load_config(config)
+    started = time.time()
+    with open_lms(cfg) as (policy, reflection):
+        path = _compile(cfg, policy, reflection)
+        _evaluate(cfg, policy, path)
+    console.print(f"done in {(time.time() - started) / 60:.1f} min; artifacts in {path.parent}: program.json, "
+                  "library.json, steps.jsonl, learning_curve.png, eval/")
+
+
+@app.command()
+def show(path: Path) -> None:
+    """Print a library (library.json, or a compiled program.json) with each experience's provenance."""
+    data = json.loads(path.read_text())
+    state = data.get("experience_library", data) if isinstance(data, dict) else None
+    if not isinstance(state, dict) or "experiences" not in state:
+        console.print(f"[red]{path}: no experience library in this file")
+        raise typer.Exit(2)
+    _print_library(state)
+
+
+@lm_app.command("start")
+def lm_start(model: str = "qwen2.5-coder-1.5b", n_ctx: int = 8192) -> None:
+    """Start the embedded model server in the background (reused by later runs until `tfgrpo lm stop`)."""
+    from tfgrpo.local_model import start_detached
+
+    info = start_detached(model, n_ctx=n_ctx)
+    console.print(f"serving {info.model} at {info.api_base} (pid {info.pid}, log {info.log_path})")
+
+
+@lm_app.command("stop")
+def lm_stop() -> None:
+    """Stop the background server."""
+    from tfgrpo.local_model import stop_detached
+
+    console.print("stopped" if stop_detached() else "no server was running")
+
+
+@lm_app.command("status")
+def lm_status() -> None:
+    """Is a background server running, and where?"""
+    from tfgrpo.local_model import status
+
+    info = status()
+    console.print(f"{info.model} at {info.api_base} (pid {info.pid})" if info else "no server running")
+
+
+if __name__ == "__main__":
+    app()

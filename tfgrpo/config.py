@@ -1,0 +1,105 @@
+"""One TOML file selects everything: the LMs, the task and its data, the optimizer's knobs, the evaluation.
+
+Validated by pydantic; an error names the file and the field. API keys are never in the file: it names the
+environment variable that holds the key (`api_key_env`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelled key is an error, not a silent default
+
+
+class LMConfig(_Strict):
+    backend: Literal["local", "litellm"] = "local"  # local: the embedded llama.cpp model; litellm: any provider
+    model: str = "qwen2.5-coder-1.5b"  # local model name, or a LiteLLM model string ("deepseek/deepseek-chat")
+    api_base: str | None = None  # OpenAI-compatible endpoint (vLLM, Ollama, a remote llama.cpp server)
+    api_key_env: str | None = None  # NAME of the environment variable holding the key (never the key)
+    temperature: float = Field(0.3, ge=0, le=2)  # used for evaluation; learning rollouts use optimizer.temperature
+    max_tokens: int = Field(512, ge=16)  # cap on each reply; the 1.5B model rambles past 512
+    num_retries: int = Field(3, ge=0)  # provider retries with backoff on errors and rate limits
+    timeout_s: float = Field(180, gt=0)  # one call's time limit: a runaway reply cannot stall a step
+    n_ctx: int = Field(8192, ge=512)  # local backend only: context window of the server
+    n_threads: int | None = None  # local backend only: CPU threads (default: all cores)
+
+    @model_validator(mode="after")
+    def _key_present(self):
+        if self.api_key_env and self.api_key_env not in os.environ:
+            raise ValueError(f"api_key_env names {self.api_key_env!r}, which is not set in the environment")
+        return self
+
+
+class TaskConfig(_Strict):
+    name: Literal["math"] = "math"
+    program: Literal["cot", "react"] = "cot"  # cot: direct chain of thought; react: ReAct with a sandboxed Python tool
+    trainset: str = "gsm8k_train"  # builtin name, JSONL path or hub id (see tfgrpo.tasks.math.datasets)
+    train_limit: int | None = 12
+    train_offset: int = 0
+    valset: str | None = None  # optional: keeps the best epoch's library
+    val_limit: int | None = None
+    evalset: str = "gsm8k_test"
+    eval_limit: int | None = 40
+    eval_offset: int = 0
+    max_iters: int = Field(4, ge=1)  # react only: tool turns per problem
+
+
+class OptimizerConfig(_Strict):
+    num_generations: int = Field(4, ge=1)
+    num_train_epochs: int = Field(1, ge=0)
+    batch_size: int = Field(12, ge=1)
+    temperature: float = Field(0.7, ge=0, le=2)
+    max_operations_per_group: int = Field(2, ge=1)
+    max_experiences: int | None = None
+    max_words_per_experience: int = Field(32, ge=4)
+    use_ground_truth: bool = True
+    target_predictors: list[str] | None = None
+    num_threads: int = Field(4, ge=1)
+    max_failure_rate: float = Field(0.5, ge=0, le=1)
+    seed: int = 0
+
+
+class EvaluateConfig(_Strict):
+    num_runs: int = Field(1, ge=1)  # k runs per problem (Mean@k, Pass@k)
+    num_threads: int = Field(4, ge=1)
+    seed: int = 0  # bootstrap seed
+
+
+class Config(_Strict):
+    policy: LMConfig = LMConfig()
+    reflection: LMConfig | None = None  # None: the policy LM also makes the learning calls
+    task: TaskConfig = TaskConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    evaluate: EvaluateConfig = EvaluateConfig()
+    run_dir: str = "runs/default"  # compiled program, library, stats, plots and evaluations go here
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Config":
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no such config file") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML ({exc})") from None
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            lines = [f"{'.'.join(str(p) for p in e['loc']) or '(top)'}: {e['msg']}" for e in exc.errors()]
+            raise ConfigError(f"{path}: invalid config\n  " + "\n  ".join(lines)) from None
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used; the message names the file and the fields."""

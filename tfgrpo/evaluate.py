@@ -1,0 +1,105 @@
+"""Evaluation: k runs per problem, Mean@k / Pass@k, and a paired comparison of two programs.
+
+Both programs see the same problems with the same run indices (run r of every problem uses rollout_id r),
+so their difference is measured per problem and the bootstrap resamples problems, which keeps the
+comparison paired. Rows are written as JSONL so reports are rebuilt without calling any model again.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+from pathlib import Path
+from typing import Callable
+
+import dspy
+
+from tfgrpo.optimizers.utils import Failed, run_parallel, usage_of
+
+
+def evaluate_program(program: dspy.Module, examples: list, metric: Callable, *, lm: dspy.BaseLM, num_runs: int = 1,
+                     num_threads: int = 4, name: str = "program",
+                     progress: Callable[[str, int, int], None] | None = None) -> list[dict]:
+    """One row per (problem, run): score, tool calls, tokens, the extracted answer."""
+    copies = [lm.copy(rollout_id=r) if num_runs > 1 else lm.copy() for r in range(num_runs)]
+    candidates = []
+    for copy in copies:
+        cand = program.deepcopy()
+        cand.set_lm(copy)
+        candidates.append(cand)
+    jobs = [(i, r) for i in range(len(examples)) for r in range(num_runs)]
+
+    def run(job):
+        i, r = job
+        example = examples[i]
+        try:
+            pred = candidates[r](**example.inputs())
+            result = metric(example, pred)
+            score = float(getattr(result, "score", result))
+            feedback = getattr(result, "feedback", "")
+            answer = str(getattr(pred, "answer", ""))
+            trajectory = getattr(pred, "trajectory", None)
+            tool_calls = sum(1 for k, v in (trajectory or {}).items() if k.startswith("tool_name_") and v != "finish")
+            error = None
+        except Exception as exc:
+            score, feedback, answer, tool_calls, error = 0.0, "", "", 0, f"{type(exc).__name__}: {exc}"
+        return {"program": name, "problem": i, "run": r, "score": score, "answer": answer, "feedback": feedback,
+                "tool_calls": tool_calls, "error": error}
+
+    rows = run_parallel(run, jobs, num_threads=num_threads, stage=f"evaluate {name}", progress=progress)
+    rows = [r if not isinstance(r, Failed) else {"program": name, "problem": j[0], "run": j[1], "score": 0.0,
+                                                  "error": r.error, "tool_calls": 0} for r, j in zip(rows, jobs)]
+    usage = usage_of(copies)
+    if rows:
+        rows[0]["usage_total"] = usage  # tokens of the whole evaluation, kept on the first row
+    return rows
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Mean@k (mean accuracy over all runs), Pass@k (any run right), pass@1 (run 0), tool calls, tokens."""
+    by_problem: dict[int, list[float]] = {}
+    for row in rows:
+        by_problem.setdefault(row["problem"], []).append(row["score"])
+    k = max((len(v) for v in by_problem.values()), default=0)
+    usage = next((r["usage_total"] for r in rows if "usage_total" in r), {})
+    return {
+        "problems": len(by_problem), "k": k,
+        "mean_at_k": statistics.fmean(statistics.fmean(v) for v in by_problem.values()) if by_problem else 0.0,
+        "pass_at_k": statistics.fmean(float(max(v) >= 1.0) for v in by_problem.values()) if by_problem else 0.0,
+        "pass_at_1": statistics.fmean(r["score"] for r in rows if r["run"] == 0) if rows else 0.0,
+        "tool_calls_per_problem": statistics.fmean(r.get("tool_calls", 0) for r in rows) if rows else 0.0,
+        "errors": sum(1 for r in rows if r.get("error")),
+        "prompt_tokens": usage.get("prompt_tokens", 0), "completion_tokens": usage.get("completion_tokens", 0),
+    }
+
+
+def paired_difference(base: list[dict], other: list[dict], *, seed: int = 0, resamples: int = 10_000) -> dict:
+    """Mean per-problem difference (other - base) with a 95% bootstrap CI over problems."""
+    def per_problem(rows):
+        acc: dict[int, list[float]] = {}
+        for r in rows:
+            acc.setdefault(r["problem"], []).append(r["score"])
+        return {p: statistics.fmean(v) for p, v in acc.items()}
+
+    a, b = per_problem(base), per_problem(other)
+    shared = sorted(set(a) & set(b))
+    if not shared:
+        raise ValueError("the two evaluations share no problem")
+    diffs = [b[p] - a[p] for p in shared]
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(diffs, k=len(diffs))) for _ in range(resamples))
+    return {"problems": len(shared), "difference": statistics.fmean(diffs),
+            "ci95": [means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]],
+            "wins": sum(d > 0 for d in diffs), "losses": sum(d < 0 for d in diffs)}
+
+
+def write_rows(rows: list[dict], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    tmp.replace(path)
+
+
+def read_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

@@ -1,0 +1,44 @@
+"""Turn `[policy]` / `[reflection]` config sections into `dspy.LM`s, starting the embedded server if needed."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+import dspy
+
+from tfgrpo.config import Config, LMConfig
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def open_lms(config: Config):
+    """Yield `(policy_lm, reflection_lm)`; local servers started here are stopped on exit, errors and Ctrl-C."""
+    with contextlib.ExitStack() as stack:
+        started: dict[tuple, str] = {}  # one server per local model, shared by policy and reflection
+        policy = _build(config.policy, stack, started)
+        reflection = _build(config.reflection, stack, started) if config.reflection else policy
+        yield policy, reflection
+
+
+def _build(cfg: LMConfig, stack: contextlib.ExitStack, started: dict) -> dspy.LM:
+    common = dict(temperature=cfg.temperature, max_tokens=cfg.max_tokens, num_retries=cfg.num_retries,
+                  timeout=cfg.timeout_s)
+    if cfg.backend == "local":
+        key = (cfg.model, cfg.n_ctx, cfg.n_threads)
+        if key not in started:
+            from tfgrpo.local_model import ensure_server
+
+            logger.info("Starting the embedded model %s (first run assembles the weights)", cfg.model)
+            api_base, server = ensure_server(cfg.model, n_ctx=cfg.n_ctx, n_threads=cfg.n_threads)
+            if server is not None:
+                stack.callback(server.stop)
+            started[key] = api_base
+        return dspy.LM(f"openai/{cfg.model}", api_base=started[key], api_key="local", **common)
+    if cfg.api_base:
+        common["api_base"] = cfg.api_base
+    if cfg.api_key_env:
+        common["api_key"] = os.environ[cfg.api_key_env]  # read at run time, never written anywhere
+    return dspy.LM(cfg.model, **common)

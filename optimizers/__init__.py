@@ -1,5 +1,6 @@
 """Optimizers (DSPy teleprompters) of tfgrpo."""
 
+from tfgrpo.optimizers.direct_experiences import DirectExperiences
 from tfgrpo.optimizers.training_free_grpo import TrainingFreeGRPO
 
-__all__ = ["TrainingFreeGRPO"]
+__all__ = ["DirectExperiences", "TrainingFreeGRPO"]

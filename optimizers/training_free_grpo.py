@@ -178,7 +178,7 @@ class TrainingFreeGRPO(Teleprompter):
         lms = {name: self._reflection_lm(program).copy() for name in ("summary", "advantage", "consolidation")}
         for module, name in ((summarizer, "summary"), (advantage, "advantage"), (consolidator, "consolidation")):
             module.set_lm(lms[name])
-        answer_key = {qi: format_fields(trainset[qi].labels()) for qi in batch} if gt else {}
+        answer_key = {qi: _answer_key(trainset[qi], [records[(qi, g)] for g in range(G)]) for qi in batch} if gt else {}
         summary_jobs = [(qi, g) for qi in kept for g in range(G)]
 
         def summarize(job):
@@ -337,6 +337,13 @@ class TrainingFreeGRPO(Teleprompter):
 def _query_key(example, index: int) -> str:
     ident = example.get("id") if hasattr(example, "get") else None
     return f"train#{index}" + (f":{ident}" if ident is not None else "")
+
+
+def _answer_key(example, group: list[dict]) -> str:
+    """The ground truth shown to learning calls: the labels the program also outputs (else all labels)."""
+    labels = dict(example.labels())
+    produced = {k for r in group for k in (r["outputs"] or {})}
+    return clip(format_fields({k: v for k, v in labels.items() if k in produced} or labels), 2000)
 
 
 def _outcome(record: dict) -> str:

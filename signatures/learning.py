@@ -141,3 +141,14 @@ class Consolidator(_ValidatedCall):
     def forward(self, *, experiences: str, proposals: list[tuple[str, Operation]], max_words: int) -> list[Operation]:
         rendered = json.dumps([{"from_query": q, **op.model_dump()} for q, op in proposals], ensure_ascii=False, indent=1)
         return list(super().forward(experiences=experiences, proposals=rendered, max_words=max_words).plan or [])
+
+
+class GenerateExperiences(dspy.Signature):
+    """Write general advice for an AI system that will work on tasks like the examples shown, before it has
+    tried any of them. Give exactly `count` pieces of advice, each one sentence of at most `max_words` words
+    that starts with the situation it applies to ("When ..., ...") and states a reusable strategy or check."""
+
+    task_examples: str = dspy.InputField(desc="a few example queries of the task")
+    count: int = dspy.InputField(desc="how many pieces of advice to write")
+    max_words: int = dspy.InputField(desc="the most words per piece of advice")
+    experiences: list[str] = dspy.OutputField(desc="the advice, one string per item")

@@ -256,3 +256,17 @@ def test_failed_rollouts_are_scored_as_failures_and_too_many_stop_the_run():
     assert step["rollout_failures"] > 0 and step["groups_kept"] > 0
     with pytest.raises(RuntimeError, match="attempts failed"):
         compile_with(ScriptedLM(respond), dspy.Predict("question -> answer"), max_failure_rate=0.1)
+
+
+def test_directly_generated_experiences_baseline():
+    from tfgrpo.optimizers import DirectExperiences
+
+    def respond(messages, kwargs):
+        assert "20" not in messages[-1]["content"]  # answers of the shown examples never appear (10+10=20 etc.)
+        return {"experiences": [LESSON, "When checking, redo the sum backwards.", "x " * 40, LESSON]}
+
+    dspy.configure(lm=ScriptedLM(respond))
+    compiled = DirectExperiences(num_experiences=3).compile(dspy.Predict("question -> answer"),
+                                                             trainset=make_trainset(1))
+    assert compiled.experience_library.texts() == [LESSON, "When checking, redo the sum backwards."]
+    assert LESSON in compiled.signature.instructions

@@ -55,7 +55,8 @@ class _StageBars:
 
 
 def _task_parts(config: Config):
-    from tfgrpo.tasks.math import load_math, math_metric
+    from tfgrpo.tasks.math.datasets import load_math
+    from tfgrpo.tasks.math.metric import math_metric
     from tfgrpo.tasks.math.programs import make_program
 
     t = config.task

@@ -52,6 +52,8 @@ class _StageBars:
         if stage not in self.tasks:
             self.tasks[stage] = self.progress.add_task(stage, total=total)
         self.progress.update(self.tasks[stage], completed=done, total=total)
+        if not console.is_terminal and (done == total or done % max(1, total // 4) == 0):  # logs, CI: plain lines
+            console.print(f"{time.strftime('%H:%M:%S')} {stage}: {done}/{total}")
 
 
 def _task_parts(config: Config):
@@ -66,7 +68,7 @@ def _task_parts(config: Config):
 def _compile(config: Config, policy, reflection) -> Path:
     import dspy
 
-    from tfgrpo.optimizers import TrainingFreeGRPO
+    from tfgrpo.optimizers import DirectExperiences, TrainingFreeGRPO
     from tfgrpo.plots import learning_curve
     from tfgrpo.programs import save_program
 
@@ -77,13 +79,19 @@ def _compile(config: Config, policy, reflection) -> Path:
     console.print(f"[bold]compile[/] {len(trainset)} training problems, G={o.num_generations}, "
                   f"{o.num_train_epochs} epoch(s), batch {o.batch_size} -> {run_dir}")
     dspy.configure(lm=policy)
-    optimizer = TrainingFreeGRPO(metric, reflection_lm=reflection, log_dir=str(run_dir / "checkpoint"),
-                                 **o.model_dump())
     started = time.time()
-    with _progress() as progress:
-        optimizer.progress = _StageBars(progress)
-        compiled = optimizer.compile(make(), trainset=trainset, valset=valset)
-    steps = compiled.detailed_results["steps"]
+    if o.method == "direct":
+        optimizer = DirectExperiences(num_experiences=o.num_direct_experiences, lm=reflection,
+                                      max_words_per_experience=o.max_words_per_experience,
+                                      target_predictors=o.target_predictors)
+        compiled, steps = optimizer.compile(make(), trainset=trainset), []
+    else:
+        knobs = o.model_dump(exclude={"method", "num_direct_experiences"})
+        optimizer = TrainingFreeGRPO(metric, reflection_lm=reflection, log_dir=str(run_dir / "checkpoint"), **knobs)
+        with _progress() as progress:
+            optimizer.progress = _StageBars(progress)
+            compiled = optimizer.compile(make(), trainset=trainset, valset=valset)
+        steps = compiled.detailed_results["steps"]
     save_program(compiled, run_dir / "program.json")
     (run_dir / "library.json").write_text(json.dumps(compiled.experience_library.dump_state(), indent=2))
     (run_dir / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
@@ -193,6 +201,20 @@ def show(path: Path) -> None:
         console.print(f"[red]{path}: no experience library in this file")
         raise typer.Exit(2)
     _print_library(state)
+
+
+@app.command()
+def report(run_dirs: list[Path], out: Path = typer.Option(Path("report"), help="folder for report.md/report.png")) -> None:
+    """Rebuild the results table and learning-dynamics plot from saved run directories (no model calls)."""
+    from tfgrpo.report import build_report
+
+    try:
+        md, plot = build_report(run_dirs, out)
+    except (ValueError, OSError) as exc:
+        console.print(f"[red]{exc}")
+        raise typer.Exit(2) from None
+    console.print(md.read_text())
+    console.print(f"written: {md}" + (f", {plot}" if plot else ""))
 
 
 @lm_app.command("start")

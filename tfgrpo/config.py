@@ -57,6 +57,8 @@ class TaskConfig(_Strict):
 
 
 class OptimizerConfig(_Strict):
+    method: Literal["tfgrpo", "direct"] = "tfgrpo"  # direct: the "directly generated experiences" baseline
+    num_direct_experiences: int = Field(27, ge=1)  # direct only: how many tips to ask for (match a learned library)
     num_generations: int = Field(4, ge=1)
     num_train_epochs: int = Field(1, ge=0)
     batch_size: int = Field(12, ge=1)

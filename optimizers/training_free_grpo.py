@@ -57,6 +57,8 @@ class TrainingFreeGRPO(Teleprompter):
         # execution
         num_threads: int = 8,  # concurrent LM calls within a stage
         max_failure_rate: float = 0.5,  # stop when more of a step's attempts than this fail (the checkpoint stays)
+        max_cost: float | None = None,  # USD (where litellm knows the price): stop after the step that reaches it
+        max_total_tokens: int | None = None,  # prompt + completion tokens of all calls: stop after the step reaching it
         log_dir: str | None = None,  # where every finished unit of work is saved, and resumed from
         progress: Callable[[str, int, int], None] | None = None,  # progress(stage, done, total), for UIs
     ):
@@ -72,6 +74,7 @@ class TrainingFreeGRPO(Teleprompter):
         self.max_experiences, self.max_words_per_experience = max_experiences, max_words_per_experience
         self.target_predictors = target_predictors
         self.num_threads, self.max_failure_rate = num_threads, max_failure_rate
+        self.max_cost, self.max_total_tokens = max_cost, max_total_tokens
         self.log_dir, self.progress = log_dir, progress
 
     # -- the outer loop -------------------------------------------------------------------------------------
@@ -90,14 +93,23 @@ class TrainingFreeGRPO(Teleprompter):
 
         rng, step, steps, epochs = random.Random(self.seed), 0, [], []
         best: tuple[float, dict] | None = None
+        totals, stopped = {"policy": {}, "reflection": {}}, None
         for epoch in range(self.num_train_epochs):
             order = list(range(len(trainset)))
             rng.shuffle(order)
             for at in range(0, len(order), self.batch_size):
+                if stopped:
+                    break
                 batch = order[at: at + self.batch_size]
                 library, stats = self._step(program, targets, library, trainset, batch, step, epoch, ckpt)
                 steps.append(stats)
                 step += 1
+                for stage, usage in stats["usage"].items():
+                    add_usage(totals["policy" if stage == "rollout" else "reflection"], usage)
+                stopped = self._over_budget(totals)
+            if stopped:
+                logger.warning("Stopping early: %s", stopped)
+                break
             if valset:
                 score = self._validate(program, targets, library, valset, epoch, ckpt)
                 epochs.append({"epoch": epoch, "val_score": score, "library_size": len(library)})
@@ -107,7 +119,8 @@ class TrainingFreeGRPO(Teleprompter):
         final = ExperienceLibrary.from_state(best[1]) if best else library
         compiled = apply_library(student.deepcopy(), final, targets)
         compiled.detailed_results = {"steps": steps, "epochs": epochs, "reused_units": ckpt.reused,
-                                     "best_val_score": best[0] if best else None}
+                                     "best_val_score": best[0] if best else None, "usage": totals,
+                                     "stopped_early": stopped}
         compiled._compiled = True
         return compiled
 
@@ -257,6 +270,15 @@ class TrainingFreeGRPO(Teleprompter):
         return plan, status
 
     # -- pieces ---------------------------------------------------------------------------------------------
+    def _over_budget(self, totals: dict) -> str | None:
+        tokens = sum(u.get("prompt_tokens", 0) + u.get("completion_tokens", 0) for u in totals.values())
+        cost = sum(u.get("cost", 0.0) for u in totals.values())
+        if self.max_total_tokens is not None and tokens >= self.max_total_tokens:
+            return f"{tokens} tokens used, max_total_tokens={self.max_total_tokens}"
+        if self.max_cost is not None and cost >= self.max_cost:
+            return f"${cost:.4f} spent, max_cost={self.max_cost}"
+        return None
+
     def _parallel(self, fn, items, stage):
         return run_parallel(fn, items, num_threads=self.num_threads, stage=stage, progress=self.progress)
 

@@ -270,3 +270,14 @@ def test_directly_generated_experiences_baseline():
                                                              trainset=make_trainset(1))
     assert compiled.experience_library.texts() == [LESSON, "When checking, redo the sum backwards."]
     assert LESSON in compiled.signature.instructions
+
+
+def test_token_budget_stops_after_the_step_that_reaches_it():
+    lm = ScriptedLM(learner())
+    compiled = compile_with(lm, dspy.Predict("question -> answer"), num_train_epochs=3, batch_size=2,
+                            max_total_tokens=1)
+    results = compiled.detailed_results
+    assert len(results["steps"]) == 1 and "max_total_tokens" in results["stopped_early"]
+    policy, reflection = results["usage"]["policy"], results["usage"]["reflection"]
+    assert policy["calls"] == 8 and reflection["calls"] == 2 * 4 + 2 + 1
+    assert compiled.experience_library.texts() == [LESSON]  # the library so far is kept

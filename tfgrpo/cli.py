@@ -98,6 +98,11 @@ def _compile(config: Config, policy, reflection) -> Path:
     if steps:
         learning_curve(steps, run_dir / "learning_curve.png")
     console.print(f"compiled in {time.time() - started:.0f} s: {len(compiled.experience_library)} experiences")
+    for role, u in (compiled.detailed_results.get("usage") or {}).items():
+        console.print(f"  {role}: {u.get('calls', 0)} calls, {u.get('prompt_tokens', 0):,} prompt + "
+                      f"{u.get('completion_tokens', 0):,} completion tokens, ${u.get('cost', 0.0):.4f}")
+    if compiled.detailed_results.get("stopped_early"):
+        console.print(f"[yellow]stopped early: {compiled.detailed_results['stopped_early']}")
     _print_library(compiled.experience_library.dump_state())
     return run_dir / "program.json"
 
@@ -153,13 +158,36 @@ def _print_library(state: dict) -> None:
     console.print(table)
 
 
+def _dry_run(cfg: Config) -> None:
+    from tfgrpo.optimizers import TrainingFreeGRPO
+    from tfgrpo.optimizers.estimate import estimate_run
+
+    make, metric, load = _task_parts(cfg)
+    trainset = load(cfg.task.trainset, limit=cfg.task.train_limit, offset=cfg.task.train_offset)
+    knobs = cfg.optimizer.model_dump(exclude={"method", "num_direct_experiences"})
+    turns = cfg.task.max_iters + 1 if cfg.task.program == "react" else 1
+    est = estimate_run(TrainingFreeGRPO(metric, **knobs), make(), trainset, turns_per_rollout=turns,
+                       max_tokens=cfg.policy.max_tokens)
+    table = Table(title=f"dry run: {est['steps']} step(s), upper bounds (no call is made)")
+    for col in ("stage", "calls/step", "prompt tokens/step", "completion tokens/step"):
+        table.add_column(col)
+    for stage, s in est["per_step_upper_bound"].items():
+        table.add_row(stage, str(s["calls"]), f"{s['prompt_tokens']:,}", f"{s['completion_tokens']:,}")
+    t = est["total_upper_bound"]
+    table.add_row("[bold]run total", f"{t['calls']:,}", f"{t['prompt_tokens']:,}", f"{t['completion_tokens']:,}")
+    console.print(table)
+
+
 @app.command()
-def compile(config: Path, verbose: bool = typer.Option(False, "--verbose", "-v")) -> None:
+def compile(config: Path, verbose: bool = typer.Option(False, "--verbose", "-v"),
+            dry_run: bool = typer.Option(False, "--dry-run", help="estimate calls and tokens, call nothing")) -> None:
     """Run Training-Free GRPO; writes program.json, library.json, steps.jsonl and learning_curve.png."""
     from tfgrpo.lms import open_lms
 
     _setup_logging(verbose)
     cfg = _load_config(config)
+    if dry_run:
+        return _dry_run(cfg)
     with open_lms(cfg) as (policy, reflection):
         path = _compile(cfg, policy, reflection)
     console.print(f"artifacts in {path.parent}")

@@ -46,12 +46,12 @@ class TaskConfig(_Strict):
     name: Literal["math"] = "math"
     program: Literal["cot", "react"] = "cot"  # cot: direct chain of thought; react: ReAct with a sandboxed Python tool
     trainset: str = "gsm8k_train"  # builtin name, JSONL path or hub id (see tfgrpo.tasks.math.datasets)
-    train_limit: int | None = 12
+    train_limit: int | None = None  # None: the whole set
     train_offset: int = 0
     valset: str | None = None  # optional: keeps the best epoch's library
     val_limit: int | None = None
     evalset: str = "gsm8k_test"
-    eval_limit: int | None = 40
+    eval_limit: int | None = None
     eval_offset: int = 0
     max_iters: int = Field(4, ge=1)  # react only: tool turns per problem
 
@@ -70,6 +70,8 @@ class OptimizerConfig(_Strict):
     target_predictors: list[str] | None = None
     num_threads: int = Field(4, ge=1)
     max_failure_rate: float = Field(0.5, ge=0, le=1)
+    max_cost: float | None = None  # USD; stop after the step that reaches it (best library so far is kept)
+    max_total_tokens: int | None = None  # same, in prompt + completion tokens
     seed: int = 0
 
 

@@ -1,0 +1,36 @@
+"""A `--dry-run` estimate of what a Training-Free GRPO run will send, before anything is spent.
+
+Call counts are upper bounds (every group assumed to have contrast). Token counts are rough: prompt sizes
+come from the program's instructions and the training queries at ~4 characters per token, with a full library
+in the prompt; completions are counted at the LM's `max_tokens` cap.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+CHARS_PER_TOKEN = 4
+LEARNING_PROMPT_OVERHEAD = 400  # tokens of instructions and formatting in a learning call
+
+
+def estimate_run(optimizer, student, trainset: list, *, turns_per_rollout: int = 1, max_tokens: int = 512) -> dict:
+    opt = optimizer
+    steps = opt.num_train_epochs * math.ceil(len(trainset) / opt.batch_size)
+    batch = min(opt.batch_size, len(trainset))
+    G = opt.num_generations
+    instructions = sum(len(p.signature.instructions) for _, p in student.named_predictors()) // CHARS_PER_TOKEN
+    query = int(statistics.fmean(len(str(x.inputs().toDict())) for x in trainset)) // CHARS_PER_TOKEN
+    library = (opt.max_experiences or 40) * int(opt.max_words_per_experience * 1.4)  # a full library, in tokens
+    rollout_prompt = instructions + query + library + (turns_per_rollout - 1) * max_tokens // 2
+    per_step = {
+        "rollout": {"calls": batch * G * turns_per_rollout, "prompt_tokens": batch * G * turns_per_rollout * rollout_prompt},
+        "summary": {"calls": batch * G, "prompt_tokens": batch * G * (LEARNING_PROMPT_OVERHEAD + query + library + max_tokens)},
+        "advantage": {"calls": batch, "prompt_tokens": batch * (LEARNING_PROMPT_OVERHEAD + query + library + G * max_tokens)},
+        "consolidation": {"calls": 1, "prompt_tokens": LEARNING_PROMPT_OVERHEAD + library
+                          + batch * opt.max_operations_per_group * 60},
+    }
+    for stage in per_step.values():
+        stage["completion_tokens"] = stage["calls"] * max_tokens
+    total = {k: steps * sum(s[k] for s in per_step.values()) for k in ("calls", "prompt_tokens", "completion_tokens")}
+    return {"steps": steps, "per_step_upper_bound": per_step, "total_upper_bound": total}

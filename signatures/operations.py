@@ -14,6 +14,8 @@ from typing import Literal
 from pydantic import BaseModel, Field, field_validator
 
 Action = Literal["add", "modify", "merge", "delete"]
+SYNONYMS = {"update": "modify", "edit": "modify", "revise": "modify", "replace": "modify", "remove": "delete",
+            "drop": "delete", "insert": "add", "new": "add", "create": "add", "combine": "merge"}
 
 
 class Operation(BaseModel):
@@ -29,7 +31,10 @@ class Operation(BaseModel):
     @field_validator("action", mode="before")
     @classmethod
     def _lower_action(cls, value):
-        return value.strip().lower() if isinstance(value, str) else value
+        if not isinstance(value, str):
+            return value
+        value = value.strip().lower()
+        return SYNONYMS.get(value, value)
 
     @field_validator("ids", mode="before")
     @classmethod

@@ -105,3 +105,6 @@ def test_operation_normalizes_what_models_write():
     parsed = Operation.model_validate({"action": " ADD ", "ids": None, "text": None})
     assert parsed.action == "add" and parsed.ids == [] and parsed.text == ""
     assert Operation.model_validate({"action": "delete", "ids": "E2"}).ids == ["E2"]
+    assert Operation.model_validate({"action": "Update", "ids": [1], "text": "When x."}).action == "modify"
+    with pytest.raises(ValueError):
+        Operation.model_validate({"action": "rewrite everything"})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from tfgrpo.config import Config, ConfigError
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Training-Free GRPO for DSPy programs.")
 lm_app = typer.Typer(no_args_is_help=True, help="Manage the embedded local model server.")
 app.add_typer(lm_app, name="lm")
-console = Console()
+console = Console(width=None if sys.stdout.isatty() else 120)  # logs and CI: wide enough for the tables
 
 
 def _setup_logging(verbose: bool) -> None:

@@ -280,6 +280,8 @@ class TrainingFreeGRPO(Teleprompter):
         return None
 
     def _parallel(self, fn, items, stage):
+        if items:
+            logger.info("%s: %d call(s) on %d thread(s)", stage, len(items), self.num_threads)
         return run_parallel(fn, items, num_threads=self.num_threads, stage=stage, progress=self.progress)
 
     def _policy_lms(self, program) -> dict[int, dspy.BaseLM]:

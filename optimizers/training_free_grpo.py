@@ -31,7 +31,7 @@ from tfgrpo.signatures.operations import Operation
 
 logger = logging.getLogger(__name__)
 
-STAGES = ("rollout", "reward", "summary", "advantage", "consolidation")
+EMPTY_LIBRARY = "(no experiences yet: only 'add' is possible)"
 
 
 class TrainingFreeGRPO(Teleprompter):
@@ -134,7 +134,7 @@ class TrainingFreeGRPO(Teleprompter):
         G, t0, timing = self.num_generations, time.time(), {}
         stats: dict[str, Any] = {"step": step, "epoch": epoch, "batch_size": len(batch), "usage": {}}
         qkeys = {qi: _query_key(trainset[qi], qi) for qi in batch}
-        rendered_library = library.render() or "(empty)"
+        rendered_library = library.render() or EMPTY_LIBRARY
 
         # 1. rollouts: G distinct samples per query, each candidate with its own LM copies (rollout_id)
         candidates, rollout_lms = self._candidates(program, targets, library, step)
@@ -259,7 +259,7 @@ class TrainingFreeGRPO(Teleprompter):
         if self.progress:
             self.progress("consolidation", 0, 1)
         try:
-            plan, status = consolidator(experiences=library.render() or "(empty)", proposals=proposals,
+            plan, status = consolidator(experiences=library.render() or EMPTY_LIBRARY, proposals=proposals,
                                         max_words=self.max_words_per_experience), "ok"
         except Exception as exc:  # the proposals were validated one by one already: apply them as they are
             logger.warning("Consolidation failed (%s); applying the %d proposals directly", exc, len(proposals))

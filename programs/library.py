@@ -146,6 +146,8 @@ class ExperienceLibrary(Parameter):
     def _check_text(self, text: str, *, ignore: list[str]) -> str | None:
         if not text:
             return "empty text"
+        if "..." in text or "\u2026" in text:
+            return "placeholder text ('...')"
         if _words(text) > self.max_words:
             return f"{_words(text)} words, over the limit of {self.max_words}"
         key = _canonical(text)

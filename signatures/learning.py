@@ -47,16 +47,19 @@ class ExtractGroupAdvantage(dspy.Signature):
     """Several attempts at the same query received different rewards. Compare the better attempts with the
     worse ones and decide how the experience library should change so future attempts do better.
 
-    Propose at most `max_operations` operations: "add" a new experience, "modify" an existing one (give its
-    ID and the full new wording), or "delete" one that misled the attempts (give its ID). Each experience is
-    one sentence of at most the given word limit, starts with the situation it applies to (for example
-    "When a problem involves ..., ...") and states a reusable strategy or check, never this query's specific
-    numbers or answer. Propose nothing (an empty list) when the library already covers the lesson."""
+    Propose at most `max_operations` operations:
+    - "add": a new experience; `ids` stays empty.
+    - "modify": rewrite an existing experience; `ids` holds exactly one ID copied from the library (like "E3").
+    - "delete": remove an experience that misled the attempts; `ids` holds its ID.
+    When the library is empty, only "add" is possible. An experience is one sentence of at most `max_words`
+    words: it begins with "When" and the kind of problem or step it is about, then says what to do or check.
+    It must help on other problems of the same kind: never mention this query's names, objects, numbers or
+    answer. Return an empty list when the library already covers the lesson."""
 
     task_input: str = dspy.InputField(desc="the query all attempts worked on")
     reference_answer: str = dspy.InputField(desc="the correct answer")
     attempts: str = dspy.InputField(desc="summaries of the attempts, each with its reward")
-    experiences: str = dspy.InputField(desc="the current experience library, one per line with its ID ('(empty)' if none)")
+    experiences: str = dspy.InputField(desc="the current experience library, one per line with its ID")
     max_operations: int = dspy.InputField(desc="the most operations you may propose")
     max_words: int = dspy.InputField(desc="the most words an experience may have")
     operations: list[Operation] = dspy.OutputField(desc="the proposed operations, possibly none")
@@ -69,10 +72,11 @@ class ConsolidateOperations(dspy.Signature):
     Keep the proposals that carry general, useful lessons; fold overlapping proposals into one; when a
     proposal repeats an existing experience, modify that experience instead of adding a copy; "merge" two or
     more existing experiences that say the same thing (give their IDs and the merged wording); "delete"
-    experiences that are wrong or redundant. Refer only to IDs that exist in the library. Every resulting
-    experience is one sentence of at most the given word limit and starts with the situation it applies to."""
+    experiences that are wrong or redundant. `ids` may only hold IDs listed in the library ("add" has none).
+    Drop proposals that mention a particular problem's names or numbers. Every resulting experience is one
+    sentence of at most `max_words` words that names the kind of situation first, then the strategy."""
 
-    experiences: str = dspy.InputField(desc="the current experience library, one per line with its ID ('(empty)' if none)")
+    experiences: str = dspy.InputField(desc="the current experience library, one per line with its ID")
     proposals: str = dspy.InputField(desc="the operations proposed in this batch, as JSON")
     max_words: int = dspy.InputField(desc="the most words an experience may have")
     plan: list[Operation] = dspy.OutputField(desc="the final operations to apply, in order")

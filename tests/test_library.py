@@ -44,6 +44,7 @@ def test_ids_are_never_reused():
     (op("modify", ["E9"], "When x."), "unknown ID"),
     (op("delete", ["E9"]), "unknown ID"),
     (op("add", text=""), "empty"),
+    (op("add", text="When a problem involves ..., ..."), "placeholder"),
     (op("add", text=" ".join(["word"] * 33)), "over the limit"),
     (op("add", text="when adding: check carries"), "duplicate"),
     (op("modify", ["E1", "E2"], "When x."), "takes 1"),

@@ -11,10 +11,10 @@ session.  A sandbox is three processes:
 * init (PID 1 of the new PID namespace), in a mount namespace of its own:
   pivots into a new root made of a read-only tmpfs, read-only binds of an
   allow-list (/usr, the interpreter, the virtualenv, a few /dev nodes), a new
-  /proc and a private tmpfs /tmp.  It runs the code and reports how it ended;
+  /proc and a private tmpfs /sandbox (also $TMPDIR; /tmp links to it).  It runs the code and reports how it ended;
   when it exits, the kernel kills whatever the code left in the namespace.
 * code: sets the rlimits, drops every capability, sets no_new_privs and execs
-  `python -I -u /tmp/main.py`.  For a root caller it runs as host uid 65534
+  `python -I -u /sandbox/main.py`.  For a root caller it runs as host uid 65534
   (RLIMIT_NPROC is never enforced for real root); otherwise as the caller.
 
 The network namespace only has a loopback device, and it is down.  Where the
@@ -48,7 +48,8 @@ PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 24, 38
 PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41}  # glibc has no wrapper for it
 
 NOBODY = 65534  # host uid/gid that runs the code when the caller is root
-TMP_MB = 64  # size of the code's /tmp, which is also the largest file it may write
+TMP_MB = 64  # size of the code's working tmpfs, which is also the largest file it may write
+WORK = "/sandbox"  # the code's writable directory (and $TMPDIR); /tmp points here unless a bound path needs /tmp
 GRACE_S = 5.0  # how long a killed sandbox may take to disappear
 SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32",
                 "/etc/ld.so.cache", "/etc/localtime")
@@ -270,9 +271,9 @@ def _init(cfg, libc):
     with open(os.path.join(cfg["stage"], "main.py"), "rb") as f:
         source = f.read()
     _build_root(cfg["stage"], cfg["binds"], cfg["code_uid"], libc)
-    with open("/tmp/main.py", "wb") as f:
+    with open(f"{WORK}/main.py", "wb") as f:
         f.write(source)
-    os.chmod("/tmp/main.py", 0o644)
+    os.chmod(f"{WORK}/main.py", 0o644)
     child = os.fork()
     if child == 0:
         try:
@@ -310,8 +311,10 @@ def _build_root(stage, binds, code_uid, libc):
         else:
             open(target, "w").close()
         _mount(libc, src, target, None, MS_BIND | MS_REC)
-    for name in ("tmp", "proc"):
-        os.mkdir(os.path.join(new, name), 0o755)
+    for name in (WORK[1:], "proc"):
+        os.makedirs(os.path.join(new, name), 0o755, exist_ok=True)
+    if not os.path.lexists(os.path.join(new, "tmp")):  # a venv under /tmp (CI clones) keeps the real path
+        os.symlink(WORK, os.path.join(new, "tmp"))
     os.symlink("/proc/self/fd", os.path.join(new, "dev", "fd"))
     with open("/proc/self/mountinfo") as f:  # field 5 is the mount point, octal-escaped
         points = [re.sub(r"\\(\d{3})", lambda m: chr(int(m.group(1), 8)), line.split()[4])
@@ -319,7 +322,7 @@ def _build_root(stage, binds, code_uid, libc):
     for point in points:  # the root tmpfs, every bind, and any mount below one
         if point == new or point.startswith(new + "/"):
             _remount_readonly(libc, point)
-    _mount(libc, "tmpfs", os.path.join(new, "tmp"), "tmpfs", MS_NOSUID | MS_NODEV,
+    _mount(libc, "tmpfs", os.path.join(new, WORK[1:]), "tmpfs", MS_NOSUID | MS_NODEV,
            f"size={TMP_MB}m,nr_inodes=4096,mode=0755,uid={code_uid},gid={code_uid}")
     try:
         _mount(libc, "proc", os.path.join(new, "proc"), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
@@ -364,11 +367,11 @@ def _exec_code(cfg, libc):
     _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
     for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # Python ignored these; restore the defaults
         signal.signal(sig, signal.SIG_DFL)
-    os.chdir("/tmp")
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp",
+    os.chdir(WORK)
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": WORK, "TMPDIR": WORK,
            "LANG": "C.UTF-8", "MPLBACKEND": "Agg", "OPENBLAS_NUM_THREADS": "1",
            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    os.execve(cfg["python"], [cfg["python"], "-I", "-u", "/tmp/main.py"], env)
+    os.execve(cfg["python"], [cfg["python"], "-I", "-u", f"{WORK}/main.py"], env)
 
 
 def _cli(argv):

@@ -67,6 +67,11 @@ class Checkpoint:
         if self.enabled:
             self._write(self.root / f"{key}.json", value)
 
+    def discard(self, key: str) -> None:
+        """Forget a unit, so that a resume computes it again."""
+        if self.enabled:
+            (self.root / f"{key}.json").unlink(missing_ok=True)
+
     @staticmethod
     def _read(path: Path) -> Any | None:
         try:

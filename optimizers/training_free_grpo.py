@@ -159,6 +159,9 @@ class TrainingFreeGRPO(Teleprompter):
         stats["usage"]["rollout"] = usage_of(rollout_lms)
         failures = [r for r in records.values() if r["error"]]
         if len(failures) > self.max_failure_rate * len(jobs):
+            for (qi, g), rec in records.items():  # a resume retries them (the outage may be over), not replays them
+                if rec["error"]:
+                    ckpt.discard(f"{key}/rollouts/{qi}_{g}")
             raise RuntimeError(f"step {step}: {len(failures)} of {len(jobs)} attempts failed (first: "
                                f"{failures[0]['error']}); finished work is kept in log_dir={self.log_dir!r}")
         timing["rollout"] = time.time() - t0

@@ -87,7 +87,7 @@ def load_program(program: dspy.Module, path: str | Path, target_predictors: list
     path = Path(path)
     try:
         state = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ValueError(f"{path}: cannot read a saved program ({exc})") from exc
     if not isinstance(state, dict):
         raise ValueError(f"{path}: a saved program is a JSON object")
@@ -103,15 +103,20 @@ def load_program(program: dspy.Module, path: str | Path, target_predictors: list
     missing = [n for n in names if not isinstance(state.get(n), dict)]
     if missing:
         raise ValueError(f"{path}: no saved state for predictors {missing}; was it saved from this program?")
-    try:  # a trial run on a copy, so that a malformed file never leaves the program half-loaded
-        for name, predictor in program.deepcopy().named_predictors():
+    def load_into(target: dspy.Module) -> None:
+        for name, predictor in target.named_predictors():
             predictor.load_state(state[name])
+            if not isinstance(predictor.signature.instructions, str):
+                raise TypeError("instructions are not text")
+            predictor.dump_state()  # what was loaded must save again: dspy checks neither demos nor fields
+        if library is not None:
+            apply_library(target, library, target_predictors or _targets_with_block(target))
+
+    try:  # the whole load runs on a copy first, so a malformed file never leaves the program half-loaded
+        load_into(program.deepcopy())
     except Exception as exc:  # dspy raises many types on malformed state
         raise ValueError(f"{path}: malformed predictor state ({type(exc).__name__}: {exc})") from exc
-    for name, predictor in program.named_predictors():
-        predictor.load_state(state[name])
-    if library is not None:
-        apply_library(program, library, target_predictors or _targets_with_block(program))
+    load_into(program)
     return program
 
 

@@ -188,8 +188,11 @@ class ExperienceLibrary(Parameter):
             lib.active = {e.id: e for e in (Experience.model_validate(x) for x in state["experiences"])}
             lib.retired = {e.id: e for e in (Experience.model_validate(x) for x in state.get("retired", []))}
             lib.next_id = int(state["next_id"])
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise ValueError(f"corrupt experience library: {exc}") from exc
+        cap = lib.max_experiences
+        if lib.max_words < 1 or not (cap is None or (type(cap) is int and cap >= 0)):
+            raise ValueError("corrupt experience library: max_words must be >= 1 and max_experiences null or an integer >= 0")
         used = [int(i[1:]) for i in [*lib.active, *lib.retired] if re.fullmatch(r"E\d+", i)]
         if len(set(lib.active) | set(lib.retired)) != len(lib.active) + len(lib.retired):
             raise ValueError("corrupt experience library: an ID is both active and retired")

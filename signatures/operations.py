@@ -43,6 +43,8 @@ class Operation(BaseModel):
             return []
         if isinstance(value, (str, int)):
             value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"ids must be a list of experience IDs, not {type(value).__name__}")
         return [normalize_id(v) for v in value]
 
     @field_validator("text", mode="before")

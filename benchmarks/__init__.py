@@ -1,0 +1,1 @@
+"""Benchmarks and test fixtures of tfgrpo: a fake OpenAI-compatible LM server, step latency and fault runs."""

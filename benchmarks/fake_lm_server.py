@@ -1,0 +1,392 @@
+"""A fake OpenAI-compatible chat server that answers DSPy programs and tfgrpo's learning calls.
+
+It speaks just enough of the OpenAI chat API (`POST /v1/chat/completions`, `GET /v1/models`) for
+`dspy.LM("openai/fake", api_base=server.api_base, api_key="x")`, and replies in DSPy's chat format (or JSON
+when the JSON adapter asks for it). Replies are pure functions of the request and a seed, so runs are
+reproducible under any thread schedule:
+
+* student calls ("What is A + B?"): right or wrong by a hash of the request. Identical requests (G rollouts
+  of one query differ only in their `rollout_id`, which never reaches the wire) are told apart by how often
+  the server has seen that request (`vary_identical=True`); turn it off when every request is unique.
+  ReAct-style calls use `tool_turns` tool calls before `finish`.
+* learning calls, told apart by the output field they ask for (`summary`, `operations`, `plan`; any other
+  output field gets filler text): a short summary; 1-2 add/modify operations on IDs listed in the prompt;
+  a plan echoing the proposals (with a merge once the library is large).
+
+Faults are injected by name at a rate, decided by hashes: reply faults (`malformed`, `truncated`, `empty`,
+`invented_ids`) by the request alone, transient ones (`http429`, `http500`, `hang`) also by the request's
+repeat count, so a retry can succeed. Every call is counted per kind with its tokens (`stats()`), and the
+usage goes back in the response. `process=True` runs the server in a child process (benchmarks: the
+orchestrator's GIL and memory then stay its own); stats travel over `GET /_stats`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import multiprocessing
+import re
+import socket
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+KINDS = ("student", "summary", "advantage", "consolidation")
+REPLY_FAULTS = ("malformed", "truncated", "empty", "invented_ids")
+TRANSIENT_FAULTS = ("http429", "http500", "hang")
+FAULTS = REPLY_FAULTS + TRANSIENT_FAULTS
+_HINTS = ["add the ones digits first and carry", "estimate the size of the sum before adding",
+          "check the result by subtracting one term", "write both numbers aligned by place value",
+          "recount the tens after carrying", "restate the question before answering",
+          "answer with the number only", "verify the last digit of the sum"]
+_FIELD = re.compile(r"\[\[ ## (\w+) ## \]\]\n?")
+
+
+def _unit(*parts) -> float:
+    """A number in [0, 1) fixed by `parts`."""
+    raw = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).digest()
+    return int.from_bytes(raw[:8], "big") / 2**64
+
+
+def output_fields(system: str) -> list[str]:
+    section = system.split("Your output fields are:", 1)[-1].split("All interactions", 1)[0]
+    return re.findall(r"^\d+\. `(\w+)`", section, flags=re.MULTILINE)
+
+
+def kind_of(fields: list[str]) -> str:
+    """Which call a request is, from the output fields it asks for (extra text fields are allowed)."""
+    if "operations" in fields:
+        return "advantage"
+    if "plan" in fields:
+        return "consolidation"
+    return "summary" if "summary" in fields and "answer" not in fields else "student"
+
+
+def field_values(text: str) -> dict[str, str]:
+    """`[[ ## name ## ]]` sections of a user message, by name."""
+    parts = _FIELD.split(text)
+    return {parts[i]: parts[i + 1].strip() for i in range(1, len(parts) - 1, 2)}
+
+
+class Responder:
+    """The deterministic "model": the reply values for one request."""
+
+    def __init__(self, seed=0, correct_rate=0.5, tool_turns=0, vary_identical=True, merge_at=6):
+        self.seed, self.correct_rate, self.tool_turns = seed, correct_rate, tool_turns
+        self.vary_identical, self.merge_at = vary_identical, merge_at
+
+    def values(self, kind, fields, system, user, digest, seen, invent=False):
+        if kind == "student":
+            return self._student(fields, system, user, digest, seen)
+        inputs = field_values(user)
+        values = {f: "The better attempts checked the carry; the worse ones skipped it." for f in fields}
+        if kind == "summary":
+            good = "judged correct" in inputs.get("outcome", "")
+            values["summary"] = "1. Read the question. 2. Added the two numbers. 3. " + (
+                "Checked the sum and answered." if good else "Dropped a carry and answered wrongly.")
+            return values
+        ids = re.findall(r"^\[(E\d+)\]", inputs.get("experiences", ""), flags=re.MULTILINE)
+        ops = self._advantage(inputs, ids) if kind == "advantage" else self._plan(inputs, ids)
+        if invent:  # IDs that were never issued
+            ops = [{"action": "modify", "ids": ["E999"], "text": "When unsure, guess a round number."},
+                   {"action": "delete", "ids": ["E777"]}, {"action": "merge", "ids": ["E1", "E888"], "text": "When adding, be careful."}]
+        values["operations" if kind == "advantage" else "plan"] = ops
+        return values
+
+    def _student(self, fields, system, user, digest, seen):
+        nums = re.findall(r"What is (-?\d+) \+ (-?\d+)\?", user)
+        total = int(nums[-1][0]) + int(nums[-1][1]) if nums else 0
+        right = _unit(self.seed, "right", digest, seen if self.vary_identical else 0) < self.correct_rate
+        values = {f: "Adding the two numbers step by step." for f in fields}
+        if "answer" in values:
+            values["answer"] = str(total if right else total + 1)
+        if "next_tool_name" in values:  # ReAct: `tool_turns` tool calls, then finish
+            done = len(re.findall(r"\[\[ ## tool_name_\d+ ## \]\]", user))
+            tools = re.findall(r"\(\d+\) (\w+), whose description.*?It takes arguments (\{.*?\})\.\s*$", system, flags=re.MULTILINE)
+            tool = next(((n, a) for n, a in tools if n != "finish"), None)
+            if done < self.tool_turns and tool:
+                args = {name: int(nums[-1][i % 2]) if nums and typ in ("integer", "number") else "x"
+                        for i, (name, typ) in enumerate(re.findall(r"'(\w+)': \{'type': '(\w+)'", tool[1]))}
+                values.update(next_thought=f"Call {tool[0]}.", next_tool_name=tool[0], next_tool_args=args)
+            else:
+                values.update(next_thought="Done.", next_tool_name="finish", next_tool_args={})
+        return values
+
+    def _advantage(self, inputs, ids):
+        key = inputs.get("task_input", "")
+        ops = [{"action": "add", "ids": [], "text": f"When adding two numbers, {_HINTS[int(_unit(self.seed, 'hint', key) * 8)]}."}]
+        if ids and _unit(self.seed, "two", key, ids) < 0.5:
+            target = ids[int(_unit(self.seed, "target", key) * len(ids))]
+            n = int(_unit(self.seed, "rev", key, ids) * 1000)
+            ops.append({"action": "modify", "ids": [target],
+                        "text": f"When a sum looks easy, {_HINTS[n % 8]} and double-check (revision {n})."})
+        return ops
+
+    def _plan(self, inputs, ids):
+        try:
+            proposals = json.loads(inputs.get("proposals", "[]"))
+        except ValueError:
+            proposals = []
+        plan, seen = [], set()
+        if len(ids) >= self.merge_at:
+            plan.append({"action": "merge", "ids": ids[:2], "text": f"When adding, {_HINTS[len(ids) % 8]} and re-add to confirm."})
+        for p in proposals if isinstance(proposals, list) else []:
+            op = {"action": p.get("action"), "ids": p.get("ids") or [], "text": p.get("text") or ""}
+            if (k := json.dumps(op, sort_keys=True)) not in seen:
+                seen.add(k)
+                plan.append(op)
+        return plan
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads, block_on_close, allow_reuse_address = True, False, True
+    request_queue_size = 1024  # many clients connect at once; a short backlog drops SYNs (1 s retransmits)
+
+    def handle_error(self, request, client_address):
+        if not isinstance(sys.exc_info()[1], OSError):  # a client that went away (killed, timed out) is normal
+            super().handle_error(request, client_address)
+
+
+class FakeLMServer:
+    """Start/stop with `with FakeLMServer(...) as server:`; point an LM at `server.api_base` (or `server.lm()`).
+
+    latency: seconds per call, or `latency(kind) -> seconds` (a module-level function with `process=True`).
+    faults: {fault name: rate in [0, 1]}; fault_kinds: which kinds of call may get them.
+    hang_seconds: how long a `hang` holds the reply (set it above the client's timeout); retry_after: the
+    Retry-After hint sent with 429/500, in seconds (DSPy honors it instead of its 1-2-4 s backoff).
+    """
+
+    def __init__(self, *, latency: float | Callable[[str], float] = 0.0, seed: int = 0, correct_rate: float = 0.5,
+                 tool_turns: int = 0, vary_identical: bool = True, merge_at: int = 6, faults: dict | None = None,
+                 fault_kinds=KINDS, hang_seconds: float = 2.0, retry_after: float = 0.01, process: bool = False):
+        if set(faults or {}) - set(FAULTS):
+            raise ValueError(f"unknown faults {sorted(set(faults) - set(FAULTS))}; known: {FAULTS}")
+        self.config = dict(latency=latency, seed=seed, correct_rate=correct_rate, tool_turns=tool_turns,
+                           vary_identical=vary_identical, merge_at=merge_at, faults=dict(faults or {}),
+                           fault_kinds=tuple(fault_kinds), hang_seconds=hang_seconds, retry_after=retry_after)
+        self.process, self.port = process, None
+        self.responder = Responder(seed, correct_rate, tool_turns, vary_identical, merge_at)
+        self._lock, self._stop, self._hooks, self._conns = threading.Lock(), threading.Event(), [], set()
+        self._httpd = self._thread = self._child = self._pipe = None
+        self.reset_stats()
+
+    @property
+    def api_base(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def start(self) -> FakeLMServer:
+        if self.process:
+            ctx = multiprocessing.get_context("spawn")
+            self._pipe, child_end = ctx.Pipe()
+            self._child = ctx.Process(target=_child_main, args=(self.config, child_end), daemon=True)
+            self._child.start()
+            if not self._pipe.poll(60):
+                raise RuntimeError("the fake LM server process did not start")
+            self.port = self._pipe.recv()
+            return self
+        self._httpd = _Server(("127.0.0.1", 0), _make_handler(self))
+        self.port = self._httpd.server_address[1]
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="fake-lm-server", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._child is not None:
+            self._pipe.send("stop")
+            self._child.join(10)
+            self._child.kill()  # (a no-op once it has exited)
+            self._child = None
+            return
+        if self._httpd is None:
+            return
+        self._stop.set()  # wakes sleeping latencies and hangs
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:  # end idle keep-alive connections so their threads exit
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        self._thread.join(5)
+        self._httpd = None
+
+    def reset_stats(self) -> None:  # (in this process; a server in its own process starts afresh)
+        per_kind = dict(calls=0, ok=0, errors=0, prompt_tokens=0, completion_tokens=0, first_at=None, last_at=None)
+        with self._lock:
+            self._stats = {"calls": 0, "in_flight": 0, "max_in_flight": 0, "kinds": {k: dict(per_kind) for k in KINDS},
+                           "faults": {f: 0 for f in FAULTS}, "faults_by_kind": {k: {} for k in KINDS}}
+            self._seen: dict[str, int] = {}  # request digest -> times seen
+
+    def stats(self) -> dict:
+        """Calls, tokens and injected faults so far, per kind of call (a copy)."""
+        if self.process and self._child is not None:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/_stats", timeout=10) as r:
+                return json.loads(r.read())
+        with self._lock:
+            return json.loads(json.dumps(self._stats))
+
+    def on_call(self, n: int, fn: Callable[[], None], kind: str | None = None) -> None:
+        """Run `fn()` when the n-th call (of `kind`, or of any kind) arrives, before it is answered."""
+        with self._lock:
+            self._hooks.append([n, fn, kind])
+
+    def lm(self, model: str = "openai/fake", **overrides):
+        """A `dspy.LM` for this server: no cache, short timeout, a few retries (overridable)."""
+        import dspy
+
+        return dspy.LM(model, **{"api_base": self.api_base, "api_key": "x", "num_retries": 3, "timeout": 10,
+                                 "cache": False, **overrides})
+
+    def _answer(self, body: dict) -> tuple[int, dict, dict]:
+        """(status, extra headers, JSON body) for one chat completion request."""
+        cfg, messages = self.config, body.get("messages") or []
+        system = _text(next((m.get("content") for m in messages if m.get("role") == "system"), ""))
+        user = _text(messages[-1].get("content")) if messages else ""
+        fields = output_fields(system)
+        kind = kind_of(fields)
+        digest = hashlib.sha256(json.dumps([messages, body.get("temperature")], sort_keys=True).encode()).hexdigest()
+        with self._lock:
+            seen = self._seen.get(digest, 0)
+            self._seen[digest] = seen + 1
+            s, k = self._stats, self._stats["kinds"][kind]
+            s["calls"], k["calls"], s["in_flight"] = s["calls"] + 1, k["calls"] + 1, s["in_flight"] + 1
+            s["max_in_flight"] = max(s["max_in_flight"], s["in_flight"])
+            k["first_at"], k["last_at"] = k["first_at"] or time.time(), time.time()  # how fast a stage's calls go out
+            due = [h for h in self._hooks if h[0] == (s["calls"] if h[2] is None else s["kinds"][h[2]]["calls"])
+                   and (h[2] is None or h[2] == kind)]
+        for hook in due:
+            hook[1]()
+        try:
+            fault = self._fault(kind, digest, seen)
+            latency = cfg["latency"](kind) if callable(cfg["latency"]) else cfg["latency"]
+            self._stop.wait(cfg["hang_seconds"] if fault == "hang" else latency)
+            if fault in ("http429", "http500"):
+                code, kind_name = (429, "rate_limit_error") if fault == "http429" else (500, "server_error")
+                self._count(kind, "errors")
+                return code, {"Retry-After": str(cfg["retry_after"])}, {"error": {
+                    "message": f"fake {fault}", "type": kind_name, "param": None, "code": fault}}
+            values = self.responder.values(kind, fields, system, user, digest, seen, invent=fault == "invented_ids")
+            text, finish = _render(values, json_mode="response_format" in body or "Respond with a JSON object" in user), "stop"
+            if fault == "malformed":
+                text = "Sure! Here is what I think about it: " + text.replace("[[ ## ", "[ ").replace("{", "(")[:80]
+            elif fault == "truncated":
+                text, finish = text[: max(1, int(len(text) * 0.4))], "length"
+            elif fault == "empty":
+                text = ""
+            tokens = {"prompt_tokens": sum(len(_text(m.get("content")).split()) for m in messages),
+                      "completion_tokens": len(text.split())}  # words stand in for tokens
+            usage = {**tokens, "total_tokens": sum(tokens.values())}
+            self._count(kind, "ok", **tokens)
+            return 200, {}, {"id": f"chatcmpl-{digest[:12]}-{seen}", "object": "chat.completion",
+                             "created": int(time.time()), "model": body.get("model", "fake"),
+                             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                          "finish_reason": finish}], "usage": usage}
+        finally:
+            with self._lock:
+                self._stats["in_flight"] -= 1
+
+    def _fault(self, kind: str, digest: str, seen: int) -> str | None:
+        cfg = self.config
+        if kind not in cfg["fault_kinds"]:
+            return None
+        for name in FAULTS:
+            rate = cfg["faults"].get(name, 0.0)
+            if not rate or (name == "invented_ids" and kind not in ("advantage", "consolidation")):
+                continue
+            parts = (cfg["seed"], name, digest) + ((seen,) if name in TRANSIENT_FAULTS else ())
+            if _unit(*parts) < rate:
+                with self._lock:
+                    self._stats["faults"][name] += 1
+                    self._stats["faults_by_kind"][kind][name] = self._stats["faults_by_kind"][kind].get(name, 0) + 1
+                return name
+        return None
+
+    def _count(self, kind, outcome, **tokens):
+        with self._lock:
+            for name, n in {outcome: 1, **tokens}.items():
+                self._stats["kinds"][kind][name] += n
+
+
+def _text(content) -> str:
+    if isinstance(content, list):  # content parts
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content or ""
+
+
+def _render(values: dict, json_mode: bool) -> str:
+    if json_mode:
+        return json.dumps(values)
+    parts = [f"[[ ## {k} ## ]]\n{v if isinstance(v, str) else json.dumps(v)}" for k, v in values.items()]
+    return "\n\n".join(parts + ["[[ ## completed ## ]]"])
+
+
+def _make_handler(server: FakeLMServer):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        disable_nagle_algorithm = True
+        wbufsize = 1 << 16  # head and body leave in one write: split small writes meet delayed ACKs (~40 ms)
+
+        def setup(self):
+            super().setup()
+            with server._lock:
+                server._conns.add(self.connection)
+
+        def finish(self):
+            with server._lock:
+                server._conns.discard(self.connection)
+            with contextlib.suppress(OSError):
+                super().finish()
+
+        def log_message(self, *args):  # quiet
+            return
+
+        def _send(self, code: int, payload: dict, headers: dict | None = None):
+            data = json.dumps(payload).encode()
+            try:
+                self.send_response(code)
+                for k, v in {"Content-Type": "application/json", "Content-Length": str(len(data)), **(headers or {})}.items():
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(data)
+                self.wfile.flush()
+            except OSError:  # the client gave up (timeout) or went away (killed)
+                self.close_connection = True
+
+        def do_GET(self):
+            if self.path.rstrip("/") == "/v1/models":
+                self._send(200, {"object": "list", "data": [{"id": "fake", "object": "model", "owned_by": "tfgrpo"}]})
+            elif self.path == "/_stats":
+                self._send(200, server.stats())
+            else:
+                self._send(404, {"error": {"message": f"no route {self.path}", "type": "not_found"}})
+
+        def do_POST(self):
+            try:
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+            except ValueError as exc:
+                return self._send(400, {"error": {"message": f"bad JSON: {exc}", "type": "invalid_request_error"}})
+            if self.path.rstrip("/") != "/v1/chat/completions" or not isinstance(body, dict):
+                return self._send(404, {"error": {"message": f"no route {self.path}", "type": "not_found"}})
+            code, headers, payload = server._answer(body)
+            self._send(code, payload, headers)
+
+    return Handler
+
+
+def _child_main(config: dict, pipe) -> None:
+    server = FakeLMServer(**config).start()
+    pipe.send(server.port)
+    with contextlib.suppress(EOFError):
+        pipe.recv()  # blocks until the parent says stop (or goes away)
+    server.stop()

@@ -1,0 +1,138 @@
+"""How close one optimization step comes to its critical path, against a fake LM with a fixed latency.
+
+One step (batch B, group G, T LM calls per rollout) has at best this chain of dependent LM calls:
+T rollout turns -> one summary -> one group advantage -> one consolidation, so with a latency L per call the
+critical path is (T + 3) * L (T * L when no group has contrast). Everything above it is orchestration: stage
+barriers, thread start-up, DSPy's per-call overhead, connection limits. The fake server runs in its own process
+so that its threads neither share the orchestrator's GIL nor count in its memory.
+
+    python -m benchmarks.step_latency                 # B=50, G=5, Predict (T=1), 0.2 s/call, 256 threads
+    python -m benchmarks.step_latency --turns 2       # ReAct: finish + extract (T=2); --turns 3 adds a tool call
+
+The last line is `step_latency: wall=<s> critical_path=<s> ratio=<x>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import resource
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# isort: off
+import tfgrpo  # noqa: F401  (first, before dspy: keeps litellm from fetching its cost map over the network)
+import dspy
+from tfgrpo.optimizers import TrainingFreeGRPO
+from benchmarks.fake_lm_server import FakeLMServer
+# isort: on
+
+STAGE_KIND = {"rollout": "student", "summary": "summary", "advantage": "advantage", "consolidation": "consolidation"}
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+def metric(example, pred, trace=None):
+    return float(str(getattr(pred, "answer", "")).strip() == example.answer)
+
+
+def make_program(turns: int) -> dspy.Module:
+    if turns <= 1:
+        return dspy.Predict("question -> answer")
+    return dspy.ReAct("question -> answer", tools=[add], max_iters=turns)  # turns-2 tool calls, finish, extract
+
+
+def trainset(n: int) -> list[dspy.Example]:
+    return [dspy.Example(question=f"What is {3 * i + 7} + {5 * i + 11}?", answer=str(8 * i + 18)).with_inputs("question")
+            for i in range(n)]
+
+
+def dspy_floor(server: FakeLMServer, n: int, threads: int) -> tuple[int, float, float]:
+    """(n, wall, CPU) of n plain Predict calls in parallel, no optimizer: what DSPy alone costs per call."""
+    from dspy.utils.parallelizer import ParallelExecutor
+
+    program, lm = dspy.Predict("question -> answer"), dspy.settings.lm
+    copies = [lm.copy(rollout_id=i, temperature=0.7) for i in range(8)]
+
+    def call(i):
+        with dspy.context(lm=copies[i % len(copies)]):
+            return program(question=f"What is {i} + {n}?")
+
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    ParallelExecutor(num_threads=threads, disable_progress_bar=True, timeout=0).execute(call, list(range(n)))
+    return n, time.perf_counter() - t0, time.process_time() - cpu0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=50)
+    ap.add_argument("--group", "-G", type=int, default=5)
+    ap.add_argument("--turns", "-T", type=int, default=1, help="LM calls per rollout: 1 = Predict, >=2 = ReAct")
+    ap.add_argument("--latency", type=float, default=0.2)
+    ap.add_argument("--threads", type=int, default=256)
+    ap.add_argument("--in-process-server", action="store_true", help="run the fake server in this process")
+    ap.add_argument("--no-floor", action="store_true", help="skip the bare-DSPy comparison run")
+    ap.add_argument("--model", default="openai/fake", help="model name sent (the fake answers any); DSPy prices each "
+                    "reply from its model map, and a name missing from the map costs a full scan per call")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    B, G, T, L = args.batch, args.group, args.turns, args.latency
+
+    with FakeLMServer(latency=L, tool_turns=max(0, T - 2), process=not args.in_process_server) as server:
+        dspy.configure(lm=server.lm(model=args.model, timeout=60, num_retries=2))
+        opt = TrainingFreeGRPO(metric, num_generations=G, num_train_epochs=1, batch_size=B, num_threads=args.threads,
+                               seed=0)
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        compiled = opt.compile(make_program(T), trainset=trainset(B))
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        served = server.stats()
+        floor = None if args.no_floor else dspy_floor(server, B * G, args.threads)
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    child = resource.getrusage(resource.RUSAGE_CHILDREN)  # the server process, once stopped (start-up included)
+    server_cpu = child.ru_utime + child.ru_stime
+
+    step = compiled.detailed_results["steps"][0]
+    M = step["groups_kept"]
+    critical = (T + 3) * L if M else T * L
+    ratio = wall / critical
+    usage = step["usage"]
+    print(f"one step: batch {B}, G {G}, T {T} ({'ReAct' if T > 1 else 'Predict'}), latency {L:.3f} s, "
+          f"threads {args.threads}, mixed groups M={M}")
+    print(f"wall (compile): {wall:.3f} s; step wall_s: {step['wall_s']:.3f} s; stage seconds: "
+          + ", ".join(f"{k}={v:.3f}" for k, v in step["seconds"].items()))
+    print(f"critical path: {critical:.3f} s = ({T} rollout turns + summary + advantage + consolidation) x {L} s"
+          if M else f"critical path: {critical:.3f} s (no group with contrast: rollouts only)")
+    print(f"{'stage':<14}{'server calls':>13}{'usage calls':>12}{'prompt tok':>12}{'compl tok':>11}  (server tokens)")
+    for stage, kind in STAGE_KIND.items():
+        k, u = served["kinds"][kind], usage.get(stage, {})
+        print(f"{stage:<14}{k['calls']:>13}{u.get('calls', 0):>12}{u.get('prompt_tokens', 0):>12}"
+              f"{u.get('completion_tokens', 0):>11}  ({k['prompt_tokens']}/{k['completion_tokens']})")
+    calls = served["calls"]
+    bound = B * G * T + G * M + M + 1
+    print(f"LM calls: {calls}; bound B*G*T + G*M + M + 1 = {bound}: {'holds' if calls <= bound else 'VIOLATED'}")
+    print(f"server max concurrent requests: {served['max_in_flight']}; request arrival spread per kind: "
+          + ", ".join(f"{k}={v['last_at'] - v['first_at']:.3f}s" for k, v in served["kinds"].items() if v["first_at"]))
+    print(f"orchestrator CPU during compile: {cpu:.3f} s ({cpu / wall:.0%} of wall; ~100% = bound by one GIL), "
+          f"{cpu / max(calls, 1) * 1000:.2f} ms per LM call")
+    if not args.in_process_server:
+        print(f"fake server process CPU (whole life): {server_cpu:.3f} s; both processes share "
+              f"{os.cpu_count()} CPUs")
+    if floor:
+        n, f_wall, f_cpu = floor
+        print(f"DSPy floor: {n} bare dspy.Predict calls through ParallelExecutor({args.threads}) took {f_wall:.3f} s "
+              f"({f_cpu / n * 1000:.2f} ms CPU per call) -> this step's {calls} calls need >= {calls * f_cpu / n:.3f} s "
+              f"of orchestrator CPU, vs the 1.25 x critical path budget of {1.25 * critical:.3f} s")
+    print(f"orchestrator peak RSS: {peak_mib:.1f} MiB (target <= 400 MiB)")
+    print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} (other processes skew timings)")
+    print(f"step_latency: wall={wall:.3f} critical_path={critical:.3f} ratio={ratio:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

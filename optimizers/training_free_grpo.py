@@ -22,8 +22,8 @@ import dspy
 from dspy.teleprompt.teleprompt import Teleprompter
 
 from tfgrpo.optimizers.checkpoint import Checkpoint, digest
-from tfgrpo.optimizers.utils import Failed, add_usage, clip, format_fields, format_prediction, jsonable, majority, \
-    run_parallel, usage_of
+from tfgrpo.optimizers.utils import Failed, add_usage, clip, count_tool_calls, format_fields, format_prediction, \
+    jsonable, majority, run_parallel, usage_of
 from tfgrpo.programs.inject import LIBRARY_KEY, apply_library, resolve_targets
 from tfgrpo.programs.library import ExperienceLibrary
 from tfgrpo.signatures.learning import AdvantageExtractor, Consolidator, Summarizer
@@ -151,7 +151,7 @@ class TrainingFreeGRPO(Teleprompter):
             except Exception as exc:  # recorded and scored as a failure, never dropped
                 rec = {"outputs": None, "attempt": f"(the program failed: {type(exc).__name__}: {exc})",
                        "error": f"{type(exc).__name__}: {exc}"}
-            rec["tool_calls"] = _tool_calls(rec["outputs"])
+            rec["tool_calls"] = count_tool_calls(rec["outputs"])
             ckpt.put(unit, rec)
             return rec
 
@@ -376,10 +376,3 @@ def _answer_key(example, group: list[dict]) -> str:
 def _outcome(record: dict) -> str:
     verdict = "judged correct" if record["reward"] >= 1 else "judged wrong" if record["reward"] <= 0 else "partly right"
     return f"{verdict} (reward {record['reward']:.2f})" + (f"; {record['feedback']}" if record.get("feedback") else "")
-
-
-def _tool_calls(outputs: dict | None) -> int:
-    trajectory = (outputs or {}).get("trajectory")
-    if not isinstance(trajectory, dict):
-        return 0
-    return sum(1 for k, v in trajectory.items() if k.startswith("tool_name_") and v != "finish")

@@ -96,6 +96,14 @@ def jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, ensure_ascii=False, default=str))
 
 
+def count_tool_calls(outputs: dict | None) -> int:
+    """Tool calls in a ReAct trajectory (the final 'finish' is not a tool call); 0 for other programs."""
+    trajectory = (outputs or {}).get("trajectory")
+    if not isinstance(trajectory, dict):
+        return 0
+    return sum(1 for k, v in trajectory.items() if k.startswith("tool_name_") and v != "finish")
+
+
 def majority(values: list[Any]) -> Any:
     """The most common value (first seen wins ties); None values do not vote."""
     votes = Counter(json.dumps(v, sort_keys=True, default=str) for v in values if v not in (None, ""))

@@ -32,6 +32,7 @@ class LMConfig(_Strict):
     max_tokens: int = Field(512, ge=16)  # cap on each reply; the 1.5B model rambles past 512
     num_retries: int = Field(3, ge=0)  # provider retries with backoff on errors and rate limits
     timeout_s: float = Field(180, gt=0)  # one call's time limit: a runaway reply cannot stall a step
+    cache: bool = True  # DSPy's on-disk cache of replies: a re-run of the same prompts costs nothing
     n_ctx: int = Field(8192, ge=512)  # local backend only: context window of the server
     n_threads: int | None = None  # local backend only: CPU threads (default: all cores)
 

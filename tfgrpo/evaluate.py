@@ -15,7 +15,7 @@ from typing import Callable
 
 import dspy
 
-from tfgrpo.optimizers.utils import Failed, run_parallel, usage_of
+from tfgrpo.optimizers.utils import Failed, count_tool_calls, run_parallel, usage_of
 
 
 def evaluate_program(program: dspy.Module, examples: list, metric: Callable, *, lm: dspy.BaseLM, num_runs: int = 1,
@@ -39,8 +39,7 @@ def evaluate_program(program: dspy.Module, examples: list, metric: Callable, *, 
             score = float(getattr(result, "score", result))
             feedback = getattr(result, "feedback", "")
             answer = str(getattr(pred, "answer", ""))
-            trajectory = getattr(pred, "trajectory", None)
-            tool_calls = sum(1 for k, v in (trajectory or {}).items() if k.startswith("tool_name_") and v != "finish")
+            tool_calls = count_tool_calls(dict(pred.items()))
             error = None
         except Exception as exc:
             score, feedback, answer, tool_calls, error = 0.0, "", "", 0, f"{type(exc).__name__}: {exc}"

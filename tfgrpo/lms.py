@@ -25,7 +25,7 @@ def open_lms(config: Config):
 
 def _build(cfg: LMConfig, stack: contextlib.ExitStack, started: dict) -> dspy.LM:
     common = dict(temperature=cfg.temperature, max_tokens=cfg.max_tokens, num_retries=cfg.num_retries,
-                  timeout=cfg.timeout_s)
+                  timeout=cfg.timeout_s, cache=cfg.cache)
     if cfg.backend == "local":
         key = (cfg.model, cfg.n_ctx, cfg.n_threads)
         if key not in started:
@@ -41,4 +41,6 @@ def _build(cfg: LMConfig, stack: contextlib.ExitStack, started: dict) -> dspy.LM
         common["api_base"] = cfg.api_base
     if cfg.api_key_env:
         common["api_key"] = os.environ[cfg.api_key_env]  # read at run time, never written anywhere
+    elif cfg.api_base:
+        common["api_key"] = "none"  # self-hosted endpoints (vLLM, Ollama) need no key, but clients want one
     return dspy.LM(cfg.model, **common)

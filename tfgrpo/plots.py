@@ -8,6 +8,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 
 def learning_curve(steps: list[dict], path: Path, title: str = "Training-Free GRPO") -> Path:
@@ -20,7 +21,9 @@ def learning_curve(steps: list[dict], path: Path, title: str = "Training-Free GR
         ax.plot(xs, ys, marker="o")
         ax.set_title(label)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
+    axes[0].set_ylim(-0.05, 1.05)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -72,6 +72,7 @@ def dynamics_plot(runs: list[dict], path: Path) -> Path | None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     runs = [r for r in runs if r["steps"]]
     if not runs:
@@ -82,6 +83,7 @@ def dynamics_plot(runs: list[dict], path: Path) -> Path | None:
         for ax, key in zip(axes, ("mean_reward", "tool_calls_mean", "library_size")):
             ax.plot(xs, [s.get(key, 0) for s in run["steps"]], marker="o", label=run["name"])
     for ax, title in zip(axes, ("mean train reward", "tool calls per attempt", "library size")):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -22,13 +22,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import tfgrpo  # noqa: E402,F401
 import dspy  # noqa: E402
 
-from tfgrpo.evaluate import evaluate_program, paired_difference, summarize, write_rows  # noqa: E402
+from tfgrpo.evaluate import evaluate_program, paired_difference, read_rows, summarize, write_rows  # noqa: E402
 from tfgrpo.local_model import LocalServer  # noqa: E402
 from tfgrpo.optimizers import TrainingFreeGRPO  # noqa: E402
 from tfgrpo.programs import save_program  # noqa: E402
 from tfgrpo.tasks.math.datasets import load_math  # noqa: E402
 from tfgrpo.tasks.math.metric import math_metric  # noqa: E402
 from tfgrpo.tasks.math.programs import direct_program  # noqa: E402
+
+
+def _evaluate(program, evalset, lm, args, path: Path, seed: int) -> list[dict]:
+    """Evaluate, or reuse the rows a previous (interrupted) run already wrote for this seed and program."""
+    if path.exists():
+        return read_rows(path)
+    rows = evaluate_program(program, evalset, math_metric, lm=lm, num_threads=args.threads, name=path.stem)
+    for r in rows:
+        r["seed"] = seed
+    write_rows(rows, path)  # written at once: an interrupted benchmark keeps every finished evaluation
+    return rows
 
 
 def main() -> None:
@@ -64,14 +75,8 @@ def main() -> None:
             save_program(compiled, out / f"seed{seed}" / "program.json")
             run_lm = lm.copy(rollout_id=seed)  # the same sampling run for both programs
             t0 = time.time()
-            b = evaluate_program(direct_program(), evalset, math_metric, lm=run_lm, num_threads=args.threads,
-                                 name="baseline")
-            c = evaluate_program(compiled, evalset, math_metric, lm=run_lm, num_threads=args.threads, name="compiled")
-            for rows in (b, c):
-                for r in rows:
-                    r["seed"] = seed
-            write_rows(b, out / f"seed{seed}" / "baseline.jsonl")
-            write_rows(c, out / f"seed{seed}" / "compiled.jsonl")
+            b = _evaluate(direct_program(), evalset, run_lm, args, out / f"seed{seed}" / "baseline.jsonl", seed)
+            c = _evaluate(compiled, evalset, run_lm, args, out / f"seed{seed}" / "compiled.jsonl", seed)
             base_rows += b
             comp_rows += c
             per_seed.append({"seed": seed, "library_size": len(compiled.experience_library),

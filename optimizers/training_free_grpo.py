@@ -23,7 +23,7 @@ from dspy.teleprompt.teleprompt import Teleprompter
 
 from tfgrpo.optimizers.checkpoint import Checkpoint, digest
 from tfgrpo.optimizers.utils import Failed, add_usage, clip, count_tool_calls, format_fields, format_prediction, \
-    jsonable, majority, run_parallel, usage_of
+    jsonable, majority, metric_result, run_parallel, usage_of
 from tfgrpo.programs.inject import LIBRARY_KEY, apply_library, resolve_targets
 from tfgrpo.programs.library import ExperienceLibrary
 from tfgrpo.signatures.learning import AdvantageExtractor, Consolidator, Summarizer
@@ -325,12 +325,10 @@ class TrainingFreeGRPO(Teleprompter):
     def _score(self, example, record: dict) -> dict:
         if record["error"] or record["outputs"] is None:
             return {"reward": 0.0, "feedback": f"the attempt failed: {record['error']}"}
-        result = self.metric(example, dspy.Prediction(**record["outputs"]), None)
-        score, feedback = (result.score, getattr(result, "feedback", "") or "") if hasattr(result, "score") else (result, "")
-        score = float(score)
+        score, feedback = metric_result(self.metric(example, dspy.Prediction(**record["outputs"]), None))
         if not 0.0 <= score <= 1.0:
             raise ValueError(f"metric returned {score}; rewards must lie in [0, 1]")
-        return {"reward": score, "feedback": str(feedback)}
+        return {"reward": score, "feedback": feedback}
 
     def _validate(self, program, targets, library, valset, epoch, ckpt) -> float:
         if (saved := ckpt.get(f"epochs/{epoch}")) is not None:

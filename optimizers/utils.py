@@ -96,6 +96,13 @@ def jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, ensure_ascii=False, default=str))
 
 
+def metric_result(result: Any) -> tuple[float, str]:
+    """(score, feedback) from what a metric returned: a number, or a dspy.Prediction(score=..., feedback=...)."""
+    if hasattr(result, "score"):
+        return float(result.score), str(getattr(result, "feedback", "") or "")
+    return float(result), ""
+
+
 def count_tool_calls(outputs: dict | None) -> int:
     """Tool calls in a ReAct trajectory (the final 'finish' is not a tool call); 0 for other programs."""
     trajectory = (outputs or {}).get("trajectory")

@@ -87,7 +87,7 @@ def _compile(config: Config, policy, reflection) -> Path:
                                       target_predictors=o.target_predictors)
         compiled, steps = optimizer.compile(make(), trainset=trainset), []
     else:
-        knobs = o.model_dump(exclude={"method", "num_direct_experiences"})
+        knobs = _tfgrpo_knobs(config)
         optimizer = TrainingFreeGRPO(metric, reflection_lm=reflection, log_dir=str(run_dir / "checkpoint"), **knobs)
         with _progress() as progress:
             optimizer.progress = _StageBars(progress)
@@ -97,7 +97,7 @@ def _compile(config: Config, policy, reflection) -> Path:
     (run_dir / "library.json").write_text(json.dumps(compiled.experience_library.dump_state(), indent=2))
     (run_dir / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
     if steps:
-        learning_curve(steps, run_dir / "learning_curve.png")
+        learning_curve({run_dir.name: steps}, run_dir / "learning_curve.png")
     console.print(f"compiled in {time.time() - started:.0f} s: {len(compiled.experience_library)} experiences")
     for role, u in (compiled.detailed_results.get("usage") or {}).items():
         console.print(f"  {role}: {u.get('calls', 0)} calls, {u.get('prompt_tokens', 0):,} prompt + "
@@ -159,13 +159,18 @@ def _print_library(state: dict) -> None:
     console.print(table)
 
 
+def _tfgrpo_knobs(cfg: Config) -> dict:
+    """The [optimizer] section as TrainingFreeGRPO keyword arguments (the direct baseline's keys left out)."""
+    return cfg.optimizer.model_dump(exclude={"method", "num_direct_experiences"})
+
+
 def _dry_run(cfg: Config) -> None:
     from tfgrpo.optimizers import TrainingFreeGRPO
     from tfgrpo.optimizers.estimate import estimate_run
 
     make, metric, load = _task_parts(cfg)
     trainset = load(cfg.task.trainset, limit=cfg.task.train_limit, offset=cfg.task.train_offset)
-    knobs = cfg.optimizer.model_dump(exclude={"method", "num_direct_experiences"})
+    knobs = _tfgrpo_knobs(cfg)
     turns = cfg.task.max_iters + 1 if cfg.task.program == "react" else 1
     est = estimate_run(TrainingFreeGRPO(metric, **knobs), make(), trainset, turns_per_rollout=turns,
                        max_tokens=cfg.policy.max_tokens)

@@ -15,7 +15,7 @@ from typing import Callable
 
 import dspy
 
-from tfgrpo.optimizers.utils import Failed, count_tool_calls, run_parallel, usage_of
+from tfgrpo.optimizers.utils import Failed, count_tool_calls, metric_result, run_parallel, usage_of
 
 
 def evaluate_program(program: dspy.Module, examples: list, metric: Callable, *, lm: dspy.BaseLM, num_runs: int = 1,
@@ -35,9 +35,7 @@ def evaluate_program(program: dspy.Module, examples: list, metric: Callable, *, 
         example = examples[i]
         try:
             pred = candidates[r](**example.inputs())
-            result = metric(example, pred)
-            score = float(getattr(result, "score", result))
-            feedback = getattr(result, "feedback", "")
+            score, feedback = metric_result(metric(example, pred))
             answer = str(getattr(pred, "answer", ""))
             tool_calls = count_tool_calls(dict(pred.items()))
             error = None
@@ -55,11 +53,24 @@ def evaluate_program(program: dspy.Module, examples: list, metric: Callable, *, 
     return rows
 
 
+def per_problem(rows: list[dict]) -> dict[int, list[float]]:
+    """Scores grouped by problem: {problem: [score of run 0, run 1, ...]}."""
+    scores: dict[int, list[float]] = {}
+    for row in rows:
+        scores.setdefault(row["problem"], []).append(row["score"])
+    return scores
+
+
+def bootstrap_ci(values: list[float], *, seed: int = 0, resamples: int = 10_000) -> tuple[float, float]:
+    """95% bootstrap CI of the mean of `values`."""
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+
+
 def summarize(rows: list[dict]) -> dict:
     """Mean@k (mean accuracy over all runs), Pass@k (any run right), pass@1 (run 0), tool calls, tokens."""
-    by_problem: dict[int, list[float]] = {}
-    for row in rows:
-        by_problem.setdefault(row["problem"], []).append(row["score"])
+    by_problem = per_problem(rows)
     k = max((len(v) for v in by_problem.values()), default=0)
     usage = next((r["usage_total"] for r in rows if "usage_total" in r), {})
     return {
@@ -75,21 +86,14 @@ def summarize(rows: list[dict]) -> dict:
 
 def paired_difference(base: list[dict], other: list[dict], *, seed: int = 0, resamples: int = 10_000) -> dict:
     """Mean per-problem difference (other - base) with a 95% bootstrap CI over problems."""
-    def per_problem(rows):
-        acc: dict[int, list[float]] = {}
-        for r in rows:
-            acc.setdefault(r["problem"], []).append(r["score"])
-        return {p: statistics.fmean(v) for p, v in acc.items()}
-
-    a, b = per_problem(base), per_problem(other)
+    a = {p: statistics.fmean(v) for p, v in per_problem(base).items()}
+    b = {p: statistics.fmean(v) for p, v in per_problem(other).items()}
     shared = sorted(set(a) & set(b))
     if not shared:
         raise ValueError("the two evaluations share no problem")
     diffs = [b[p] - a[p] for p in shared]
-    rng = random.Random(seed)
-    means = sorted(statistics.fmean(rng.choices(diffs, k=len(diffs))) for _ in range(resamples))
     return {"problems": len(shared), "difference": statistics.fmean(diffs),
-            "ci95": [means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]],
+            "ci95": list(bootstrap_ci(diffs, seed=seed, resamples=resamples)),
             "wins": sum(d > 0 for d in diffs), "losses": sum(d < 0 for d in diffs)}
 
 

@@ -1,4 +1,4 @@
-"""The learning curve of a run: mean train reward, library size and tool calls per step, as one PNG."""
+"""Learning dynamics per step (mean train reward, library size, tool calls), one line per run, as one PNG."""
 
 from __future__ import annotations
 
@@ -10,20 +10,25 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+PANELS = (("mean train reward", "mean_reward"), ("library size", "library_size"),
+          ("tool calls per attempt", "tool_calls_mean"))
 
-def learning_curve(steps: list[dict], path: Path, title: str = "Training-Free GRPO") -> Path:
-    xs = [s["step"] for s in steps]
-    series = [("mean train reward", [s["mean_reward"] for s in steps]),
-              ("library size", [s["library_size"] for s in steps]),
-              ("tool calls per attempt", [s.get("tool_calls_mean", 0.0) for s in steps])]
+
+def learning_curve(runs: dict[str, list[dict]], path: Path, title: str = "Training-Free GRPO") -> Path:
+    """`runs` maps a run's name to its per-step stats (`steps.jsonl` rows)."""
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
-    for ax, (label, ys) in zip(axes, series):
-        ax.plot(xs, ys, marker="o")
+    for name, steps in runs.items():
+        xs = [s["step"] for s in steps]
+        for ax, (_, key) in zip(axes, PANELS):
+            ax.plot(xs, [s.get(key, 0.0) for s in steps], marker="o", label=name)
+    for ax, (label, _) in zip(axes, PANELS):
         ax.set_title(label)
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     axes[0].set_ylim(-0.05, 1.05)
+    if len(runs) > 1:
+        axes[0].legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -7,22 +7,17 @@ A run directory holds `eval/baseline.jsonl`, `eval/compiled.jsonl` (one row per 
 from __future__ import annotations
 
 import json
-import random
 import statistics
 from pathlib import Path
 
-from tfgrpo.evaluate import paired_difference, read_rows, summarize
+from tfgrpo.evaluate import bootstrap_ci, paired_difference, per_problem, read_rows, summarize
+from tfgrpo.plots import learning_curve
 
 
-def _mean_ci(rows: list[dict], *, seed: int = 0, resamples: int = 5000) -> tuple[float, float, float]:
+def _mean_ci(rows: list[dict]) -> tuple[float, float, float]:
     """Mean@k with a 95% bootstrap CI over problems."""
-    per: dict[int, list[float]] = {}
-    for r in rows:
-        per.setdefault(r["problem"], []).append(r["score"])
-    means = [statistics.fmean(v) for v in per.values()]
-    rng = random.Random(seed)
-    boot = sorted(statistics.fmean(rng.choices(means, k=len(means))) for _ in range(resamples))
-    return statistics.fmean(means), boot[int(0.025 * resamples)], boot[int(0.975 * resamples) - 1]
+    means = [statistics.fmean(v) for v in per_problem(rows).values()]
+    return (statistics.fmean(means), *bootstrap_ci(means, resamples=5000))
 
 
 def _learning_cost(steps: list[dict]) -> tuple[int, int]:
@@ -67,38 +62,12 @@ def markdown(runs: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def dynamics_plot(runs: list[dict], path: Path) -> Path | None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    runs = [r for r in runs if r["steps"]]
-    if not runs:
-        return None
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
-    for run in runs:
-        xs = [s["step"] for s in run["steps"]]
-        for ax, key in zip(axes, ("mean_reward", "tool_calls_mean", "library_size")):
-            ax.plot(xs, [s.get(key, 0) for s in run["steps"]], marker="o", label=run["name"])
-    for ax, title in zip(axes, ("mean train reward", "tool calls per attempt", "library size")):
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 def build_report(run_dirs: list[Path], out: Path) -> tuple[Path, Path | None]:
     runs = [load_run(d) for d in run_dirs]
     out.mkdir(parents=True, exist_ok=True)
     md = out / "report.md"
-    plot = dynamics_plot(runs, out / "report.png")
+    with_steps = {r["name"]: r["steps"] for r in runs if r["steps"]}
+    plot = learning_curve(with_steps, out / "report.png", title="learning dynamics") if with_steps else None
     text = "# tfgrpo report\n\n" + markdown(runs)
     if plot:
         text += f"\n![learning dynamics]({plot.name})\n"

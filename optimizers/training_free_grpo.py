@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import statistics
 import time
 from typing import Any, Callable
@@ -22,8 +23,10 @@ import dspy
 from dspy.teleprompt.teleprompt import Teleprompter
 
 from tfgrpo.optimizers.checkpoint import Checkpoint, digest
+from tfgrpo.optimizers.contrast import contrast_pairs, fold
 from tfgrpo.optimizers.utils import Failed, add_usage, clip, count_tool_calls, format_fields, format_prediction, \
     jsonable, majority, metric_result, run_parallel, usage_of
+from tfgrpo.programs.contrast_learner import ContrastLearner
 from tfgrpo.programs.inject import LIBRARY_KEY, apply_library, resolve_targets
 from tfgrpo.programs.library import ExperienceLibrary
 from tfgrpo.signatures.learning import AdvantageExtractor, Consolidator, Summarizer
@@ -32,6 +35,7 @@ from tfgrpo.signatures.operations import Operation
 logger = logging.getLogger(__name__)
 
 EMPTY_LIBRARY = "(no experiences yet: only 'add' is possible)"
+SMALL_REFLECTOR_B = 8  # learning_path="auto" picks "contrast" for reflection models of at most this many billion parameters
 
 
 class TrainingFreeGRPO(Teleprompter):
@@ -49,6 +53,8 @@ class TrainingFreeGRPO(Teleprompter):
         # learning calls
         reflection_lm: dspy.BaseLM | None = None,  # LM of the learning calls; None: the student's LM
         max_operations_per_group: int = 2,  # cap on the edits one group may propose
+        learning_path: str = "auto",  # "paper" | "contrast" (pairwise, for small reflectors) | "auto": by model size
+        constrained_decoding: str = "auto",  # contrast path: "json_object" (llama.cpp) | "json_schema" | "off" | "auto"
         use_ground_truth: bool = True,  # False: majority vote of the group is the pseudo-label, no answer key shown
         # the library
         max_experiences: int | None = None,  # cap on the library's size; None: no cap
@@ -64,6 +70,11 @@ class TrainingFreeGRPO(Teleprompter):
     ):
         if num_generations < 1 or batch_size < 1 or num_train_epochs < 0 or num_threads < 1:
             raise ValueError("num_generations, batch_size and num_threads must be >= 1, num_train_epochs >= 0")
+        if learning_path not in ("auto", "paper", "contrast"):
+            raise ValueError(f"learning_path must be 'auto', 'paper' or 'contrast', not {learning_path!r}")
+        if constrained_decoding not in ("auto", "json_object", "json_schema", "off"):
+            raise ValueError("constrained_decoding must be 'auto', 'json_object', 'json_schema' or 'off', "
+                             f"not {constrained_decoding!r}")
         if not callable(metric):
             raise TypeError("metric must be callable: metric(example, prediction, trace=None) -> float | dspy.Prediction")
         self.metric = metric
@@ -71,6 +82,7 @@ class TrainingFreeGRPO(Teleprompter):
         self.num_train_epochs, self.batch_size, self.seed = num_train_epochs, batch_size, seed
         self.reflection_lm, self.max_operations_per_group = reflection_lm, max_operations_per_group
         self.use_ground_truth = use_ground_truth
+        self.learning_path, self.constrained_decoding = learning_path, constrained_decoding
         self.max_experiences, self.max_words_per_experience = max_experiences, max_words_per_experience
         self.target_predictors = target_predictors
         self.num_threads, self.max_failure_rate = num_threads, max_failure_rate
@@ -133,7 +145,6 @@ class TrainingFreeGRPO(Teleprompter):
             return ExperienceLibrary.from_state(done["library"]), done["stats"]
         G, t0, timing = self.num_generations, time.time(), {}
         stats: dict[str, Any] = {"step": step, "epoch": epoch, "batch_size": len(batch), "usage": {}}
-        qkeys = {qi: _query_key(trainset[qi], qi) for qi in batch}
         rendered_library = library.render() or EMPTY_LIBRARY
 
         # 1. rollouts: G distinct samples per query, each candidate with its own LM copies (rollout_id)
@@ -188,13 +199,40 @@ class TrainingFreeGRPO(Teleprompter):
                      tool_calls_mean=statistics.fmean(r["tool_calls"] for r in records.values()))
         logger.info("Step %d: mean reward %.3f, %d/%d groups with contrast", step, stats["mean_reward"], len(kept), len(batch))
 
+        # 4-6. learning calls: what did the better attempts know? -> a plan of operations on the library
+        reflection_lm = self._reflection_lm(program)
+        if self._resolve_learning_path(reflection_lm) == "contrast":
+            plan, proposals, learned = self._learn_by_contrast(program, reflection_lm, library, trainset, records,
+                                                               kept, key, ckpt, stats)
+        else:
+            plan, proposals, learned = self._learn_paper(reflection_lm, library, rendered_library, trainset,
+                                                         records, kept, key, ckpt, stats)
+        timing["learning"] = time.time() - t0 - sum(timing.values())
+
+        # 7. the plan is validated and applied in code, all or nothing
+        sources = sorted({q for q, _ in proposals})
+        report = library.apply(plan, step=step, sources=sources)
+        stats.update(learned)
+        stats.update(operations_proposed=stats.get("operations_proposed", len(proposals)),
+                     operations_applied=report.applied, operations_rejected=len(report.rejected),
+                     library_size=len(library), seconds=timing, wall_s=time.time() - t0)
+        logger.info("Step %d: %d operations proposed, applied %s, %d refused; library has %d experiences",
+                    step, len(proposals), report.applied, len(report.rejected), len(library))
+        ckpt.put(f"{key}/done", {"library": library.dump_state(), "stats": stats})
+        return library, stats
+
+    def _learn_paper(self, reflection_lm, library, rendered_library, trainset, records, kept, key, ckpt, stats):
+        """The paper's path: summarize every attempt of a kept group, extract each group's advantage as
+        operations, consolidate the batch's operations in one call."""
+        G = self.num_generations
+        qkeys = {qi: _query_key(trainset[qi], qi) for qi in kept}
         # 4. summaries of every attempt in a kept group
         gt = self.use_ground_truth
         summarizer, advantage, consolidator = Summarizer(gt), AdvantageExtractor(gt), Consolidator()
-        lms = {name: self._reflection_lm(program).copy() for name in ("summary", "advantage", "consolidation")}
+        lms = {name: reflection_lm.copy() for name in ("summary", "advantage", "consolidation")}
         for module, name in ((summarizer, "summary"), (advantage, "advantage"), (consolidator, "consolidation")):
             module.set_lm(lms[name])
-        answer_key = {qi: _answer_key(trainset[qi], [records[(qi, g)] for g in range(G)]) for qi in batch} if gt else {}
+        answer_key = {qi: _answer_key(trainset[qi], [records[(qi, g)] for g in range(G)]) for qi in kept} if gt else {}
         summary_jobs = [(qi, g) for qi in kept for g in range(G)]
 
         def summarize(job):
@@ -215,7 +253,6 @@ class TrainingFreeGRPO(Teleprompter):
                 summary = clip(records[job]["attempt"], 1500)
             records[job]["summary"] = summary
         stats["usage"]["summary"] = usage_of([lms["summary"]])
-        timing["summary"] = time.time() - t0 - sum(timing.values())
 
         # 5. group advantage: what did the better attempts know? -> at most N operations per group
         def extract(qi):
@@ -238,21 +275,66 @@ class TrainingFreeGRPO(Teleprompter):
                 continue
             proposals += [(qkeys[qi], Operation.model_validate(o)) for o in ops]
         stats["usage"]["advantage"] = usage_of([lms["advantage"]])
-        timing["advantage"] = time.time() - t0 - sum(timing.values())
 
-        # 6. consolidation: one call turns the batch's proposals into the plan; 7. the plan is applied in code
+        # 6. consolidation: one call turns the batch's proposals into the plan
         plan, stats["consolidation"] = self._consolidate(consolidator, library, proposals, key, ckpt)
         stats["usage"]["consolidation"] = usage_of([lms["consolidation"]])
-        sources = sorted({q for q, _ in proposals})
-        report = library.apply(plan, step=step, sources=sources)
-        timing["consolidation"] = time.time() - t0 - sum(timing.values())
-        stats.update(operations_proposed=len(proposals), operations_applied=report.applied,
-                     operations_rejected=len(report.rejected), learning_failures=learning_failures,
-                     library_size=len(library), seconds=timing, wall_s=time.time() - t0)
-        logger.info("Step %d: %d operations proposed, applied %s, %d refused; library has %d experiences",
-                    step, len(proposals), report.applied, len(report.rejected), len(library))
-        ckpt.put(f"{key}/done", {"library": library.dump_state(), "stats": stats})
-        return library, stats
+        return plan, proposals, {"learning_failures": learning_failures}
+
+    def _learn_by_contrast(self, program, reflection_lm, library, trainset, records, kept, key, ckpt, stats):
+        """The small-reflector path: one short call per (better, worse) pair of a kept group, each proposing
+        at most one operation; the batch's proposals are folded in code (see `contrast.py`)."""
+        G, lm = self.num_generations, reflection_lm.copy()
+        learner = ContrastLearner(max_words=self.max_words_per_experience,
+                                  constrained=self._resolve_constrained(reflection_lm))
+        allowed = " ".join(p.signature.instructions for _, p in program.named_predictors())
+        jobs = [(qi, b, w) for qi in kept
+                for b, w in contrast_pairs([records[(qi, g)]["reward"] for g in range(G)], self.max_operations_per_group)]
+
+        def contrast(job):
+            qi, b, w = job
+            unit = f"{key}/contrasts/{qi}_{b}_{w}"
+            if (rec := ckpt.get(unit)) is None:
+                with dspy.context(lm=lm):
+                    rec = learner(task=format_fields(trainset[qi].inputs()), better_attempt=_shown(records[(qi, b)]),
+                                  worse_attempt=_shown(records[(qi, w)]), library=library, allowed=allowed)
+                ckpt.put(unit, rec)
+            return rec
+
+        proposals, counts = [], {"learning_failures": 0, "operations_proposed": 0, "refused_specific": 0,
+                                 "rewritten_specific": 0, "redundant": 0, "said_none": 0}
+        for (qi, _, _), rec in zip(jobs, self._parallel(contrast, jobs, "contrast")):
+            if isinstance(rec, Failed):
+                counts["learning_failures"] += 1
+                logger.warning("Contrast call on query %s failed (%s); it proposes nothing", qi, rec.error)
+                continue
+            counts["said_none"] += rec["action"] == "none"
+            counts["operations_proposed"] += rec["action"] != "none"
+            counts["rewritten_specific"] += rec["rewritten"] and rec["refused"] is None
+            counts["refused_specific"] += bool(rec["refused"])
+            if rec["refused"]:
+                logger.warning("Refused a rule from query %s: %s (%r)", qi, rec["refused"], rec["rule"][:80])
+            if rec["operation"]:
+                proposals.append((_query_key(trainset[qi], qi), Operation.model_validate(rec["operation"])))
+        plan, counts["redundant"] = fold(library.texts(), [op for _, op in proposals])
+        stats["usage"]["contrast"] = usage_of([lm])
+        stats["consolidation"] = f"folded in code: {len(plan)} of {len(proposals)} kept"
+        return plan, proposals, counts
+
+    def _resolve_learning_path(self, reflection_lm) -> str:
+        if self.learning_path != "auto":
+            return self.learning_path
+        return "contrast" if _model_size_b(getattr(reflection_lm, "model", "")) <= SMALL_REFLECTOR_B else "paper"
+
+    def _resolve_constrained(self, reflection_lm) -> str | None:
+        if self.constrained_decoding == "off":
+            return None
+        if self.constrained_decoding != "auto":
+            return self.constrained_decoding
+        try:
+            return "json_schema" if reflection_lm.supports_response_schema else None
+        except Exception:  # an LM whose capabilities cannot be looked up: parse and validate only
+            return None
 
     def _consolidate(self, consolidator, library, proposals, key, ckpt) -> tuple[list[Operation], str]:
         if not proposals:
@@ -351,7 +433,7 @@ class TrainingFreeGRPO(Teleprompter):
 
     def _fingerprint(self, program, targets, trainset, valset, library) -> dict:
         knobs = {k: getattr(self, k) for k in ("num_generations", "temperature", "num_train_epochs", "batch_size", "seed",
-                                                "max_operations_per_group", "use_ground_truth", "max_experiences",
+                                                "max_operations_per_group", "use_ground_truth", "max_experiences", "learning_path",
                                                 "max_words_per_experience")}
         return {"knobs": knobs, "targets": targets,
                 "instructions": digest([p.signature.instructions for _, p in program.named_predictors()]),
@@ -362,6 +444,17 @@ class TrainingFreeGRPO(Teleprompter):
 def _query_key(example, index: int) -> str:
     ident = example.get("id") if hasattr(example, "get") else None
     return f"train#{index}" + (f":{ident}" if ident is not None else "")
+
+
+def _model_size_b(model: str) -> float:
+    """Parameter count in billions read from a model name ("qwen2.5-coder-1.5b" -> 1.5); inf if none is given."""
+    sizes = [float(x) for x in re.findall(r"(?<![\d.])(\d+(?:\.\d+)?)b(?![a-z])", model.lower())]
+    return max(sizes) if sizes else float("inf")
+
+
+def _shown(record: dict) -> str:
+    """An attempt as a contrast call sees it: its output, then how it was judged."""
+    return f"{clip(record['attempt'], 2000)}\nresult: {_outcome(record)}"
 
 
 def _answer_key(example, group: list[dict]) -> str:

@@ -58,12 +58,18 @@ class _StageBars:
 
 
 def _task_parts(config: Config):
+    """(program factory, evaluation metric, loader, training reward) of the configured task."""
+    t = config.task
+    if t.name == "game24":
+        from tfgrpo.tasks.game24 import Game24Solver, game24_metric, game24_reward, load_game24
+
+        reward = game24_reward if t.train_reward == "partial" else game24_metric
+        return Game24Solver, game24_metric, load_game24, reward
     from tfgrpo.tasks.math.datasets import load_math
     from tfgrpo.tasks.math.metric import math_metric
     from tfgrpo.tasks.math.programs import make_program
 
-    t = config.task
-    return (lambda: make_program(t.program, max_iters=t.max_iters)), math_metric, load_math
+    return (lambda: make_program(t.program, max_iters=t.max_iters)), math_metric, load_math, math_metric
 
 
 def _compile(config: Config, policy, reflection) -> Path:
@@ -73,7 +79,7 @@ def _compile(config: Config, policy, reflection) -> Path:
     from tfgrpo.plots import learning_curve
     from tfgrpo.programs import save_program
 
-    make, metric, load = _task_parts(config)
+    make, _, load, reward = _task_parts(config)
     t, o, run_dir = config.task, config.optimizer, Path(config.run_dir)
     trainset = load(t.trainset, limit=t.train_limit, offset=t.train_offset)
     valset = load(t.valset, limit=t.val_limit) if t.valset else None
@@ -88,7 +94,7 @@ def _compile(config: Config, policy, reflection) -> Path:
         compiled, steps = optimizer.compile(make(), trainset=trainset), []
     else:
         knobs = _tfgrpo_knobs(config)
-        optimizer = TrainingFreeGRPO(metric, reflection_lm=reflection, log_dir=str(run_dir / "checkpoint"), **knobs)
+        optimizer = TrainingFreeGRPO(reward, reflection_lm=reflection, log_dir=str(run_dir / "checkpoint"), **knobs)
         with _progress() as progress:
             optimizer.progress = _StageBars(progress)
             compiled = optimizer.compile(make(), trainset=trainset, valset=valset)
@@ -112,7 +118,7 @@ def _evaluate(config: Config, policy, program_path: Path) -> dict:
     from tfgrpo.evaluate import evaluate_program, paired_difference, summarize, write_rows
     from tfgrpo.programs import load_program
 
-    make, metric, load = _task_parts(config)
+    make, metric, load, _ = _task_parts(config)
     t, e, out = config.task, config.evaluate, Path(config.run_dir) / "eval"
     examples = load(t.evalset, limit=t.eval_limit, offset=t.eval_offset)
     programs = {"baseline": make(), "compiled": load_program(make(), program_path)}
@@ -161,14 +167,18 @@ def _print_library(state: dict) -> None:
 
 def _tfgrpo_knobs(cfg: Config) -> dict:
     """The [optimizer] section as TrainingFreeGRPO keyword arguments (the direct baseline's keys left out)."""
-    return cfg.optimizer.model_dump(exclude={"method", "num_direct_experiences"})
+    knobs = cfg.optimizer.model_dump(exclude={"method", "num_direct_experiences"})
+    learner = cfg.reflection or cfg.policy
+    if knobs["constrained_decoding"] == "auto" and learner.backend == "local":
+        knobs["constrained_decoding"] = "json_object"  # the embedded llama.cpp server's form of JSON-schema decoding
+    return knobs
 
 
 def _dry_run(cfg: Config) -> None:
     from tfgrpo.optimizers import TrainingFreeGRPO
     from tfgrpo.optimizers.estimate import estimate_run
 
-    make, metric, load = _task_parts(cfg)
+    make, _, load, metric = _task_parts(cfg)
     trainset = load(cfg.task.trainset, limit=cfg.task.train_limit, offset=cfg.task.train_offset)
     knobs = _tfgrpo_knobs(cfg)
     turns = cfg.task.max_iters + 1 if cfg.task.program == "react" else 1

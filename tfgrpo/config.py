@@ -44,9 +44,10 @@ class LMConfig(_Strict):
 
 
 class TaskConfig(_Strict):
-    name: Literal["math"] = "math"
-    program: Literal["cot", "react"] = "cot"  # cot: direct chain of thought; react: ReAct with a sandboxed Python tool
-    trainset: str = "gsm8k_train"  # builtin name, JSONL path or hub id (see tfgrpo.tasks.math.datasets)
+    name: Literal["math", "game24"] = "math"  # game24: the Game of 24, solved by a program the model writes
+    program: Literal["cot", "react"] = "cot"  # math only. cot: direct chain of thought; react: ReAct with a Python tool
+    train_reward: Literal["partial", "strict"] = "partial"  # game24 only: partial credit while learning (see game24_reward)
+    trainset: str = "gsm8k_train"  # builtin name, JSONL path or hub id (see tfgrpo.tasks.math.datasets, tasks.game24)
     train_limit: int | None = None  # None: the whole set
     train_offset: int = 0
     valset: str | None = None  # optional: keeps the best epoch's library
@@ -65,6 +66,8 @@ class OptimizerConfig(_Strict):
     batch_size: int = Field(12, ge=1)
     temperature: float = Field(0.7, ge=0, le=2)
     max_operations_per_group: int = Field(2, ge=1)
+    learning_path: Literal["auto", "paper", "contrast"] = "auto"  # auto: contrast for reflection LMs of <= 8B
+    constrained_decoding: Literal["auto", "json_object", "json_schema", "off"] = "auto"  # auto: json_object on local
     max_experiences: int | None = None
     max_words_per_experience: int = Field(32, ge=4)
     use_ground_truth: bool = True

@@ -10,8 +10,9 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-PANELS = (("mean train reward", "mean_reward"), ("library size", "library_size"),
-          ("tool calls per attempt", "tool_calls_mean"))
+# Each step rolls out on its own batch of problems, so the reward panel compares batches, not one fixed probe set.
+PANELS = (("mean reward of the step's attempts\n(each step: other problems)", "mean_reward"),
+          ("library size after the step", "library_size"), ("tool calls per attempt", "tool_calls_mean"))
 
 
 def learning_curve(runs: dict[str, list[dict]], path: Path, title: str = "Training-Free GRPO") -> Path:
@@ -22,11 +23,14 @@ def learning_curve(runs: dict[str, list[dict]], path: Path, title: str = "Traini
         for ax, (_, key) in zip(axes, PANELS):
             ax.plot(xs, [s.get(key, 0.0) for s in steps], marker="o", label=name)
     for ax, (label, _) in zip(axes, PANELS):
-        ax.set_title(label)
+        ax.set_title(label, fontsize=10)
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     axes[0].set_ylim(-0.05, 1.05)
+    for ax in axes[1:]:  # counts: from zero, whole numbers
+        ax.set_ylim(bottom=0, top=max(1.0, ax.get_ylim()[1]))
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     if len(runs) > 1:
         axes[0].legend(fontsize=8)
     fig.suptitle(title)

@@ -1,0 +1,40 @@
+"""Constrained decoding for DSPy signatures: the backend may only emit the signature's JSON schema.
+
+`ConstrainedJSONAdapter` is DSPy's `JSONAdapter` with the response format chosen by us instead of by
+LiteLLM's model catalog, which does not know local or self-hosted model names:
+- "json_object": `{"type": "json_object", "schema": ...}`, the form llama.cpp's servers (llama-cpp-python,
+  llama-server) turn into a grammar;
+- "json_schema": OpenAI's structured outputs form, understood by OpenAI, vLLM, SGLang and Ollama.
+Literal fields become enums, so an illegal value cannot be sampled. The reply is still parsed and
+validated by DSPy as usual.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import dspy
+from dspy.adapters.json_adapter import _get_structured_outputs_response_format
+
+Mode = Literal["json_object", "json_schema"]
+
+
+def output_schema(signature: type[dspy.Signature]) -> dict:
+    """The JSON schema of a signature's outputs (every field required, nothing else allowed)."""
+    return _get_structured_outputs_response_format(signature).model_json_schema()
+
+
+class ConstrainedJSONAdapter(dspy.JSONAdapter):
+    def __init__(self, mode: Mode = "json_object"):
+        if mode not in ("json_object", "json_schema"):
+            raise ValueError(f"constrained decoding mode must be 'json_object' or 'json_schema', not {mode!r}")
+        super().__init__()
+        self.mode = mode
+
+    def _prepare_response_format(self, lm, lm_kwargs, signature):
+        schema = output_schema(signature)
+        if self.mode == "json_object":
+            lm_kwargs["response_format"] = {"type": "json_object", "schema": schema}
+        else:
+            lm_kwargs["response_format"] = {"type": "json_schema",
+                                            "json_schema": {"name": "reply", "schema": schema, "strict": True}}

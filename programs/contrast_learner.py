@@ -1,0 +1,74 @@
+"""The small-reflector learning call as a DSPy module: a better and a worse attempt in, at most one
+validated `Operation` out.
+
+Every reply is typed by a signature built from the live library (`contrast_signature`), optionally decoded
+under its JSON schema (`ConstrainedJSONAdapter`), and checked in code for generality: a rule that repeats
+the query's names, numbers or phrases is sent back once to be rewritten, and refused if it still does.
+The result is a plain dict (for checkpoints) that says what happened, so every refusal can be counted.
+"""
+
+from __future__ import annotations
+
+import dspy
+from dspy.utils.exceptions import AdapterParseError
+from pydantic import ValidationError
+
+from tfgrpo.programs.constrained import ConstrainedJSONAdapter, Mode
+from tfgrpo.programs.generality import specific_terms
+from tfgrpo.programs.library import ExperienceLibrary
+from tfgrpo.signatures.contrast import GeneralizeRule, contrast_signature
+from tfgrpo.signatures.learning import LearningCallError
+from tfgrpo.signatures.operations import Operation
+
+EMPTY = "(empty: no rules yet)"
+
+
+class ContrastLearner(dspy.Module):
+    def __init__(self, *, max_words: int = 32, constrained: Mode | None = None):
+        super().__init__()
+        self.max_words = max_words  # the longest rule the library accepts
+        self.adapter = ConstrainedJSONAdapter(constrained) if constrained else None  # None: DSPy's default adapter
+
+    def forward(self, *, task: str, better_attempt: str, worse_attempt: str, library: ExperienceLibrary,
+                allowed: str = "") -> dict:
+        """`allowed`: text whose words and numbers belong to the task itself (the program's instructions)."""
+        sig = contrast_signature(list(library.active), self.max_words)
+        reply = self._call(sig, task=task, better_attempt=better_attempt, worse_attempt=worse_attempt,
+                           library=library.render() or EMPTY)
+        rec = {"difference": str(reply.difference or ""), "action": reply.action,
+               "target_id": str(getattr(reply, "target_id", "none")), "rule": str(reply.rule or "").strip(),
+               "specific": [], "rewritten": False, "operation": None, "refused": None}
+        if rec["action"] == "none":
+            return rec
+        if rec["action"] == "modify" and rec["target_id"] == "none":
+            rec["refused"] = "modify without a target id"
+            return rec
+        terms = specific_terms(rec["rule"], task, allowed=allowed)
+        if terms:  # one chance to say it generally
+            rec["specific"], rec["rewritten"] = terms, True
+            rec["rule"] = str(self._call(GeneralizeRule, rule=rec["rule"], details=", ".join(terms)).general_rule
+                              or "").strip()
+            still = specific_terms(rec["rule"], task, allowed=allowed)
+            if still:
+                rec["refused"] = f"repeats task-specific terms: {', '.join(still)}"
+                return rec
+        if not rec["rule"]:
+            rec["refused"] = "empty rule"
+            return rec
+        ids = [rec["target_id"]] if rec["action"] == "modify" else []
+        rec["operation"] = Operation(action=rec["action"], ids=ids, text=rec["rule"]).model_dump()
+        return rec
+
+    def _call(self, signature: type[dspy.Signature], **inputs) -> dspy.Prediction:
+        """One call; a reply that does not parse is asked for once more (with other instructions, so the
+        LM cache cannot hand back the same reply), then `LearningCallError`."""
+        with dspy.context(**({"adapter": self.adapter} if self.adapter else {})):
+            try:
+                return dspy.Predict(signature)(**inputs)
+            except (AdapterParseError, ValidationError, ValueError) as first:
+                retry = signature.with_instructions(
+                    f"{signature.instructions}\n\nYour previous reply could not be read. Follow the output format.")
+                try:
+                    return dspy.Predict(retry)(**inputs)
+                except (AdapterParseError, ValidationError, ValueError) as second:
+                    raise LearningCallError(f"contrast: unusable reply twice ({second})") from first

@@ -1,0 +1,187 @@
+"""The small-reflector learning path: typed per-call signatures, constrained decoding, generality in code,
+pairwise contrast, folding, and the optimizer's path choice."""
+
+import json
+import re
+
+import dspy
+import pytest
+
+from scripted_lm import ScriptedLM, kind_of, output_fields
+from test_optimizer import LESSON, make_trainset, metric, student_answer
+from tfgrpo.optimizers import TrainingFreeGRPO
+from tfgrpo.optimizers.contrast import contrast_pairs, fold, overlap
+from tfgrpo.optimizers.training_free_grpo import _model_size_b
+from tfgrpo.programs import ExperienceLibrary
+from tfgrpo.programs.constrained import ConstrainedJSONAdapter, output_schema
+from tfgrpo.programs.generality import specific_terms
+from tfgrpo.signatures.contrast import contrast_signature
+from tfgrpo.signatures.operations import Operation
+
+BETTY = ("Betty is saving money for a new wallet which costs $100. Betty has only half of the money she needs. "
+         "Her parents give her $15. How much more money does Betty need?")
+
+
+@pytest.mark.parametrize("rule,specific", [
+    ("When Betty saves money for a wallet, add the gifts.", True),
+    ("When you have 15 and 100, subtract.", True),
+    ("When a person has only half of the money she needs, double it.", True),  # a copied run of words
+    ("When amounts are given as fractions of a total, compute each part first.", False),
+    ("Convert minutes to hours by dividing by 60.", False),
+])
+def test_specific_terms_of_a_word_problem(rule, specific):
+    assert bool(specific_terms(rule, BETTY)) is specific
+
+
+def test_specific_terms_allow_the_tasks_own_numbers():
+    allowed = "Game of 24: combine the four numbers to make exactly 24"
+    assert specific_terms("Print an expression worth 24 that uses all 4 numbers.", "4 5 6 10", allowed=allowed) == []
+    assert specific_terms("When you have 6 and 4, multiply them.", "4 5 6 10", allowed=allowed) == ["4", "6"]
+    assert specific_terms("Multiply 10 by two.", "4 5 6 10", allowed=allowed) == ["10"]
+
+
+def test_contrast_pairs():
+    assert contrast_pairs([1, 0, 0, 1], 2) == [(0, 1), (3, 2)]
+    assert contrast_pairs([1, 0, 0, 1], 1) == [(0, 1)]
+    assert contrast_pairs([0.3, 0.3, 1, 0], 5) == [(2, 3)]  # then 0.3 vs 0.3: no contrast left
+    assert contrast_pairs([0.5, 0.5], 3) == []
+
+
+def test_fold_drops_what_is_already_said():
+    existing = ["Check every candidate expression with exact fractions before printing it."]
+    ops = [Operation(action="add", text="Check each candidate expression with exact fractions before printing."),
+           Operation(action="add", text="Handle division by zero inside the search loop."),
+           Operation(action="add", text="Handle division by zero inside the search loop!"),
+           Operation(action="modify", ids=["E1"], text="A"), Operation(action="modify", ids=["E1"], text="B")]
+    plan, redundant = fold(existing, ops)
+    assert [o.text for o in plan] == ["Handle division by zero inside the search loop.", "A"] and redundant == 3
+    assert overlap("a b c", "a b c") == 1.0
+
+
+def test_signature_and_schema_follow_the_live_library():
+    empty = output_schema(contrast_signature([], 20))
+    assert empty["properties"]["action"]["enum"] == ["add", "none"] and "target_id" not in empty["properties"]
+    assert empty["required"] == ["difference", "action", "rule"] and empty["additionalProperties"] is False
+    full = output_schema(contrast_signature(["E2", "E5"], 20))
+    assert full["properties"]["action"]["enum"] == ["add", "modify", "none"]
+    assert full["properties"]["target_id"]["enum"] == ["E2", "E5", "none"]
+    assert "20 words" in contrast_signature([], 20).output_fields["rule"].json_schema_extra["desc"]
+    instructions = contrast_signature(["E2"], 20).instructions
+    assert "E2" not in instructions and not any(ch.isdigit() for ch in instructions)  # nothing to copy
+
+
+@pytest.mark.parametrize("mode,shape", [("json_object", "schema"), ("json_schema", "json_schema")])
+def test_constrained_adapter_sends_the_schema(mode, shape):
+    kwargs = {}
+    ConstrainedJSONAdapter(mode)._prepare_response_format(None, kwargs, contrast_signature(["E1"], 10))
+    fmt = kwargs["response_format"]
+    assert fmt["type"] == mode
+    schema = fmt["schema"] if shape == "schema" else fmt["json_schema"]["schema"]
+    assert schema["properties"]["target_id"]["enum"] == ["E1", "none"]
+    with pytest.raises(ValueError):
+        ConstrainedJSONAdapter("grammar")
+
+
+def test_model_size_from_name():
+    assert _model_size_b("openai/qwen2.5-coder-1.5b") == 1.5
+    assert _model_size_b("ollama/llama3.1:8b") == 8
+    assert _model_size_b("openai/Qwen3-235B-A22B") == 235
+    assert _model_size_b("deepseek/deepseek-chat") == float("inf")
+
+
+def contrast_learner(rule=LESSON, action="add", generalized=None):
+    """Student as in test_optimizer; contrast calls propose `rule` ("{a}", "{b}": the task's numbers);
+    rewrite calls answer `generalized` (formatted the same way)."""
+
+    def respond(messages, kwargs):
+        fields = output_fields(messages)
+        text = "\n".join(m["content"] for m in messages)
+        numbers = re.findall(r"What is (\d+) \+ (\d+)\?", text) or re.findall(r"adding (\d+) and (\d+)", text)
+        a, b = numbers[-1] if numbers else ("", "")
+        if fields == ["general_rule"]:
+            return {"general_rule": (generalized or rule).format(a=a, b=b)}
+        rule_now = rule.format(a=a, b=b)
+        if "difference" in fields:
+            reply = {"difference": "the better attempt carried the ones digit", "action": action, "rule": rule_now}
+            if "target_id" in fields:
+                reply["target_id"] = "none"
+            return reply
+        assert kind_of(messages) == "student"
+        return student_answer(messages, kwargs)
+
+    return respond
+
+
+def compile_contrast(lm, **kw):
+    dspy.configure(lm=lm)
+    opts = dict(num_generations=4, num_train_epochs=1, batch_size=4, num_threads=4, learning_path="contrast",
+                constrained_decoding="off", max_operations_per_group=1)
+    opts.update(kw)
+    return TrainingFreeGRPO(metric, **opts).compile(dspy.Predict("question -> answer"), trainset=make_trainset())
+
+
+def test_contrast_path_learns_with_one_call_per_group():
+    lm = ScriptedLM(contrast_learner())
+    compiled = compile_contrast(lm)
+    assert compiled.experience_library.texts() == [LESSON]
+    step = compiled.detailed_results["steps"][0]
+    assert step["groups_kept"] == 4 and step["operations_proposed"] == 4 and step["redundant"] == 3
+    assert step["usage"]["contrast"]["calls"] == 4 and "summary" not in step["usage"]
+    assert sum(1 for c in lm.calls if "difference" in output_fields(c["messages"])) == 4
+    first = next(c for c in lm.calls if "difference" in output_fields(c["messages"]))
+    assert "judged correct" in first["messages"][-1]["content"] and "judged wrong" in first["messages"][-1]["content"]
+
+
+def test_specific_rules_are_rewritten_once_then_refused():
+    lm = ScriptedLM(contrast_learner(rule="When adding {a} and {b}, carry.", generalized="When adding, carry the tens."))
+    compiled = compile_contrast(lm)
+    assert compiled.experience_library.texts() == ["When adding, carry the tens."]
+    step = compiled.detailed_results["steps"][0]
+    assert step["rewritten_specific"] >= 1 and step["refused_specific"] < step["operations_proposed"]
+
+    lm = ScriptedLM(contrast_learner(rule="When adding {a} and {b}, carry.", generalized="Still {a} and {b}."))
+    compiled = compile_contrast(lm)
+    step = compiled.detailed_results["steps"][0]
+    assert len(compiled.experience_library) == 0 and step["refused_specific"] == step["operations_proposed"] == 4
+
+
+def test_invented_ids_cannot_pass_the_typed_reply():
+    lib_start = ExperienceLibrary()
+    lib_start.apply([Operation(action="add", text="When adding, start from the ones digit.")], step=0)
+    student = dspy.Predict("question -> answer")
+    student.experience_library = lib_start
+
+    def respond(messages, kwargs):
+        fields = output_fields(messages)
+        if "difference" in fields:
+            return {"difference": "d", "action": "modify", "target_id": "E7", "rule": LESSON}
+        return student_answer(messages, kwargs)
+
+    dspy.configure(lm=ScriptedLM(respond))
+    compiled = TrainingFreeGRPO(metric, num_generations=4, batch_size=4, num_train_epochs=1, num_threads=4,
+                                learning_path="contrast", constrained_decoding="off",
+                                max_operations_per_group=1).compile(student, trainset=make_trainset())
+    step = compiled.detailed_results["steps"][0]
+    assert step["learning_failures"] == 4 and step["operations_proposed"] == 0
+    assert compiled.experience_library.texts() == ["When adding, start from the ones digit."]
+
+
+def test_auto_path_picks_by_reflection_model_size():
+    lm = ScriptedLM(contrast_learner())
+    opt = TrainingFreeGRPO(metric)
+    assert opt._resolve_learning_path(lm) == "paper"  # a name without a size: the paper's path
+    lm.model = "openai/qwen2.5-coder-1.5b"
+    assert opt._resolve_learning_path(lm) == "contrast"
+    with pytest.raises(ValueError, match="learning_path"):
+        TrainingFreeGRPO(metric, learning_path="fast")
+    with pytest.raises(ValueError, match="constrained_decoding"):
+        TrainingFreeGRPO(metric, constrained_decoding="xml")
+
+
+def test_contrast_checkpoints_resume_without_calls(tmp_path):
+    lm = ScriptedLM(contrast_learner())
+    first = compile_contrast(lm, log_dir=str(tmp_path))
+    calls = len(lm.calls)
+    again = compile_contrast(lm, log_dir=str(tmp_path))
+    assert len(lm.calls) == calls and again.experience_library.texts() == first.experience_library.texts()
+    assert json.loads(next((tmp_path / "steps" / "0000" / "contrasts").iterdir()).read_text())["action"] == "add"

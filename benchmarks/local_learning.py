@@ -31,6 +31,7 @@ import tfgrpo  # noqa: E402,F401
 import dspy  # noqa: E402
 
 from tfgrpo.evaluate import evaluate_program, paired_difference, read_rows, summarize, write_rows  # noqa: E402
+from tfgrpo.lms import local_dspy_lm  # noqa: E402
 from tfgrpo.local_model import ensure_server  # noqa: E402
 from tfgrpo.optimizers import TrainingFreeGRPO  # noqa: E402
 from tfgrpo.programs import load_program, save_program  # noqa: E402
@@ -97,8 +98,8 @@ def main() -> None:
     started = time.time()
     api_base, server = ensure_server(args.model, n_ctx=8192)
     try:
-        lm = dspy.LM(f"openai/{args.model}", api_base=api_base, api_key="local", temperature=0.3,
-                     max_tokens=args.max_tokens, timeout=300, num_retries=2, cache=False)
+        lm = local_dspy_lm(args.model, api_base, temperature=0.3, max_tokens=args.max_tokens, timeout=300,
+                           num_retries=2, cache=False)
         dspy.configure(lm=lm)
         rows = {"baseline": [], "tfgrpo": [], "simba": []}
         proposed = valid = 0

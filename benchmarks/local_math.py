@@ -23,6 +23,7 @@ import tfgrpo  # noqa: E402,F401
 import dspy  # noqa: E402
 
 from tfgrpo.evaluate import evaluate_program, paired_difference, read_rows, summarize, write_rows  # noqa: E402
+from tfgrpo.lms import local_dspy_lm  # noqa: E402
 from tfgrpo.local_model import LocalServer  # noqa: E402
 from tfgrpo.optimizers import TrainingFreeGRPO  # noqa: E402
 from tfgrpo.programs import save_program  # noqa: E402
@@ -60,8 +61,8 @@ def main() -> None:
     evalset = load_math("gsm8k_test", limit=args.eval, offset=args.eval_offset)
     started = time.time()
     with LocalServer(args.model, n_ctx=8192) as server:
-        lm = dspy.LM(f"openai/{server.model_alias}", api_base=server.api_base, api_key="local", temperature=0.3,
-                     max_tokens=args.max_tokens, timeout=300, num_retries=2, cache=False)
+        lm = local_dspy_lm(server.model_alias, server.api_base, temperature=0.3, max_tokens=args.max_tokens,
+                           timeout=300, num_retries=2, cache=False)
         dspy.configure(lm=lm)
         base_rows, comp_rows, per_seed = [], [], []
         for seed in range(args.seeds):

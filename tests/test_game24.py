@@ -61,6 +61,8 @@ def test_metric_is_strict_and_reward_gives_partial_credit():
     other_numbers = dspy.Prediction(answer="4 * 6")
     assert game24_reward(e, other_numbers).score == 0.1
     assert game24_reward(e, dspy.Prediction(answer="")).score == 0.0
+    assert game24_reward(e, dspy.Prediction(answer="None", ran=True)).score == 0.05  # ran, printed no expression
+    assert game24_reward(e, dspy.Prediction(answer="", ran=False)).score == 0.0
     assert "equals 25" in game24_reward(e, right_numbers).feedback
 
 
@@ -101,6 +103,7 @@ def test_every_test_puzzle_is_solvable_and_verified():
 def _coder(code):
     def respond(messages, kwargs):
         assert output_fields(messages) == ["code"]
+        assert "[4, 5, 6, 10]" in messages[-1]["content"]  # the numbers arrive as a Python list
         return {"code": code}
     return respond
 
@@ -110,14 +113,14 @@ def test_solver_runs_the_models_program_in_the_sandbox():
               "print('trying')\nprint('(10-6)*5+4')\n```")
     dspy.configure(lm=ScriptedLM(_coder(search)))
     pred = Game24Solver()(numbers="4 5 6 10")
-    assert pred.answer == "(10-6)*5+4" and "trying" in pred.output
+    assert pred.answer == "(10-6)*5+4" and "trying" in pred.output and pred.ran
     assert game24_metric(ex("4 5 6 10"), pred).score == 1.0
 
 
 def test_solver_reports_a_crash_and_cannot_touch_the_host():
     dspy.configure(lm=ScriptedLM(_coder("print(open('/etc/hostname').read())")))
     pred = Game24Solver()(numbers="4 5 6 10")
-    assert pred.answer == "" and "[stderr]" in pred.output and "Error" in pred.output
+    assert pred.answer == "" and "[stderr]" in pred.output and "Error" in pred.output and not pred.ran
     dspy.configure(lm=ScriptedLM(_coder("while True: pass")))
     pred = Game24Solver(timeout_s=2)(numbers="4 5 6 10")
     assert pred.answer == "" and "[stopped:" in pred.output

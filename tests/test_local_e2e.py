@@ -14,9 +14,13 @@ import dspy
 import pytest
 
 from tfgrpo import local_model
+from tfgrpo.lms import local_dspy_lm
 from tfgrpo.optimizers import TrainingFreeGRPO
 from tfgrpo.programs import load_program, save_program
-from tfgrpo.signatures import LearningCallError, Summarizer
+from tfgrpo.programs import ExperienceLibrary
+from tfgrpo.programs.contrast_learner import ContrastLearner
+from tfgrpo.signatures import LearningCallError, Operation, Summarizer
+from tfgrpo.tasks.game24 import Game24Solver, game24_reward, load_game24
 from tfgrpo.tasks.math.datasets import load_math
 from tfgrpo.tasks.math.metric import math_metric
 
@@ -41,8 +45,8 @@ def local_lm():
             pytest.fail(f"the real local model is required here but unavailable: {reason}")
         pytest.skip(reason)
     with local_model.LocalServer(MODEL, n_ctx=4096) as server:
-        yield dspy.LM(f"openai/{server.model_alias}", api_base=server.api_base, api_key="local", max_tokens=200,
-                      temperature=0.3, cache=False, timeout=120, num_retries=1)
+        yield local_dspy_lm(server.model_alias, server.api_base, max_tokens=200, temperature=0.3, cache=False,
+                            timeout=120, num_retries=1)
     assert server.proc is None or server.proc.poll() is not None  # stopped, no orphan
 
 
@@ -51,7 +55,7 @@ def test_compile_save_and_load_in_stock_dspy(local_lm, tmp_path):
     dspy.configure(lm=local_lm)
     trainset = load_math("gsm8k_train", limit=2)
     compiled = TrainingFreeGRPO(math_metric, num_generations=3, num_train_epochs=1, batch_size=2, num_threads=2,
-                                log_dir=str(tmp_path / "log")).compile(dspy.ChainOfThought("question -> answer"),
+                                learning_path="paper", log_dir=str(tmp_path / "log")).compile(dspy.ChainOfThought("question -> answer"),
                                                                        trainset=trainset)
     step = compiled.detailed_results["steps"][0]
     assert step["usage"]["rollout"]["calls"] >= 6 and step["usage"]["rollout"]["completion_tokens"] > 0
@@ -86,3 +90,35 @@ def test_a_learning_call_on_the_real_model(local_lm):
     except LearningCallError:
         pytest.fail("the 0.5B model could not produce a parseable summary twice in a row")
     assert isinstance(summary, str) and len(summary.split()) >= 3
+
+
+@pytest.mark.local_model
+def test_contrast_call_is_constrained_by_the_live_library(local_lm):
+    """Through the real llama.cpp server, the reply can only name actions and IDs the library allows."""
+    library = ExperienceLibrary()
+    library.apply([Operation(action="add", text="Search all orders of the numbers and all operators in code.")], step=0)
+    learner = ContrastLearner(max_words=32, constrained="json_object")
+    with dspy.context(lm=local_lm):
+        rec = learner(task="numbers: [4, 7, 12, 12]", library=library, allowed="Game of 24",
+                      better_attempt="code: ...\noutput: (7-4)*12-12\nresult: judged correct (reward 1.00)",
+                      worse_attempt="code: ...\noutput: [stderr] NameError: name 'nums' is not defined\n"
+                                    "result: judged wrong (reward 0.00)")
+    assert local_lm.history[-1]["kwargs"]["response_format"]["schema"]["properties"]["target_id"]["enum"] == ["E1", "none"]
+    assert rec["action"] in ("add", "modify", "none") and rec["target_id"] in ("E1", "none")
+
+
+@pytest.mark.local_model
+def test_game24_compiles_on_the_contrast_path(local_lm, tmp_path):
+    """The small-reflector path end to end: code-writing rollouts in the sandbox, partial-credit rewards,
+    contrast calls under the schema, a library that loads back."""
+    dspy.configure(lm=local_lm)
+    compiled = TrainingFreeGRPO(game24_reward, num_generations=3, num_train_epochs=1, batch_size=2, num_threads=2,
+                                max_operations_per_group=1, constrained_decoding="json_object",
+                                log_dir=str(tmp_path / "log")).compile(Game24Solver(),
+                                                                       trainset=load_game24(limit=2, offset=300))
+    step = compiled.detailed_results["steps"][0]
+    assert step["usage"]["rollout"]["calls"] == 6 and "summary" not in step["usage"]
+    assert step["usage"].get("contrast", {}).get("calls", 0) >= step["groups_kept"] - step["learning_failures"]
+    assert step["operations_applied"]["add"] == len(compiled.experience_library)
+    reloaded = load_program(Game24Solver(), save_program(compiled, tmp_path / "game24.json"))
+    assert reloaded.experience_library.texts() == compiled.experience_library.texts()

@@ -250,11 +250,16 @@ def test_owned_server_lifecycle(real_cache, capfd):
 def test_dspy_can_use_it(real_cache):
     dspy = pytest.importorskip("dspy")
     with LocalServer(SMALL, n_ctx=4096, cache_dir=real_cache) as server:
-        lm_ = dspy.LM(f"openai/{server.model_alias}", api_base=server.api_base, api_key="local",
-                      max_tokens=256, temperature=0.3, cache=False)  # fmt: skip
+        from tfgrpo.lms import local_dspy_lm
+
+        lm_ = local_dspy_lm(server.model_alias, server.api_base, max_tokens=256, temperature=0.3, cache=False)
         with dspy.context(lm=lm_):
             pred = dspy.Predict("question -> answer")(question="What is 2+3?")
         assert isinstance(pred.answer, str) and pred.answer.strip()
+        # the reply limit reaches the server (DSPy's own field for it, max_completion_tokens, is ignored there)
+        short = local_dspy_lm(server.model_alias, server.api_base, max_tokens=12, temperature=0.3, cache=False)
+        short(messages=[{"role": "user", "content": "Count from 1 to 500, one number per line."}])
+        assert short.history[-1]["usage"]["completion_tokens"] <= 12
 
 
 @real

@@ -23,6 +23,16 @@ def open_lms(config: Config):
         yield policy, reflection
 
 
+def local_dspy_lm(model: str, api_base: str, *, max_tokens: int, **kwargs) -> dspy.LM:
+    """A `dspy.LM` for the embedded llama.cpp server.
+
+    DSPy's OpenAI dialect sends the reply limit as `max_completion_tokens`, which llama-cpp-python's server
+    ignores: a reply then runs until the context is full (minutes on this CPU, while every other request
+    waits). The limit is sent as `max_tokens` too, which the server honours."""
+    return dspy.LM(f"openai/{model}", api_base=api_base, api_key="local", max_tokens=max_tokens,
+                   extra_body={"max_tokens": max_tokens}, **kwargs)
+
+
 def _build(cfg: LMConfig, stack: contextlib.ExitStack, started: dict) -> dspy.LM:
     common = dict(temperature=cfg.temperature, max_tokens=cfg.max_tokens, num_retries=cfg.num_retries,
                   timeout=cfg.timeout_s, cache=cfg.cache)
@@ -36,7 +46,7 @@ def _build(cfg: LMConfig, stack: contextlib.ExitStack, started: dict) -> dspy.LM
             if server is not None:
                 stack.callback(server.stop)
             started[key] = api_base
-        return dspy.LM(f"openai/{cfg.model}", api_base=started[key], api_key="local", **common)
+        return local_dspy_lm(cfg.model, started[key], **common)
     if cfg.api_base:
         common["api_base"] = cfg.api_base
     if cfg.api_key_env:

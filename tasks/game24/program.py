@@ -19,7 +19,7 @@ class WriteGame24Program(dspy.Signature):
     and prints it. The last line your program prints is taken as the answer, so end by printing only the
     expression itself."""
 
-    numbers: str = dspy.InputField(desc="the four numbers of the puzzle")
+    numbers: list[int] = dspy.InputField(desc="the four numbers of the puzzle")
     code: str = dspy.OutputField(desc="a complete Python 3 program")
 
 
@@ -40,7 +40,9 @@ class Game24Solver(dspy.Module):
         self.write_program = dspy.Predict(WriteGame24Program)
         self.timeout_s = timeout_s  # wall-clock limit of one run of the model's program
 
-    def forward(self, numbers: str) -> dspy.Prediction:
+    def forward(self, numbers: str | list[int]) -> dspy.Prediction:
+        if isinstance(numbers, str):  # "4 5 6 10", as the data files hold them
+            numbers = [int(n) for n in numbers.split()]
         code = self.write_program(numbers=numbers).code or ""
         result = run_python(strip_fences(code), wall_timeout_s=self.timeout_s, cpu_time_s=int(self.timeout_s),
                             memory_mb=512)
@@ -51,4 +53,5 @@ class Game24Solver(dspy.Module):
             output += f"\n[stopped: {result.reason}]"
         if len(output) > OUTPUT_CHARS:
             output = output[: OUTPUT_CHARS // 2] + "\n[...]\n" + output[-OUTPUT_CHARS // 2:]
-        return dspy.Prediction(code=code, output=output or "(nothing printed)", answer=last_line(result.stdout))
+        return dspy.Prediction(code=code, output=output or "(nothing printed)", answer=last_line(result.stdout),
+                               ran=result.ok)

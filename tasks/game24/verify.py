@@ -91,14 +91,16 @@ def game24_metric(example, pred, trace=None) -> dspy.Prediction:
 
 PARTIAL_RIGHT_NUMBERS = 0.3  # an expression of exactly the puzzle's numbers, with the wrong value
 PARTIAL_EXPRESSION = 0.1  # some arithmetic expression, but not of the puzzle's numbers
+PARTIAL_RAN = 0.05  # the program ran to its end without an error, but printed no expression
 
 
 def game24_reward(example, pred, trace=None) -> dspy.Prediction:
-    """The training reward: 1 when solved, partial credit for getting closer, 0 for no expression at all.
+    """The training reward: 1 when solved, partial credit for getting closer, 0 for a crash or no output.
 
     A small model rarely solves a puzzle before it has learned anything, so with accuracy as the reward most
-    groups of attempts tie at 0 and teach nothing. Partial credit separates "the program crashed" from
-    "it printed an expression of the right numbers". Report results with `game24_metric`, never with this."""
+    groups of attempts tie at 0 and teach nothing. Partial credit orders "the program crashed" < "it ran"
+    < "it printed an expression" < "an expression of the right numbers" < solved. Report results with
+    `game24_metric`, never with this."""
     numbers = puzzle_numbers(example.numbers)
     solved, feedback = check(numbers, getattr(pred, "answer", "") or "")
     if solved:
@@ -108,5 +110,9 @@ def game24_reward(example, pred, trace=None) -> dspy.Prediction:
         used = evaluate(expression)[1] if expression else None
     except ValueError:
         used = None
-    score = 0.0 if used is None else PARTIAL_RIGHT_NUMBERS if Counter(used) == Counter(numbers) else PARTIAL_EXPRESSION
+    if used is not None:
+        score = PARTIAL_RIGHT_NUMBERS if Counter(used) == Counter(numbers) else PARTIAL_EXPRESSION
+    else:
+        score = PARTIAL_RAN if getattr(pred, "ran", False) else 0.0
+        feedback += "" if score else "; the program did not run to its end (see its error)"
     return dspy.Prediction(score=score, feedback=feedback)

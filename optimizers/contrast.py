@@ -12,7 +12,7 @@ import re
 
 from tfgrpo.signatures.operations import Operation
 
-REDUNDANT_OVERLAP = 0.6  # Jaccard overlap of content words above which two experiences say the same thing
+REDUNDANT_OVERLAP = 0.5  # Jaccard overlap of content words above which two experiences say the same thing
 _STOP = {"a", "an", "the", "to", "of", "and", "or", "in", "on", "for", "with", "by", "is", "are", "be", "it", "its",
          "each", "every", "all", "any", "that", "this", "when", "then", "as", "at", "from", "into", "if", "use"}
 

@@ -3,7 +3,8 @@ validated `Operation` out.
 
 Every reply is typed by a signature built from the live library (`contrast_signature`), optionally decoded
 under its JSON schema (`ConstrainedJSONAdapter`), and checked in code for generality: a rule that repeats
-the query's names, numbers or phrases is sent back once to be rewritten, and refused if it still does.
+the query's names, numbers or phrases (or the learning prompt's own words: "the better attempt", "a new
+rule") is sent back once to be rewritten, and refused if it still does.
 The result is a plain dict (for checkpoints) that says what happened, so every refusal can be counted.
 """
 
@@ -14,7 +15,7 @@ from dspy.utils.exceptions import AdapterParseError
 from pydantic import ValidationError
 
 from tfgrpo.programs.constrained import ConstrainedJSONAdapter, Mode
-from tfgrpo.programs.generality import specific_terms
+from tfgrpo.programs.generality import parroted_phrases, specific_terms
 from tfgrpo.programs.library import ExperienceLibrary
 from tfgrpo.signatures.contrast import GeneralizeRule, contrast_signature
 from tfgrpo.signatures.learning import LearningCallError
@@ -43,12 +44,12 @@ class ContrastLearner(dspy.Module):
         if rec["action"] == "modify" and rec["target_id"] == "none":
             rec["refused"] = "modify without a target id"
             return rec
-        terms = specific_terms(rec["rule"], task, allowed=allowed)
+        terms = specific_terms(rec["rule"], task, allowed=allowed) + parroted_phrases(rec["rule"])
         if terms:  # one chance to say it generally
             rec["specific"], rec["rewritten"] = terms, True
             rec["rule"] = str(self._call(GeneralizeRule, rule=rec["rule"], details=", ".join(terms)).general_rule
                               or "").strip()
-            still = specific_terms(rec["rule"], task, allowed=allowed)
+            still = specific_terms(rec["rule"], task, allowed=allowed) + parroted_phrases(rec["rule"])
             if still:
                 rec["refused"] = f"repeats task-specific terms: {', '.join(still)}"
                 return rec

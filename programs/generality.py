@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import re
 
+# Words of the learning prompt itself: a "rule" that uses them talks about the comparison, not the task.
+PROMPT_PHRASES = ("better attempt", "worse attempt", "new rule", "this rule", "the rule", "future attempts",
+                  "the library", "this task", "similar tasks")
 COPIED_RUN = 6  # this many consecutive words shared with the query: the experience copies the problem
 # Capitalized words that start sentences of word problems without naming anything.
 _OPENERS = {"a", "an", "the", "if", "how", "what", "when", "where", "which", "who", "why", "in", "on", "at", "for",
@@ -56,3 +59,9 @@ def specific_terms(experience: str, query: str, *, allowed: str = "") -> list[st
             found.append(f'"{run}"')
             break
     return found
+
+
+def parroted_phrases(experience: str) -> list[str]:
+    """Phrases of the learning prompt that an experience repeats (it describes the comparison, not a method)."""
+    low = experience.lower()
+    return [f'"{p}"' for p in PROMPT_PHRASES if p in low]

@@ -40,6 +40,13 @@ def test_specific_terms_allow_the_tasks_own_numbers():
     assert specific_terms("Multiply 10 by two.", "4 5 6 10", allowed=allowed) == ["10"]
 
 
+def test_rules_that_parrot_the_learning_prompt_are_caught():
+    from tfgrpo.programs.generality import parroted_phrases
+    assert parroted_phrases("Add a new rule that states: use eval.") == ['"new rule"']
+    assert parroted_phrases("Like the better attempt, use eval.") == ['"better attempt"']
+    assert parroted_phrases("Evaluate every candidate with exact fractions.") == []
+
+
 def test_contrast_pairs():
     assert contrast_pairs([1, 0, 0, 1], 2) == [(0, 1), (3, 2)]
     assert contrast_pairs([1, 0, 0, 1], 1) == [(0, 1)]

@@ -14,7 +14,10 @@ CHARS_PER_TOKEN = 4
 LEARNING_PROMPT_OVERHEAD = 400  # tokens of instructions and formatting in a learning call
 
 
-def estimate_run(optimizer, student, trainset: list, *, turns_per_rollout: int = 1, max_tokens: int = 512) -> dict:
+def estimate_run(optimizer, student, trainset: list, *, turns_per_rollout: int = 1, max_tokens: int = 512,
+                 learning_path: str = "paper") -> dict:
+    """`learning_path`: "paper" (summaries, advantages, consolidation) or "contrast" (one call per pair of
+    attempts, plus at most one rewrite of a rule that repeated its query)."""
     opt = optimizer
     steps = opt.num_train_epochs * math.ceil(len(trainset) / opt.batch_size)
     batch = min(opt.batch_size, len(trainset))
@@ -23,14 +26,24 @@ def estimate_run(optimizer, student, trainset: list, *, turns_per_rollout: int =
     query = int(statistics.fmean(len(str(x.inputs().toDict())) for x in trainset)) // CHARS_PER_TOKEN
     library = (opt.max_experiences or 40) * int(opt.max_words_per_experience * 1.4)  # a full library, in tokens
     rollout_prompt = instructions + query + library + (turns_per_rollout - 1) * max_tokens // 2
-    per_step = {
-        "rollout": {"calls": batch * G * turns_per_rollout, "prompt_tokens": batch * G * turns_per_rollout * rollout_prompt},
+    rollout = {"calls": batch * G * turns_per_rollout, "prompt_tokens": batch * G * turns_per_rollout * rollout_prompt}
+    if learning_path == "contrast":
+        pairs = batch * min(opt.max_operations_per_group, G // 2)
+        per_step = {"rollout": rollout, "contrast": {
+            "calls": 2 * pairs, "prompt_tokens": 2 * pairs * (LEARNING_PROMPT_OVERHEAD + query + library + 2 * max_tokens)}}
+    else:
+        per_step = _paper_step(opt, rollout, batch, G, query, library, max_tokens)
+    for stage in per_step.values():
+        stage["completion_tokens"] = stage["calls"] * max_tokens
+    total = {k: steps * sum(s[k] for s in per_step.values()) for k in ("calls", "prompt_tokens", "completion_tokens")}
+    return {"steps": steps, "per_step_upper_bound": per_step, "total_upper_bound": total}
+
+
+def _paper_step(opt, rollout: dict, batch: int, G: int, query: int, library: int, max_tokens: int) -> dict:
+    return {
+        "rollout": rollout,
         "summary": {"calls": batch * G, "prompt_tokens": batch * G * (LEARNING_PROMPT_OVERHEAD + query + library + max_tokens)},
         "advantage": {"calls": batch, "prompt_tokens": batch * (LEARNING_PROMPT_OVERHEAD + query + library + G * max_tokens)},
         "consolidation": {"calls": 1, "prompt_tokens": LEARNING_PROMPT_OVERHEAD + library
                           + batch * opt.max_operations_per_group * 60},
     }
-    for stage in per_step.values():
-        stage["completion_tokens"] = stage["calls"] * max_tokens
-    total = {k: steps * sum(s[k] for s in per_step.values()) for k in ("calls", "prompt_tokens", "completion_tokens")}
-    return {"steps": steps, "per_step_upper_bound": per_step, "total_upper_bound": total}

@@ -201,7 +201,7 @@ class TrainingFreeGRPO(Teleprompter):
 
         # 4-6. learning calls: what did the better attempts know? -> a plan of operations on the library
         reflection_lm = self._reflection_lm(program)
-        if self._resolve_learning_path(reflection_lm) == "contrast":
+        if self.resolve_learning_path(getattr(reflection_lm, "model", "")) == "contrast":
             plan, proposals, learned = self._learn_by_contrast(program, reflection_lm, library, trainset, records,
                                                                kept, key, ckpt, stats)
         else:
@@ -321,10 +321,11 @@ class TrainingFreeGRPO(Teleprompter):
         stats["consolidation"] = f"folded in code: {len(plan)} of {len(proposals)} kept"
         return plan, proposals, counts
 
-    def _resolve_learning_path(self, reflection_lm) -> str:
+    def resolve_learning_path(self, reflection_model: str) -> str:
+        """The learning path for a reflection LM of this name ("auto": contrast for small models)."""
         if self.learning_path != "auto":
             return self.learning_path
-        return "contrast" if _model_size_b(getattr(reflection_lm, "model", "")) <= SMALL_REFLECTOR_B else "paper"
+        return "contrast" if _model_size_b(reflection_model) <= SMALL_REFLECTOR_B else "paper"
 
     def _resolve_constrained(self, reflection_lm) -> str | None:
         if self.constrained_decoding == "off":

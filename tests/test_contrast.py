@@ -174,11 +174,10 @@ def test_invented_ids_cannot_pass_the_typed_reply():
 
 
 def test_auto_path_picks_by_reflection_model_size():
-    lm = ScriptedLM(contrast_learner())
     opt = TrainingFreeGRPO(metric)
-    assert opt._resolve_learning_path(lm) == "paper"  # a name without a size: the paper's path
-    lm.model = "openai/qwen2.5-coder-1.5b"
-    assert opt._resolve_learning_path(lm) == "contrast"
+    assert opt.resolve_learning_path("deepseek/deepseek-chat") == "paper"  # no size in the name: the paper's path
+    assert opt.resolve_learning_path("openai/qwen2.5-coder-1.5b") == "contrast"
+    assert TrainingFreeGRPO(metric, learning_path="paper").resolve_learning_path("openai/qwen2.5-coder-1.5b") == "paper"
     with pytest.raises(ValueError, match="learning_path"):
         TrainingFreeGRPO(metric, learning_path="fast")
     with pytest.raises(ValueError, match="constrained_decoding"):

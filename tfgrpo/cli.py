@@ -182,9 +182,12 @@ def _dry_run(cfg: Config) -> None:
     trainset = load(cfg.task.trainset, limit=cfg.task.train_limit, offset=cfg.task.train_offset)
     knobs = _tfgrpo_knobs(cfg)
     turns = cfg.task.max_iters + 1 if cfg.task.program == "react" else 1
-    est = estimate_run(TrainingFreeGRPO(metric, **knobs), make(), trainset, turns_per_rollout=turns,
-                       max_tokens=cfg.policy.max_tokens)
-    table = Table(title=f"dry run: {est['steps']} step(s), upper bounds (no call is made)")
+    optimizer = TrainingFreeGRPO(metric, **knobs)
+    learner = cfg.reflection or cfg.policy
+    path = optimizer.resolve_learning_path(learner.model)
+    est = estimate_run(optimizer, make(), trainset, turns_per_rollout=turns, max_tokens=cfg.policy.max_tokens,
+                       learning_path=path)
+    table = Table(title=f"dry run: {est['steps']} step(s), {path} learning path, upper bounds (no call is made)")
     for col in ("stage", "calls/step", "prompt tokens/step", "completion tokens/step"):
         table.add_column(col)
     for stage, s in est["per_step_upper_bound"].items():

@@ -1,0 +1,105 @@
+"""The paper's learning path vs the small-reflector ("contrast") path, on the same saved rollouts.
+
+    .venv/bin/python benchmarks/learning_paths.py configs/local.toml --step 0
+
+Reads one step's rollouts and rewards from a finished run's checkpoint (`run_dir/checkpoint`), then runs
+both learning paths of `TrainingFreeGRPO` on exactly those attempts, against the library the step started
+with, with the run's reflection LM (the embedded model for `configs/local.toml`). Nothing is cached or
+written to the run. Prints, per path: LM calls, seconds, operations proposed, how many passed validation
+(typed reply, known IDs, limits, generality), and the resulting library; the last lines are
+  learning_paths: path=paper calls=N seconds=S proposed=P valid=V valid_ops=0.xx library=K
+  learning_paths: path=contrast ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import tfgrpo  # noqa: E402,F401
+import dspy  # noqa: E402
+
+from tfgrpo.cli import _task_parts, _tfgrpo_knobs  # noqa: E402
+from tfgrpo.config import Config  # noqa: E402
+from tfgrpo.lms import open_lms  # noqa: E402
+from tfgrpo.optimizers import TrainingFreeGRPO  # noqa: E402
+from tfgrpo.optimizers.checkpoint import Checkpoint  # noqa: E402
+from tfgrpo.optimizers.training_free_grpo import EMPTY_LIBRARY, _query_key  # noqa: E402
+from tfgrpo.programs import ExperienceLibrary  # noqa: E402
+from tfgrpo.programs.generality import parroted_phrases, specific_terms  # noqa: E402
+
+
+def _records(step_dir: Path) -> dict:
+    records = {}
+    for f in sorted((step_dir / "rollouts").glob("*.json")):
+        qi, g = (int(x) for x in f.stem.split("_"))
+        rec = json.loads(f.read_text())
+        rec.update(json.loads((step_dir / "rewards" / f.name).read_text()))
+        records[(qi, g)] = rec
+    return records
+
+
+def _valid(start: ExperienceLibrary, op, query: str, allowed: str) -> bool:
+    scratch = ExperienceLibrary.from_state(start.dump_state())
+    general = not specific_terms(op.text, query, allowed=allowed) and not parroted_phrases(op.text)
+    return scratch.apply([op], step=0).num_applied == 1 and (op.action == "delete" or general)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("config")
+    ap.add_argument("--step", type=int, default=0)
+    args = ap.parse_args()
+    cfg = Config.load(args.config)
+    ckpt_dir = Path(cfg.run_dir) / "checkpoint"
+    step_dir = ckpt_dir / "steps" / f"{args.step:04d}"
+    records = _records(step_dir)
+    if not records:
+        sys.exit(f"no rollouts in {step_dir}: run `tfgrpo compile {args.config}` first")
+    make, _, load, reward = _task_parts(cfg)
+    trainset = load(cfg.task.trainset, limit=cfg.task.train_limit, offset=cfg.task.train_offset)
+    G = cfg.optimizer.num_generations
+    batch = sorted({qi for qi, _ in records})
+    kept = [qi for qi in batch if len({records[(qi, g)]["reward"] for g in range(G)}) > 1]
+    prev = ckpt_dir / "steps" / f"{args.step - 1:04d}" / "done.json"
+    start = ExperienceLibrary.from_state(json.loads(prev.read_text())["library"]) if prev.exists() else \
+        ExperienceLibrary(max_words=cfg.optimizer.max_words_per_experience)
+    print(f"step {args.step}: {len(batch)} queries, {len(kept)} with reward contrast, library of {len(start)}")
+    queries = {_query_key(trainset[qi], qi): str(trainset[qi].inputs().toDict()) for qi in batch}
+    allowed = " ".join(p.signature.instructions for _, p in make().named_predictors())
+    lines = []
+    with open_lms(cfg) as (policy, reflection):
+        dspy.configure(lm=policy)
+        for path in ("paper", "contrast"):
+            knobs = {**_tfgrpo_knobs(cfg), "learning_path": path}
+            opt = TrainingFreeGRPO(reward, reflection_lm=reflection, **knobs)
+            library, stats = ExperienceLibrary.from_state(start.dump_state()), {"usage": {}}
+            program, t0 = make(), time.time()
+            if path == "paper":
+                plan, proposals, learned = opt._learn_paper(reflection, library, library.render() or EMPTY_LIBRARY,
+                                                            trainset, dict(records), kept, "x", Checkpoint(None), stats)
+            else:
+                plan, proposals, learned = opt._learn_by_contrast(program, reflection, library, trainset,
+                                                                  dict(records), kept, "x", Checkpoint(None), stats)
+            seconds = time.time() - t0
+            report = library.apply(plan, step=args.step)
+            calls = sum(u.get("calls", 0) for u in stats["usage"].values())
+            # the same test for both paths: each proposal alone against the starting library, plus generality
+            proposed = learned.get("operations_proposed", len(proposals))  # contrast: includes refused rules
+            valid = sum(_valid(start, op, queries[key], allowed) for key, op in proposals)
+            print(f"\n{path}: {calls} calls in {seconds:.0f} s; {proposed} proposed, {valid} valid, plan of "
+                  f"{len(plan)}, {len(report.rejected)} refused when applied; library:")
+            for text in library.texts():
+                print(f"  - {text}")
+            lines.append(f"learning_paths: path={path} calls={calls} seconds={seconds:.0f} proposed={proposed} "
+                         f"valid={valid} valid_ops={valid / proposed if proposed else 0:.2f} library={len(library)}")
+    print("\n" + "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -177,7 +177,7 @@ class TrainingFreeGRPO(Teleprompter):
             return rec
 
         for job, scored in zip(jobs, self._parallel(reward, jobs, "reward")):
-            records[job].update(scored if not isinstance(scored, Failed) else {"reward": 0.0, "feedback": scored.error})
+            records[job].update(scored)
         timing["reward"] = time.time() - t0 - sum(timing.values())
 
         # 3. only groups whose rewards differ carry a direction; the others cost no further call
@@ -201,9 +201,12 @@ class TrainingFreeGRPO(Teleprompter):
             unit = f"{key}/summaries/{job[0]}_{job[1]}"
             if (rec := ckpt.get(unit)) is None:
                 r = records[job]
-                rec = summarizer(task_input=format_fields(trainset[job[0]].inputs()), attempt=r["attempt"],
-                                 outcome=_outcome(r), reference_answer=answer_key.get(job[0], ""),
-                                 experiences=rendered_library)
+                try:
+                    rec = summarizer(task_input=format_fields(trainset[job[0]].inputs()), attempt=r["attempt"],
+                                     outcome=_outcome(r), reference_answer=answer_key.get(job[0], ""),
+                                     experiences=rendered_library)
+                except Exception as exc:  # a failed learning call is counted, not fatal
+                    return Failed(exc)
                 ckpt.put(unit, rec)
             return rec
 
@@ -223,10 +226,13 @@ class TrainingFreeGRPO(Teleprompter):
             if (ops := ckpt.get(unit)) is None:
                 attempts = "\n\n".join(f"Attempt {g + 1} (reward {records[(qi, g)]['reward']:.2f}):\n"
                                        f"{records[(qi, g)]['summary']}" for g in range(G))
-                ops = [o.model_dump() for o in advantage(
-                    task_input=format_fields(trainset[qi].inputs()), reference_answer=answer_key.get(qi, ""),
-                    attempts=attempts, experiences=rendered_library, max_operations=self.max_operations_per_group,
-                    max_words=self.max_words_per_experience)]
+                try:
+                    ops = [o.model_dump() for o in advantage(
+                        task_input=format_fields(trainset[qi].inputs()), reference_answer=answer_key.get(qi, ""),
+                        attempts=attempts, experiences=rendered_library, max_operations=self.max_operations_per_group,
+                        max_words=self.max_words_per_experience)]
+                except Exception as exc:  # a failed learning call is counted, not fatal
+                    return Failed(exc)
                 ckpt.put(unit, ops)
             return ops
 
@@ -343,8 +349,7 @@ class TrainingFreeGRPO(Teleprompter):
                 rec = {"outputs": None, "error": f"{type(exc).__name__}: {exc}"}
             return self._score(example, rec)["reward"]
 
-        results = self._parallel(score, list(valset), "validation")
-        value = statistics.fmean(0.0 if isinstance(r, Failed) else r for r in results)
+        value = statistics.fmean(self._parallel(score, list(valset), "validation"))
         logger.info("Epoch %d: validation score %.3f with %d experiences", epoch, value, len(library))
         ckpt.put(f"epochs/{epoch}", {"val_score": value, "library": library.dump_state()})
         return value

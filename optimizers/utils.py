@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import threading
 from collections import Counter
 from typing import Any, Callable
@@ -11,13 +10,11 @@ from typing import Any, Callable
 import dspy
 from dspy.utils.parallelizer import ParallelExecutor
 
-logger = logging.getLogger(__name__)
-
 MAX_ATTEMPT_CHARS = 6000  # an attempt shown to a learning call is cut to this size (head and tail kept)
 
 
 class Failed:
-    """The result of a parallel item that raised: kept, not dropped, so callers can record it."""
+    """A unit of work that raised, kept as a value so the caller can count it and go on."""
 
     def __init__(self, error: BaseException):
         self.error = f"{type(error).__name__}: {error}"
@@ -30,19 +27,24 @@ def run_parallel(fn: Callable, items: list, *, num_threads: int, stage: str,
                  progress: Callable[[str, int, int], None] | None = None) -> list:
     """Map `fn` over `items` on `num_threads` threads with DSPy settings propagated; order is kept.
 
-    An item that raises yields a `Failed` instead of stopping the others. `progress(stage, done, total)` is
-    called after every item (from worker threads, under a lock).
+    Nothing is swallowed: the first item that raises stops the map (items not yet started are skipped, those
+    running finish) and its exception is raised again here. A failure that is a result, such as an LM call
+    that may fail, must be caught inside `fn` (and returned as a `Failed`). `progress(stage, done, total)` is
+    called after every finished item (from worker threads, under a lock).
     """
     if not items:
         return []
-    lock, done = threading.Lock(), [0]
+    lock, done, errors = threading.Lock(), [0], []
 
     def guarded(item):
+        if errors:
+            return None
         try:
             result = fn(item)
-        except Exception as exc:  # recorded by the caller; one bad item must not sink the batch
-            logger.debug("%s item failed", stage, exc_info=True)
-            result = Failed(exc)
+        except Exception as exc:
+            with lock:
+                errors.append(exc)
+            return None
         if progress is not None:
             with lock:
                 done[0] += 1
@@ -52,7 +54,10 @@ def run_parallel(fn: Callable, items: list, *, num_threads: int, stage: str,
     # timeout=0 turns off the executor's straggler re-submission, which would send duplicate LM calls.
     executor = ParallelExecutor(num_threads=num_threads, max_errors=len(items) + 1, disable_progress_bar=True,
                                 timeout=0)
-    return executor.execute(guarded, items)
+    results = executor.execute(guarded, items)
+    if errors:
+        raise errors[0]
+    return results
 
 
 def format_fields(values: dict[str, Any]) -> str:

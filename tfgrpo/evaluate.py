@@ -15,7 +15,7 @@ from typing import Callable
 
 import dspy
 
-from tfgrpo.optimizers.utils import Failed, count_tool_calls, metric_result, run_parallel, usage_of
+from tfgrpo.optimizers.utils import count_tool_calls, metric_result, run_parallel, usage_of
 
 
 def evaluate_program(program: dspy.Module, examples: list, metric: Callable, *, lm: dspy.BaseLM, num_runs: int = 1,
@@ -45,8 +45,6 @@ def evaluate_program(program: dspy.Module, examples: list, metric: Callable, *, 
                 "tool_calls": tool_calls, "error": error}
 
     rows = run_parallel(run, jobs, num_threads=num_threads, stage=f"evaluate {name}", progress=progress)
-    rows = [r if not isinstance(r, Failed) else {"program": name, "problem": j[0], "run": j[1], "score": 0.0,
-                                                  "error": r.error, "tool_calls": 0} for r, j in zip(rows, jobs)]
     usage = usage_of(copies)
     if rows:
         rows[0]["usage_total"] = usage  # tokens of the whole evaluation, kept on the first row

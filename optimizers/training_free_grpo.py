@@ -22,8 +22,8 @@ import dspy
 from dspy.teleprompt.teleprompt import Teleprompter
 
 from tfgrpo.optimizers.checkpoint import Checkpoint, digest
-from tfgrpo.optimizers.utils import Failed, add_usage, clip, count_tool_calls, format_fields, format_prediction, \
-    jsonable, majority, metric_result, run_parallel, usage_of
+from tfgrpo.optimizers.utils import Failed, add_usage, call_metric, clip, count_tool_calls, format_fields, \
+    format_prediction, jsonable, majority, run_parallel, usage_of
 from tfgrpo.programs.inject import LIBRARY_KEY, apply_library, resolve_targets
 from tfgrpo.programs.library import ExperienceLibrary
 from tfgrpo.signatures.learning import AdvantageExtractor, Consolidator, Summarizer
@@ -331,9 +331,7 @@ class TrainingFreeGRPO(Teleprompter):
     def _score(self, example, record: dict) -> dict:
         if record["error"] or record["outputs"] is None:
             return {"reward": 0.0, "feedback": f"the attempt failed: {record['error']}"}
-        score, feedback = metric_result(self.metric(example, dspy.Prediction(**record["outputs"]), None))
-        if not 0.0 <= score <= 1.0:
-            raise ValueError(f"metric returned {score}; rewards must lie in [0, 1]")
+        score, feedback = call_metric(self.metric, example, dspy.Prediction(**record["outputs"]))
         return {"reward": score, "feedback": feedback}
 
     def _validate(self, program, targets, library, valset, epoch, ckpt) -> float:

@@ -108,6 +108,24 @@ def metric_result(result: Any) -> tuple[float, str]:
     return float(result), ""
 
 
+class MetricError(RuntimeError):
+    """The metric raised, or returned something that is not a reward in [0, 1]: the run cannot go on."""
+
+
+def call_metric(metric: Callable, example: dspy.Example, prediction: dspy.Prediction) -> tuple[float, str]:
+    """(score, feedback) of `metric` on one prediction; a metric that fails raises a `MetricError` naming the
+    metric and the example, so that a typo never reads as "every attempt was wrong"."""
+    where = f"metric {getattr(metric, '__name__', type(metric).__name__)!r} on the example " \
+            f"{clip(format_fields(example.inputs()), 300)!r}"
+    try:
+        score, feedback = metric_result(metric(example, prediction, None))
+    except Exception as exc:
+        raise MetricError(f"{where} raised {type(exc).__name__}: {exc}") from exc
+    if not 0.0 <= score <= 1.0:
+        raise MetricError(f"{where} returned {score}; rewards must lie in [0, 1]")
+    return score, feedback
+
+
 def count_tool_calls(outputs: dict | None) -> int:
     """Tool calls in a ReAct trajectory (the final 'finish' is not a tool call); 0 for other programs."""
     trajectory = (outputs or {}).get("trajectory")

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.fake_lm_server import FAULTS, KINDS, FakeLMServer
 
-STOPPED = 3  # exit code of a child stopped by max_failure_rate (the documented RuntimeError)
+STOPPED = 3  # exit code of a child stopped by max_failure_rate (the documented TooManyFailuresError)
 UNIT_KIND = {"rollouts": "student", "summaries": "summary", "advantages": "advantage", "plan": "consolidation"}
 DEFAULTS = dict(queries=6, num_generations=4, num_train_epochs=2, batch_size=3, num_threads=8, max_experiences=5,
                 max_failure_rate=0.5, seed=0, lm_timeout=10.0, num_retries=3)
@@ -100,11 +100,11 @@ def child_main(argv) -> int:
     import logging
 
     logging.basicConfig(level=logging.ERROR)
+    from tfgrpo.optimizers import TooManyFailuresError
+
     try:
         compiled = compile_once(args.api_base, args.log_dir, child=True, **json.loads(args.opts))
-    except RuntimeError as exc:
-        if "attempts failed" not in str(exc):
-            raise
+    except TooManyFailuresError as exc:
         Path(args.out).write_text(json.dumps({"status": "stopped", "error": str(exc)}))
         return STOPPED
     steps = compiled.detailed_results["steps"]

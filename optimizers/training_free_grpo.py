@@ -22,8 +22,8 @@ import dspy
 from dspy.teleprompt.teleprompt import Teleprompter
 
 from tfgrpo.optimizers.checkpoint import Checkpoint, digest
-from tfgrpo.optimizers.utils import Failed, add_usage, call_metric, clip, count_tool_calls, format_fields, \
-    format_prediction, jsonable, majority, run_parallel, usage_of
+from tfgrpo.optimizers.utils import Failed, TooManyFailuresError, add_usage, call_metric, clip, count_tool_calls, \
+    format_fields, format_prediction, jsonable, majority, run_parallel, usage_of
 from tfgrpo.programs.inject import LIBRARY_KEY, apply_library, resolve_targets
 from tfgrpo.programs.library import ExperienceLibrary
 from tfgrpo.signatures.learning import AdvantageExtractor, Consolidator, Summarizer
@@ -162,8 +162,7 @@ class TrainingFreeGRPO(Teleprompter):
             for (qi, g), rec in records.items():  # a resume retries them (the outage may be over), not replays them
                 if rec["error"]:
                     ckpt.discard(f"{key}/rollouts/{qi}_{g}")
-            raise RuntimeError(f"step {step}: {len(failures)} of {len(jobs)} attempts failed (first: "
-                               f"{failures[0]['error']}); finished work is kept in log_dir={self.log_dir!r}")
+        self._stop_if_failing(step, "attempts", [r["error"] for r in failures], len(jobs))
         timing["rollout"] = time.time() - t0
 
         # 2. rewards, against the ground truth or against the group's majority answer
@@ -210,8 +209,11 @@ class TrainingFreeGRPO(Teleprompter):
                 ckpt.put(unit, rec)
             return rec
 
+        summaries = self._parallel(summarize, summary_jobs, "summary")
+        self._stop_if_failing(step, "summary calls", [s.error for s in summaries if isinstance(s, Failed)],
+                              len(summary_jobs))
         learning_failures = 0
-        for job, summary in zip(summary_jobs, self._parallel(summarize, summary_jobs, "summary")):
+        for job, summary in zip(summary_jobs, summaries):
             if isinstance(summary, Failed):  # fall back to the raw attempt, cut short
                 learning_failures += 1
                 logger.warning("Summary of query %s attempt %d failed (%s); using the raw attempt", *job, summary.error)
@@ -236,8 +238,11 @@ class TrainingFreeGRPO(Teleprompter):
                 ckpt.put(unit, ops)
             return ops
 
+        advantages = self._parallel(extract, kept, "advantage")
+        self._stop_if_failing(step, "group advantage calls", [a.error for a in advantages if isinstance(a, Failed)],
+                              len(kept))
         proposals: list[tuple[str, Operation]] = []
-        for qi, ops in zip(kept, self._parallel(extract, kept, "advantage")):
+        for qi, ops in zip(kept, advantages):
             if isinstance(ops, Failed):
                 learning_failures += 1
                 logger.warning("Group advantage of query %s failed (%s); the group proposes nothing", qi, ops.error)
@@ -279,6 +284,13 @@ class TrainingFreeGRPO(Teleprompter):
         return plan, status
 
     # -- pieces ---------------------------------------------------------------------------------------------
+    def _stop_if_failing(self, step: int, units: str, errors: list[str], total: int) -> None:
+        """Stop the run, leaving the step unfinished, when more than `max_failure_rate` of a stage's units failed:
+        an outage must not pass for "nothing to learn". A resume redoes the failed units."""
+        if len(errors) > self.max_failure_rate * total:
+            raise TooManyFailuresError(f"step {step}: {len(errors)} of {total} {units} failed (first: {errors[0]}); "
+                                       f"finished work is kept in log_dir={self.log_dir!r}")
+
     def _over_budget(self, totals: dict) -> str | None:
         tokens = sum(u.get("prompt_tokens", 0) + u.get("completion_tokens", 0) for u in totals.values())
         cost = sum(u.get("cost", 0.0) for u in totals.values())

@@ -23,6 +23,10 @@ class Failed:
         return f"Failed({self.error!r})"
 
 
+class TooManyFailuresError(RuntimeError):
+    """More of a stage's units failed than `max_failure_rate` allows: the step stops, unfinished."""
+
+
 def run_parallel(fn: Callable, items: list, *, num_threads: int, stage: str,
                  progress: Callable[[str, int, int], None] | None = None) -> list:
     """Map `fn` over `items` on `num_threads` threads with DSPy settings propagated; order is kept.

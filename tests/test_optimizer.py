@@ -145,9 +145,11 @@ def test_group_size_one_learns_nothing_and_calls_nothing_else():
     assert count(lm, "student") == 4 and len(lm.calls) == 4 and len(compiled.experience_library) == 0
 
 
-def test_garbage_from_the_learning_lm_leaves_the_library_unchanged_and_the_run_finishes():
+def test_garbage_from_the_learning_lm_stops_the_run_unless_tolerated_and_never_edits_the_library():
+    with pytest.raises(RuntimeError, match="16 of 16 summary calls failed"):
+        compile_with(ScriptedLM(learner(garbage=True)), dspy.Predict("question -> answer"))
     lm = ScriptedLM(learner(garbage=True))
-    compiled = compile_with(lm, dspy.Predict("question -> answer"), num_train_epochs=2)
+    compiled = compile_with(lm, dspy.Predict("question -> answer"), num_train_epochs=2, max_failure_rate=1.0)
     assert len(compiled.experience_library) == 0
     steps = compiled.detailed_results["steps"]
     assert len(steps) == 2 and all(s["learning_failures"] == 16 + 4 for s in steps)  # summaries + advantages

@@ -11,6 +11,19 @@ from test_optimizer import LESSON, TwoStep, compile_with, count, learner, make_t
 from tfgrpo.optimizers import TrainingFreeGRPO
 
 
+def reflection_outage():
+    """A responder whose learning calls all fail at the connection; the student answers as usual."""
+    sent = {"learning": 0}
+
+    def respond(messages, kwargs):
+        if kind_of(messages) == "student":
+            return student_answer(messages, kwargs)
+        sent["learning"] += 1
+        raise ConnectionError("the reflection endpoint is down")
+
+    return respond, sent
+
+
 # 1 ----------------------------------------------------------------------------------------------------------
 def misspelled_metric(example, pred, trace=None):
     return float(pred.answer == example.anwser)  # a typo: dspy.Example raises AttributeError
@@ -33,6 +46,23 @@ def test_a_broken_metric_stops_the_run_naming_the_metric_and_the_example(bad_met
     assert bad_metric.__name__ in message and re.search(says, message)
     assert re.search(r"What is \d+ \+ \d+\?", message), "the example is named"
     assert all(kind_of(c["messages"]) == "student" for c in lm.calls), "no learning from made-up rewards"
+
+
+# 2 ----------------------------------------------------------------------------------------------------------
+def test_a_reflection_outage_is_not_a_finished_step_and_a_resume_redoes_the_learning(tmp_path):
+    respond, sent = reflection_outage()
+    policy = ScriptedLM(learner())
+    with pytest.raises(RuntimeError, match="summary calls failed") as info:
+        compile_with(policy, dspy.Predict("question -> answer"), reflection_lm=ScriptedLM(respond),
+                     log_dir=str(tmp_path))
+    assert "the reflection endpoint is down" in str(info.value) and str(tmp_path) in str(info.value)
+    assert not list(tmp_path.glob("steps/*/done.json")), "a step whose learning failed is not done"
+
+    policy_again, reflection = ScriptedLM(learner()), ScriptedLM(learner())
+    compiled = compile_with(policy_again, dspy.Predict("question -> answer"), reflection_lm=reflection,
+                            log_dir=str(tmp_path))
+    assert policy_again.calls == [], "finished rollouts are reused"
+    assert len(reflection.calls) == 16 + 4 + 1 and compiled.experience_library.texts() == [LESSON]
 
 
 # 6 ----------------------------------------------------------------------------------------------------------

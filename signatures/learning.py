@@ -8,19 +8,28 @@
 
 Without ground truth the `reference_answer` input is removed from the signatures, so no answer key can
 reach the LM. The modules validate what comes back (pydantic) and ask once more, quoting the error, when a
-reply cannot be parsed; a second failure raises `LearningCallError`, which the optimizer logs and skips.
+reply cannot be parsed; a second failure raises `LearningCallError`, which the optimizer counts as a failed
+call. A reply that does not parse thus costs exactly two LM calls: DSPy's fallback from the chat format to
+JSON is turned off for these calls, and errors of the LM itself (timeouts, outages) are not retried here,
+since the LM client retries those (`num_retries`).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 
 import dspy
+import pydantic
+from dspy.adapters.chat_adapter import ChatAdapter
+from dspy.utils.exceptions import AdapterParseError
 
 from tfgrpo.signatures.operations import Operation
 
 logger = logging.getLogger(__name__)
+
+PARSE_ERRORS = (AdapterParseError, pydantic.ValidationError)  # a reply that came back but cannot be used
 
 
 class LearningCallError(RuntimeError):
@@ -86,6 +95,15 @@ def _signature(sig: type[dspy.Signature], use_ground_truth: bool) -> type[dspy.S
     return sig if use_ground_truth or "reference_answer" not in sig.input_fields else sig.delete("reference_answer")
 
 
+def _single_call_adapter() -> dspy.Adapter:
+    """The configured adapter (DSPy's chat adapter by default) without its JSON fallback, which would send a
+    second call for every reply that does not parse."""
+    adapter = copy.copy(dspy.settings.adapter) if dspy.settings.adapter is not None else ChatAdapter()
+    if isinstance(adapter, ChatAdapter):
+        adapter.use_json_adapter_fallback = False
+    return adapter
+
+
 class _ValidatedCall(dspy.Module):
     """A predictor that, when its reply cannot be parsed, asks once more and then gives up loudly."""
 
@@ -97,17 +115,19 @@ class _ValidatedCall(dspy.Module):
     def forward(self, **inputs):
         if not self.use_ground_truth:
             inputs.pop("reference_answer", None)
-        try:
-            return self.predict(**inputs)
-        except Exception as first:  # the adapter raises its own parse errors; anything else is worth one retry too
-            retry = dspy.Predict(self.predict.signature.with_instructions(
-                f"{self.predict.signature.instructions}\n\nA previous reply could not be used ({_short(first)}). "
-                "Reply again and follow the output format exactly."))
-            retry.lm = self.predict.lm  # the changed instructions make a new prompt, so no cached reply comes back
+        with dspy.context(adapter=_single_call_adapter()):
             try:
-                return retry(**inputs)
-            except Exception as second:
-                raise LearningCallError(f"{type(self).__name__}: unusable reply twice ({_short(second)})") from second
+                return self.predict(**inputs)
+            except PARSE_ERRORS as first:
+                retry = dspy.Predict(self.predict.signature.with_instructions(
+                    f"{self.predict.signature.instructions}\n\nA previous reply could not be used ({_short(first)}). "
+                    "Reply again and follow the output format exactly."))
+                retry.lm = self.predict.lm  # the changed instructions make a new prompt: no cached reply comes back
+                try:
+                    return retry(**inputs)
+                except PARSE_ERRORS as second:
+                    raise LearningCallError(f"{type(self).__name__}: unusable reply twice ({_short(second)})") \
+                        from second
 
 
 def _short(exc: Exception, limit: int = 300) -> str:

@@ -65,6 +65,56 @@ def test_a_reflection_outage_is_not_a_finished_step_and_a_resume_redoes_the_lear
     assert len(reflection.calls) == 16 + 4 + 1 and compiled.experience_library.texts() == [LESSON]
 
 
+# 3 ----------------------------------------------------------------------------------------------------------
+def test_an_unparseable_learning_reply_costs_at_most_two_calls_and_all_are_counted():
+    lm = ScriptedLM(learner(garbage=True))
+    compiled = compile_with(lm, dspy.Predict("question -> answer"), max_failure_rate=1.0)
+    step = compiled.detailed_results["steps"][0]
+    learning_calls = len(lm.calls) - 16
+    assert learning_calls == 2 * (16 + 4), "one retry per summary and per group advantage, nothing more"
+    assert step["learning_failures"] == 16 + 4
+    assert sum(step["usage"][s]["calls"] for s in ("summary", "advantage", "consolidation")) == learning_calls
+
+
+def test_the_dry_run_bound_covers_a_step_of_unparseable_replies():
+    from tfgrpo.optimizers.estimate import estimate_run
+
+    def respond(messages, kwargs):  # every first reply is unusable, students' included; every retry parses
+        if kind_of(messages) == "student" and "Respond with a JSON object" in messages[-1]["content"]:
+            return json.dumps(student_answer(messages, kwargs))
+        if kind_of(messages) != "student" and "could not be used" in messages[0]["content"]:
+            return learner()(messages, kwargs)
+        return "nothing usable"
+
+    lm = ScriptedLM(respond)
+    dspy.configure(lm=lm)
+    optimizer = TrainingFreeGRPO(metric, num_generations=4, num_train_epochs=1, batch_size=4, num_threads=4)
+    bound = estimate_run(optimizer, dspy.Predict("question -> answer"), make_trainset())["per_step_upper_bound"]
+    step = optimizer.compile(dspy.Predict("question -> answer"), trainset=make_trainset()).detailed_results["steps"][0]
+    assert step["groups_kept"] == 4, "the JSON fallback let the students answer"
+    for stage, usage in step["usage"].items():
+        assert 0 < usage["calls"] <= bound[stage]["calls"], stage
+
+
+def test_an_lm_error_in_a_learning_call_is_not_retried_as_if_it_were_a_parse_error():
+    respond, sent = reflection_outage()
+    with pytest.raises(RuntimeError):
+        compile_with(ScriptedLM(learner()), dspy.Predict("question -> answer"), reflection_lm=ScriptedLM(respond))
+    assert sent["learning"] == 16, "one call per summary (DSPy's LM client has its own retries for outages)"
+
+
+def test_one_bad_reply_then_a_good_one_learns_with_two_calls():
+    def respond(messages, kwargs):
+        retry = "could not be used" in messages[0]["content"]
+        if kind_of(messages) == "advantage" and not retry:
+            return "no operations field here"
+        return learner()(messages, kwargs)
+
+    lm = ScriptedLM(respond)
+    compiled = compile_with(lm, dspy.Predict("question -> answer"))
+    assert count(lm, "advantage") == 2 * 4 and compiled.experience_library.texts() == [LESSON]
+
+
 # 6 ----------------------------------------------------------------------------------------------------------
 def test_a_disk_error_while_saving_a_rollout_surfaces_as_that_error(tmp_path):
     blocked = tmp_path / "steps" / "0000" / "rollouts"

@@ -22,8 +22,9 @@ import dspy
 from dspy.teleprompt.teleprompt import Teleprompter
 
 from tfgrpo.optimizers.checkpoint import Checkpoint, digest
-from tfgrpo.optimizers.utils import Failed, TooManyFailuresError, add_usage, call_metric, clip, count_tool_calls, \
-    format_fields, format_prediction, jsonable, majority, run_parallel, usage_of
+from tfgrpo.optimizers.usage import add_usage, history_kept, metered, stage_usage
+from tfgrpo.optimizers.utils import Failed, TooManyFailuresError, call_metric, clip, count_tool_calls, format_fields, \
+    format_prediction, jsonable, majority, run_parallel
 from tfgrpo.programs.inject import LIBRARY_KEY, apply_library, resolve_targets
 from tfgrpo.programs.library import ExperienceLibrary
 from tfgrpo.signatures.learning import AdvantageExtractor, Consolidator, Summarizer
@@ -84,6 +85,10 @@ class TrainingFreeGRPO(Teleprompter):
         program = student.deepcopy()
         targets = resolve_targets(program, self.target_predictors)
         self._policy_lms(program)  # fail early, with a clear message, when no LM is configured
+        if self.max_cost is not None and not history_kept():
+            raise ValueError("max_cost needs DSPy's LM history, the only place where the price of a call is kept, "
+                             "and it is off (dspy.configure(disable_history=True) or max_history_size=0): turn it "
+                             "back on, or budget with max_total_tokens, which is measured either way")
         start = getattr(student, LIBRARY_KEY, None)
         library = ExperienceLibrary.from_state(start.dump_state()) if isinstance(start, ExperienceLibrary) else \
             ExperienceLibrary(max_words=self.max_words_per_experience, max_experiences=self.max_experiences)
@@ -155,8 +160,9 @@ class TrainingFreeGRPO(Teleprompter):
             ckpt.put(unit, rec)
             return rec
 
-        records = dict(zip(jobs, self._parallel(rollout, jobs, "rollout")))
-        stats["usage"]["rollout"] = usage_of(rollout_lms)
+        with metered() as used:
+            records = dict(zip(jobs, self._parallel(rollout, jobs, "rollout")))
+        stats["usage"]["rollout"] = stage_usage(used, rollout_lms)
         failures = [r for r in records.values() if r["error"]]
         if len(failures) > self.max_failure_rate * len(jobs):
             for (qi, g), rec in records.items():  # a resume retries them (the outage may be over), not replays them
@@ -209,7 +215,9 @@ class TrainingFreeGRPO(Teleprompter):
                 ckpt.put(unit, rec)
             return rec
 
-        summaries = self._parallel(summarize, summary_jobs, "summary")
+        with metered() as used:
+            summaries = self._parallel(summarize, summary_jobs, "summary")
+        stats["usage"]["summary"] = stage_usage(used, [lms["summary"]])
         self._stop_if_failing(step, "summary calls", [s.error for s in summaries if isinstance(s, Failed)],
                               len(summary_jobs))
         learning_failures = 0
@@ -219,7 +227,6 @@ class TrainingFreeGRPO(Teleprompter):
                 logger.warning("Summary of query %s attempt %d failed (%s); using the raw attempt", *job, summary.error)
                 summary = clip(records[job]["attempt"], 1500)
             records[job]["summary"] = summary
-        stats["usage"]["summary"] = usage_of([lms["summary"]])
         timing["summary"] = time.time() - t0 - sum(timing.values())
 
         # 5. group advantage: what did the better attempts know? -> at most N operations per group
@@ -238,7 +245,9 @@ class TrainingFreeGRPO(Teleprompter):
                 ckpt.put(unit, ops)
             return ops
 
-        advantages = self._parallel(extract, kept, "advantage")
+        with metered() as used:
+            advantages = self._parallel(extract, kept, "advantage")
+        stats["usage"]["advantage"] = stage_usage(used, [lms["advantage"]])
         self._stop_if_failing(step, "group advantage calls", [a.error for a in advantages if isinstance(a, Failed)],
                               len(kept))
         proposals: list[tuple[str, Operation]] = []
@@ -248,12 +257,12 @@ class TrainingFreeGRPO(Teleprompter):
                 logger.warning("Group advantage of query %s failed (%s); the group proposes nothing", qi, ops.error)
                 continue
             proposals += [(qkeys[qi], Operation.model_validate(o)) for o in ops]
-        stats["usage"]["advantage"] = usage_of([lms["advantage"]])
         timing["advantage"] = time.time() - t0 - sum(timing.values())
 
         # 6. consolidation: one call turns the batch's proposals into the plan; 7. the plan is applied in code
-        plan, stats["consolidation"] = self._consolidate(consolidator, library, proposals, key, ckpt)
-        stats["usage"]["consolidation"] = usage_of([lms["consolidation"]])
+        with metered() as used:
+            plan, stats["consolidation"] = self._consolidate(consolidator, library, proposals, key, ckpt)
+        stats["usage"]["consolidation"] = stage_usage(used, [lms["consolidation"]])
         sources = sorted({q for q, _ in proposals})
         report = library.apply(plan, step=step, sources=sources)
         timing["consolidation"] = time.time() - t0 - sum(timing.values())

@@ -1,4 +1,4 @@
-"""Small helpers of the optimizer: parallel map, text rendering of examples and predictions, token counting."""
+"""Small helpers of the optimizer: parallel map, text rendering of examples and predictions, the metric's call."""
 
 from __future__ import annotations
 
@@ -147,27 +147,3 @@ def majority(values: list[Any]) -> Any:
     for v in values:
         if v not in (None, "") and votes[json.dumps(v, sort_keys=True, default=str)] == best:
             return v
-
-
-def usage_of(lms: list[dspy.BaseLM]) -> dict[str, int]:
-    """Calls and tokens recorded in the history of the given LM copies (which then forget it)."""
-    calls = prompt = completion = cached = 0
-    cost = 0.0
-    for lm in lms:
-        for entry in lm.history:
-            calls += 1
-            cost += float(entry.get("cost") or 0.0)  # litellm's price, where the model has one
-            usage = entry.get("usage") or {}
-            prompt += int(usage.get("prompt_tokens") or 0)
-            completion += int(usage.get("completion_tokens") or 0)
-            details = usage.get("prompt_tokens_details") or {}
-            cached += int((details.get("cached_tokens") if isinstance(details, dict) else 0) or 0)
-        lm.history.clear()
-    return {"calls": calls, "prompt_tokens": prompt, "completion_tokens": completion, "cached_tokens": cached,
-            "cost": cost}
-
-
-def add_usage(total: dict[str, int], more: dict[str, int]) -> dict[str, int]:
-    for k, v in more.items():
-        total[k] = total.get(k, 0) + v
-    return total

@@ -115,6 +115,29 @@ def test_one_bad_reply_then_a_good_one_learns_with_two_calls():
     assert count(lm, "advantage") == 2 * 4 and compiled.experience_library.texts() == [LESSON]
 
 
+# 4 ----------------------------------------------------------------------------------------------------------
+def test_budgets_hold_when_dspy_history_is_disabled():
+    def compile_without_history(**budget):
+        with dspy.context(lm=ScriptedLM(learner()), disable_history=True):
+            optimizer = TrainingFreeGRPO(metric, num_generations=4, num_train_epochs=3, batch_size=2, **budget)
+            return optimizer.compile(dspy.Predict("question -> answer"), trainset=make_trainset())
+
+    results = compile_without_history(max_total_tokens=1).detailed_results
+    assert len(results["steps"]) == 1 and "max_total_tokens" in results["stopped_early"]
+    assert results["usage"]["policy"]["calls"] == 8 and results["usage"]["policy"]["prompt_tokens"] > 0
+    with pytest.raises(ValueError, match="disable_history"):  # the price of a call is only kept in the history
+        compile_without_history(max_cost=1.0)
+
+
+def test_an_enclosing_track_usage_still_sees_every_call():
+    lm = ScriptedLM(learner())
+    dspy.configure(lm=lm)
+    with dspy.track_usage() as tracker:
+        TrainingFreeGRPO(metric, num_generations=4, num_train_epochs=1, batch_size=4, num_threads=4).compile(
+            dspy.Predict("question -> answer"), trainset=make_trainset())
+    assert len(tracker.usage_data[lm.model]) == len(lm.calls) == 16 + 16 + 4 + 1
+
+
 # 6 ----------------------------------------------------------------------------------------------------------
 def test_a_disk_error_while_saving_a_rollout_surfaces_as_that_error(tmp_path):
     blocked = tmp_path / "steps" / "0000" / "rollouts"

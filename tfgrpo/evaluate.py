@@ -15,7 +15,8 @@ from typing import Callable
 
 import dspy
 
-from tfgrpo.optimizers.utils import count_tool_calls, metric_result, run_parallel, usage_of
+from tfgrpo.optimizers.usage import metered, stage_usage
+from tfgrpo.optimizers.utils import count_tool_calls, metric_result, run_parallel
 
 
 def evaluate_program(program: dspy.Module, examples: list, metric: Callable, *, lm: dspy.BaseLM, num_runs: int = 1,
@@ -44,8 +45,9 @@ def evaluate_program(program: dspy.Module, examples: list, metric: Callable, *, 
         return {"program": name, "problem": i, "run": r, "score": score, "answer": answer, "feedback": feedback,
                 "tool_calls": tool_calls, "error": error}
 
-    rows = run_parallel(run, jobs, num_threads=num_threads, stage=f"evaluate {name}", progress=progress)
-    usage = usage_of(copies)
+    with metered() as used:
+        rows = run_parallel(run, jobs, num_threads=num_threads, stage=f"evaluate {name}", progress=progress)
+    usage = stage_usage(used, copies)
     if rows:
         rows[0]["usage_total"] = usage  # tokens of the whole evaluation, kept on the first row
     return rows

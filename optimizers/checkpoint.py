@@ -2,7 +2,7 @@
 
 Layout:
     run.json                      what the run was started with (a fingerprint; a resume must match it)
-    steps/0003/rollouts/7_2.json  query 7, generation 2 of step 3: its outputs, attempt text, error, tool calls
+    steps/0003/rollouts/7_2.json  query 7, generation 2 of step 3: outputs, trace, attempt text, error
     steps/0003/rewards/7_2.json   that rollout's reward and the metric's feedback
     steps/0003/summaries/7_2.json the summary of that rollout
     steps/0003/advantages/7.json  the operations proposed by query 7's group

@@ -22,9 +22,10 @@ import dspy
 from dspy.teleprompt.teleprompt import Teleprompter
 
 from tfgrpo.optimizers.checkpoint import Checkpoint, digest
+from tfgrpo.optimizers.trajectory import format_attempt, record_trace
 from tfgrpo.optimizers.usage import add_usage, history_kept, metered, stage_usage
 from tfgrpo.optimizers.utils import Failed, TooManyFailuresError, call_metric, clip, count_tool_calls, format_fields, \
-    format_prediction, jsonable, majority, run_parallel
+    jsonable, majority, run_parallel
 from tfgrpo.programs.inject import LIBRARY_KEY, apply_library, resolve_targets
 from tfgrpo.programs.library import ExperienceLibrary
 from tfgrpo.signatures.learning import AdvantageExtractor, Consolidator, Summarizer
@@ -150,12 +151,16 @@ class TrainingFreeGRPO(Teleprompter):
             unit = f"{key}/rollouts/{qi}_{g}"
             if (rec := ckpt.get(unit)) is not None:
                 return rec
+            inputs, trace = dict(trainset[qi].inputs().items()), []
             try:
-                pred = candidates[g](**trainset[qi].inputs())
-                rec = {"outputs": jsonable(dict(pred.items())), "attempt": format_prediction(pred), "error": None}
+                with dspy.context(trace=trace):  # every predictor call, for the learning calls
+                    pred = candidates[g](**inputs)
+                outputs, error = jsonable(dict(pred.items())), None
             except Exception as exc:  # recorded and scored as a failure, never dropped
-                rec = {"outputs": None, "attempt": f"(the program failed: {type(exc).__name__}: {exc})",
-                       "error": f"{type(exc).__name__}: {exc}"}
+                outputs, error = None, f"{type(exc).__name__}: {exc}"
+            steps = record_trace(trace, candidates[g])
+            rec = {"outputs": outputs, "trace": steps, "attempt": format_attempt(inputs, outputs, steps, error),
+                   "error": error}
             rec["tool_calls"] = count_tool_calls(rec["outputs"])
             ckpt.put(unit, rec)
             return rec

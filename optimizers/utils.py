@@ -66,7 +66,7 @@ def run_parallel(fn: Callable, items: list, *, num_threads: int, stage: str,
 
 def format_fields(values: dict[str, Any]) -> str:
     """`name: value` lines, values rendered as text (JSON for structured ones)."""
-    return "\n".join(f"{k}: {_as_text(v)}" for k, v in values.items())
+    return "\n".join(f"{k}: {as_text(v)}" for k, v in values.items())
 
 
 def format_prediction(pred: Any) -> str:
@@ -77,9 +77,9 @@ def format_prediction(pred: Any) -> str:
     parts = []
     trajectory = values.pop("trajectory", None)
     if isinstance(trajectory, dict):
-        parts.append("trajectory:\n" + "\n".join(f"  {k}: {_as_text(v)}" for k, v in trajectory.items()))
+        parts.append("trajectory:\n" + "\n".join(f"  {k}: {as_text(v)}" for k, v in trajectory.items()))
     elif trajectory is not None:
-        parts.append(f"trajectory: {_as_text(trajectory)}")
+        parts.append(f"trajectory: {as_text(trajectory)}")
     parts.append(format_fields(values))
     return clip("\n".join(p for p in parts if p))
 
@@ -91,7 +91,7 @@ def clip(text: str, limit: int = MAX_ATTEMPT_CHARS) -> str:
     return f"{text[:half]}\n[... {len(text) - limit} characters cut ...]\n{text[-half:]}"
 
 
-def _as_text(value: Any) -> str:
+def as_text(value: Any) -> str:
     if isinstance(value, str):
         return value
     try:

@@ -138,6 +138,23 @@ def test_an_enclosing_track_usage_still_sees_every_call():
     assert len(tracker.usage_data[lm.model]) == len(lm.calls) == 16 + 16 + 4 + 1
 
 
+# 5 ----------------------------------------------------------------------------------------------------------
+def test_the_learning_calls_see_every_predictor_of_a_multi_step_attempt(tmp_path):
+    def respond(messages, kwargs):
+        if "[[ ## question ## ]]" in messages[-1]["content"] and output_fields(messages) == ["plan"]:
+            return {"plan": "PLAN-7F3: add the ones, then the tens"}
+        return learner()(messages, kwargs)
+
+    lm = ScriptedLM(respond)
+    compile_with(lm, TwoStep(), log_dir=str(tmp_path))
+    summaries = [c for c in lm.calls if kind_of(c["messages"]) == "summary"]
+    assert summaries and all("PLAN-7F3" in c["messages"][-1]["content"] for c in summaries)
+    record = json.loads(next(tmp_path.glob("steps/0000/rollouts/*.json")).read_text())
+    assert [s["predictor"] for s in record["trace"]] == ["plan", "solve.predict"]
+    assert record["trace"][0]["outputs"] == {"plan": "PLAN-7F3: add the ones, then the tens"}
+    assert record["trace"][1]["inputs"]["plan"].startswith("PLAN-7F3")
+
+
 # 6 ----------------------------------------------------------------------------------------------------------
 def test_a_disk_error_while_saving_a_rollout_surfaces_as_that_error(tmp_path):
     blocked = tmp_path / "steps" / "0000" / "rollouts"

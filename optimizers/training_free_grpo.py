@@ -22,10 +22,11 @@ import dspy
 from dspy.teleprompt.teleprompt import Teleprompter
 
 from tfgrpo.optimizers.checkpoint import Checkpoint, digest
-from tfgrpo.optimizers.trajectory import format_attempt, record_trace
+from tfgrpo.optimizers.rollout import run_program, with_own_lms
+from tfgrpo.optimizers.trajectory import format_attempt
 from tfgrpo.optimizers.usage import add_usage, history_kept, metered, stage_usage
-from tfgrpo.optimizers.utils import Failed, TooManyFailuresError, call_metric, clip, count_tool_calls, format_fields, \
-    jsonable, majority, run_parallel
+from tfgrpo.optimizers.utils import Failed, TooManyFailuresError, call_metric, clip, format_fields, majority, \
+    run_parallel
 from tfgrpo.programs.inject import LIBRARY_KEY, apply_library, resolve_targets
 from tfgrpo.programs.library import ExperienceLibrary
 from tfgrpo.signatures.learning import AdvantageExtractor, Consolidator, Summarizer
@@ -151,17 +152,9 @@ class TrainingFreeGRPO(Teleprompter):
             unit = f"{key}/rollouts/{qi}_{g}"
             if (rec := ckpt.get(unit)) is not None:
                 return rec
-            inputs, trace = dict(trainset[qi].inputs().items()), []
-            try:
-                with dspy.context(trace=trace):  # every predictor call, for the learning calls
-                    pred = candidates[g](**inputs)
-                outputs, error = jsonable(dict(pred.items())), None
-            except Exception as exc:  # recorded and scored as a failure, never dropped
-                outputs, error = None, f"{type(exc).__name__}: {exc}"
-            steps = record_trace(trace, candidates[g])
-            rec = {"outputs": outputs, "trace": steps, "attempt": format_attempt(inputs, outputs, steps, error),
-                   "error": error}
-            rec["tool_calls"] = count_tool_calls(rec["outputs"])
+            _, rec = run_program(candidates[g], trainset[qi])  # a failed attempt is recorded and scored 0
+            rec["attempt"] = format_attempt(dict(trainset[qi].inputs().items()), rec["outputs"], rec["trace"],
+                                            rec["error"])
             ckpt.put(unit, rec)
             return rec
 
@@ -335,16 +328,11 @@ class TrainingFreeGRPO(Teleprompter):
         """G copies of the program with the library in their instructions and private, distinct LM copies."""
         candidates, lms = [], []
         for g in range(self.num_generations):
-            cand = apply_library(program.deepcopy(), library, targets)
             rollout_id = int(digest([self.seed, step, g]), 16) % 2**31
-            copies: dict[int, dspy.BaseLM] = {}
-            for _, predictor in cand.named_predictors():
-                base = predictor.lm or dspy.settings.lm
-                if id(base) not in copies:
-                    copies[id(base)] = base.copy(rollout_id=rollout_id, temperature=self.temperature)
-                predictor.lm = copies[id(base)]
+            cand, copies = with_own_lms(apply_library(program.deepcopy(), library, targets), rollout_id=rollout_id,
+                                        temperature=self.temperature)
             candidates.append(cand)
-            lms += copies.values()
+            lms += copies
         return candidates, lms
 
     def _reference(self, example, group: list[dict]) -> dspy.Example:
@@ -363,15 +351,11 @@ class TrainingFreeGRPO(Teleprompter):
     def _validate(self, program, targets, library, valset, epoch, ckpt) -> float:
         if (saved := ckpt.get(f"epochs/{epoch}")) is not None:
             return saved["val_score"]
-        cand = apply_library(program.deepcopy(), library, targets)
+        cand, _ = with_own_lms(apply_library(program.deepcopy(), library, targets))
 
         def score(example):
-            try:
-                pred = cand(**example.inputs())
-                rec = {"outputs": jsonable(dict(pred.items())), "error": None}
-            except Exception as exc:
-                rec = {"outputs": None, "error": f"{type(exc).__name__}: {exc}"}
-            return self._score(example, rec)["reward"]
+            prediction, rec = run_program(cand, example)
+            return 0.0 if rec["error"] else call_metric(self.metric, example, prediction)[0]
 
         value = statistics.fmean(self._parallel(score, list(valset), "validation"))
         logger.info("Epoch %d: validation score %.3f with %d experiences", epoch, value, len(library))

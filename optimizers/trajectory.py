@@ -1,27 +1,13 @@
 """An attempt's whole path through the program, for the learning calls.
 
 Experiences go into every predictor, so the learning calls must see what every predictor did, not only the
-final prediction. DSPy records each predictor call of a run in its trace (as its own optimizers read it,
-under `dspy.context(trace=[])`); `record_trace` keeps it as JSON for the checkpoint, and `format_attempt`
-writes the attempt as the summarizer reads it.
+final prediction. `run_program` (rollout.py) records each predictor call from DSPy's trace, as DSPy's own
+optimizers read it; `format_attempt` writes the attempt as the summarizer reads it.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-import dspy
-
 from tfgrpo.optimizers.utils import as_text, clip, format_fields, format_prediction, jsonable
-
-MAX_VALUE_CHARS = 2000  # one recorded input or output value (head and tail kept)
-
-
-def record_trace(trace: list, program: dspy.Module) -> list[dict]:
-    """DSPy's trace of one run as JSON: each predictor call with the predictor's name, its inputs and outputs."""
-    names = {id(predictor): name for name, predictor in program.named_predictors()}
-    return [{"predictor": names.get(id(predictor), type(predictor).__name__), "inputs": _clipped(inputs),
-             "outputs": _clipped(dict(prediction.items()))} for predictor, inputs, prediction in trace]
 
 
 def format_attempt(task_inputs: dict, outputs: dict | None, steps: list[dict], error: str | None) -> str:
@@ -66,11 +52,3 @@ def _format_steps(task_inputs: dict, outputs: dict, steps: list[dict]) -> str:
     if final:  # the program changed or added outputs after its last predictor call: what the metric judged
         lines.append("final output:\n" + format_fields(final))
     return "\n".join(lines)
-
-
-def _clipped(values: dict[str, Any]) -> dict[str, Any]:
-    kept = {}
-    for name, value in jsonable(values).items():
-        text = as_text(value)
-        kept[name] = value if len(text) <= MAX_VALUE_CHARS else clip(text, MAX_VALUE_CHARS)
-    return kept

@@ -162,3 +162,21 @@ def test_a_disk_error_while_saving_a_rollout_surfaces_as_that_error(tmp_path):
     blocked.write_text("a file where the rollouts folder should be")  # every rollout's write fails
     with pytest.raises(OSError):
         compile_with(ScriptedLM(learner()), dspy.Predict("question -> answer"), log_dir=str(tmp_path))
+
+
+# evaluation runs programs through the same helper --------------------------------------------------------------
+def test_evaluation_records_a_failing_program_and_stops_on_a_failing_metric():
+    from tfgrpo.evaluate import evaluate_program
+    from tfgrpo.optimizers import MetricError
+
+    def respond(messages, kwargs):
+        if "What is 1 + 11?" in messages[-1]["content"]:
+            return "no fields at all"
+        return student_answer(messages, {"rollout_id": 0})
+
+    lm = ScriptedLM(respond)
+    rows = evaluate_program(dspy.Predict("question -> answer"), make_trainset(2), metric, lm=lm, num_runs=2)
+    assert [(r["problem"], r["score"], bool(r["error"])) for r in rows] == [(0, 1.0, False)] * 2 + [(1, 0.0, True)] * 2
+    assert rows[0]["usage_total"]["calls"] == len(lm.calls)
+    with pytest.raises(MetricError, match="misspelled_metric"):
+        evaluate_program(dspy.Predict("question -> answer"), make_trainset(2), misspelled_metric, lm=lm)

@@ -15,35 +15,32 @@ from typing import Callable
 
 import dspy
 
+from tfgrpo.optimizers.rollout import run_program, with_own_lms
 from tfgrpo.optimizers.usage import metered, stage_usage
-from tfgrpo.optimizers.utils import count_tool_calls, metric_result, run_parallel
+from tfgrpo.optimizers.utils import call_metric, run_parallel
 
 
 def evaluate_program(program: dspy.Module, examples: list, metric: Callable, *, lm: dspy.BaseLM, num_runs: int = 1,
                      num_threads: int = 4, name: str = "program",
                      progress: Callable[[str, int, int], None] | None = None) -> list[dict]:
-    """One row per (problem, run): score, tool calls, tokens, the extracted answer."""
-    copies = [lm.copy(rollout_id=r) if num_runs > 1 else lm.copy() for r in range(num_runs)]
-    candidates = []
-    for copy in copies:
-        cand = program.deepcopy()
-        cand.set_lm(copy)
+    """One row per (problem, run): score, tool calls, the extracted answer, and the program's error if it raised
+    (scored 0). A metric that fails stops the evaluation with a `MetricError`."""
+    program = program.deepcopy()
+    program.set_lm(lm)
+    candidates, copies = [], []
+    for r in range(num_runs):
+        cand, lms = with_own_lms(program, **({"rollout_id": r} if num_runs > 1 else {}))
         candidates.append(cand)
+        copies += lms
     jobs = [(i, r) for i in range(len(examples)) for r in range(num_runs)]
 
     def run(job):
         i, r = job
-        example = examples[i]
-        try:
-            pred = candidates[r](**example.inputs())
-            score, feedback = metric_result(metric(example, pred))
-            answer = str(getattr(pred, "answer", ""))
-            tool_calls = count_tool_calls(dict(pred.items()))
-            error = None
-        except Exception as exc:
-            score, feedback, answer, tool_calls, error = 0.0, "", "", 0, f"{type(exc).__name__}: {exc}"
-        return {"program": name, "problem": i, "run": r, "score": score, "answer": answer, "feedback": feedback,
-                "tool_calls": tool_calls, "error": error}
+        prediction, rec = run_program(candidates[r], examples[i])
+        score, feedback = call_metric(metric, examples[i], prediction) if prediction is not None else (0.0, "")
+        return {"program": name, "problem": i, "run": r, "score": score, "feedback": feedback,
+                "answer": str((rec["outputs"] or {}).get("answer", "")), "tool_calls": rec["tool_calls"],
+                "error": rec["error"]}
 
     with metered() as used:
         rows = run_parallel(run, jobs, num_threads=num_threads, stage=f"evaluate {name}", progress=progress)

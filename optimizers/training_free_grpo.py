@@ -22,9 +22,10 @@ import dspy
 from dspy.teleprompt.teleprompt import Teleprompter
 
 from tfgrpo.optimizers.checkpoint import Checkpoint, digest
+from tfgrpo.optimizers.knobs import KNOBS, check_knob, fingerprinted_knobs
 from tfgrpo.optimizers.rollout import run_program, with_own_lms
 from tfgrpo.optimizers.trajectory import format_attempt
-from tfgrpo.optimizers.usage import add_usage, history_kept, metered, stage_usage
+from tfgrpo.optimizers.usage import add_usage, history_kept, metered, over_budget, stage_usage
 from tfgrpo.optimizers.utils import Failed, TooManyFailuresError, call_metric, clip, format_fields, majority, \
     run_parallel
 from tfgrpo.programs.inject import LIBRARY_KEY, apply_library, resolve_targets
@@ -38,6 +39,45 @@ EMPTY_LIBRARY = "(no experiences yet: only 'add' is possible)"
 
 
 class TrainingFreeGRPO(Teleprompter):
+    """Learns a library of natural-language experiences for a DSPy program, and writes it into the
+    instructions of its predictors; the weights and the program's own instructions are left alone.
+
+    `compile(student, trainset=..., valset=None)` returns a copy of the student with the library in place
+    (`compiled.experience_library`) and the run's record in `compiled.detailed_results`: per step the mean
+    reward, groups kept, failures, operations, library size and LM usage by stage; per epoch the validation
+    score. Every finished unit of work is saved in `log_dir`; the same call resumes an interrupted run.
+
+    Args:
+        metric: `metric(example, prediction, trace=None)` returns a reward in [0, 1], or a
+            `dspy.Prediction(score=..., feedback=...)` whose feedback the learning calls read. A metric that
+            raises or leaves [0, 1] stops the run with a `MetricError`.
+        num_generations: Attempts per query (G). A group is only learned from when its rewards differ; 1
+            turns the group comparison off (the paper's ablation). Default 5.
+        temperature: Sampling temperature of the attempts while learning, in [0, 2]. Default 0.7.
+        num_train_epochs: Passes over the trainset. Default 3.
+        batch_size: Queries per optimization step. Default 50.
+        seed: Seeds the order of the trainset and the attempts' rollout IDs. Default 0.
+        reflection_lm: LM of the learning calls (summaries, group advantages, consolidation). Default None:
+            `dspy.settings.lm`, else the student's LM. A stronger model than the student learns better.
+        max_operations_per_group: Most library edits one group may propose. Default 2.
+        use_ground_truth: False scores each attempt against the majority answer of its group and shows the
+            learning calls no answer key. Default True.
+        max_experiences: Cap on the library's size; None for no cap. Default None.
+        max_words_per_experience: Experiences longer than this are refused (at least 4). Default 32.
+        target_predictors: Names of the predictors that get the library; None for all. Default None.
+        num_threads: Concurrent LM calls within a stage. Default 8.
+        max_failure_rate: When more than this share of a step's attempts, summaries or group advantages
+            fail, the run stops with `TooManyFailuresError` and the step is not done; a resume redoes the
+            failed units. Default 0.5.
+        max_cost: USD, where LiteLLM knows the price: stop after the step that reaches it, keeping the
+            library so far. Needs DSPy's LM history (refused under `disable_history=True`). Default None.
+        max_total_tokens: Prompt plus completion tokens of all calls: stop after the step that reaches it.
+            Default None.
+        log_dir: Folder where every finished unit of work is saved and resumed from; None keeps nothing.
+            Default None.
+        progress: `progress(stage, done, total)`, called as units finish, for UIs. Default None.
+    """
+
     def __init__(
         self,
         metric: Callable,
@@ -59,26 +99,17 @@ class TrainingFreeGRPO(Teleprompter):
         target_predictors: list[str] | None = None,  # predictor names that get the library; None: all
         # execution
         num_threads: int = 8,  # concurrent LM calls within a stage
-        max_failure_rate: float = 0.5,  # stop when more of a step's attempts than this fail (the checkpoint stays)
+        max_failure_rate: float = 0.5,  # stop when more of a stage's units than this fail (the checkpoint stays)
         max_cost: float | None = None,  # USD (where litellm knows the price): stop after the step that reaches it
         max_total_tokens: int | None = None,  # prompt + completion tokens of all calls: stop after the step reaching it
         log_dir: str | None = None,  # where every finished unit of work is saved, and resumed from
         progress: Callable[[str, int, int], None] | None = None,  # progress(stage, done, total), for UIs
     ):
-        if num_generations < 1 or batch_size < 1 or num_train_epochs < 0 or num_threads < 1:
-            raise ValueError("num_generations, batch_size and num_threads must be >= 1, num_train_epochs >= 0")
         if not callable(metric):
             raise TypeError("metric must be callable: metric(example, prediction, trace=None) -> float | dspy.Prediction")
         self.metric = metric
-        self.num_generations, self.temperature = num_generations, temperature
-        self.num_train_epochs, self.batch_size, self.seed = num_train_epochs, batch_size, seed
-        self.reflection_lm, self.max_operations_per_group = reflection_lm, max_operations_per_group
-        self.use_ground_truth = use_ground_truth
-        self.max_experiences, self.max_words_per_experience = max_experiences, max_words_per_experience
-        self.target_predictors = target_predictors
-        self.num_threads, self.max_failure_rate = num_threads, max_failure_rate
-        self.max_cost, self.max_total_tokens = max_cost, max_total_tokens
-        self.log_dir, self.progress = log_dir, progress
+        for name in KNOBS:  # every knob is checked (knobs.py) and kept under its own name
+            setattr(self, name, check_knob(name, locals()[name]))
 
     # -- the outer loop -------------------------------------------------------------------------------------
     def compile(self, student: dspy.Module, *, trainset: list, teacher=None, valset: list | None = None) -> dspy.Module:
@@ -113,7 +144,7 @@ class TrainingFreeGRPO(Teleprompter):
                 step += 1
                 for stage, usage in stats["usage"].items():
                     add_usage(totals["policy" if stage == "rollout" else "reflection"], usage)
-                stopped = self._over_budget(totals)
+                stopped = over_budget(totals, max_total_tokens=self.max_total_tokens, max_cost=self.max_cost)
             if stopped:
                 logger.warning("Stopping early: %s", stopped)
                 break
@@ -298,15 +329,6 @@ class TrainingFreeGRPO(Teleprompter):
             raise TooManyFailuresError(f"step {step}: {len(errors)} of {total} {units} failed (first: {errors[0]}); "
                                        f"finished work is kept in log_dir={self.log_dir!r}")
 
-    def _over_budget(self, totals: dict) -> str | None:
-        tokens = sum(u.get("prompt_tokens", 0) + u.get("completion_tokens", 0) for u in totals.values())
-        cost = sum(u.get("cost", 0.0) for u in totals.values())
-        if self.max_total_tokens is not None and tokens >= self.max_total_tokens:
-            return f"{tokens} tokens used, max_total_tokens={self.max_total_tokens}"
-        if self.max_cost is not None and cost >= self.max_cost:
-            return f"${cost:.4f} spent, max_cost={self.max_cost}"
-        return None
-
     def _parallel(self, fn, items, stage):
         if items:
             logger.info("%s: %d call(s) on %d thread(s)", stage, len(items), self.num_threads)
@@ -363,10 +385,7 @@ class TrainingFreeGRPO(Teleprompter):
         return value
 
     def _fingerprint(self, program, targets, trainset, valset, library) -> dict:
-        knobs = {k: getattr(self, k) for k in ("num_generations", "temperature", "num_train_epochs", "batch_size", "seed",
-                                                "max_operations_per_group", "use_ground_truth", "max_experiences",
-                                                "max_words_per_experience")}
-        return {"knobs": knobs, "targets": targets,
+        return {"knobs": fingerprinted_knobs(self), "targets": targets,
                 "instructions": digest([p.signature.instructions for _, p in program.named_predictors()]),
                 "trainset": digest([dict(x) for x in trainset]), "valset": digest([dict(x) for x in valset or []]),
                 "initial_library": digest(library.dump_state())}

@@ -71,3 +71,14 @@ def add_usage(total: dict[str, float], more: dict[str, float]) -> dict[str, floa
     for k, v in more.items():
         total[k] = total.get(k, 0) + v
     return total
+
+
+def over_budget(totals: dict[str, dict], *, max_total_tokens: int | None, max_cost: float | None) -> str | None:
+    """Why the run must stop, when the usage `totals` (per role) reached a budget; else None."""
+    tokens = sum(u.get("prompt_tokens", 0) + u.get("completion_tokens", 0) for u in totals.values())
+    cost = sum(u.get("cost", 0.0) for u in totals.values())
+    if max_total_tokens is not None and tokens >= max_total_tokens:
+        return f"{tokens} tokens used, max_total_tokens={max_total_tokens}"
+    if max_cost is not None and cost >= max_cost:
+        return f"${cost:.4f} spent, max_cost={max_cost}"
+    return None

@@ -26,8 +26,8 @@ from tfgrpo.optimizers.knobs import KNOBS, check_knob, fingerprinted_knobs
 from tfgrpo.optimizers.rollout import run_program, with_own_lms
 from tfgrpo.optimizers.trajectory import format_attempt
 from tfgrpo.optimizers.usage import add_usage, history_kept, metered, over_budget, stage_usage
-from tfgrpo.optimizers.utils import Failed, TooManyFailuresError, call_metric, clip, format_fields, majority, \
-    run_parallel
+from tfgrpo.optimizers.utils import Failed, StageBar, TooManyFailuresError, call_metric, clip, format_fields, \
+    majority, run_parallel
 from tfgrpo.programs.inject import LIBRARY_KEY, apply_library, resolve_targets
 from tfgrpo.programs.library import ExperienceLibrary
 from tfgrpo.signatures.learning import AdvantageExtractor, Consolidator, Summarizer
@@ -75,7 +75,8 @@ class TrainingFreeGRPO(Teleprompter):
             Default None.
         log_dir: Folder where every finished unit of work is saved and resumed from; None keeps nothing.
             Default None.
-        progress: `progress(stage, done, total)`, called as units finish, for UIs. Default None.
+        progress: `progress(stage, done, total)`, called as units finish, for UIs. Default None: a tqdm bar
+            per stage, as DSPy's own optimizers draw (pass `lambda *_: None` for silence).
     """
 
     def __init__(
@@ -103,7 +104,7 @@ class TrainingFreeGRPO(Teleprompter):
         max_cost: float | None = None,  # USD (where litellm knows the price): stop after the step that reaches it
         max_total_tokens: int | None = None,  # prompt + completion tokens of all calls: stop after the step reaching it
         log_dir: str | None = None,  # where every finished unit of work is saved, and resumed from
-        progress: Callable[[str, int, int], None] | None = None,  # progress(stage, done, total), for UIs
+        progress: Callable[[str, int, int], None] | None = None,  # progress(stage, done, total); None: tqdm bars
     ):
         if not callable(metric):
             raise TypeError("metric must be callable: metric(example, prediction, trace=None) -> float | dspy.Prediction")
@@ -308,8 +309,8 @@ class TrainingFreeGRPO(Teleprompter):
             return [], "nothing proposed"
         if (saved := ckpt.get(f"{key}/plan")) is not None:
             return [Operation.model_validate(o) for o in saved["plan"]], saved["status"]
-        if self.progress:
-            self.progress("consolidation", 0, 1)
+        progress = self.progress or StageBar()
+        progress("consolidation", 0, 1)
         try:
             plan, status = consolidator(experiences=library.render() or EMPTY_LIBRARY, proposals=proposals,
                                         max_words=self.max_words_per_experience), "ok"
@@ -317,8 +318,7 @@ class TrainingFreeGRPO(Teleprompter):
             logger.warning("Consolidation failed (%s); applying the %d proposals directly", exc, len(proposals))
             plan, status = [op for _, op in proposals], "fallback: proposals applied directly"
         ckpt.put(f"{key}/plan", {"plan": [o.model_dump() for o in plan], "status": status})
-        if self.progress:
-            self.progress("consolidation", 1, 1)
+        progress("consolidation", 1, 1)
         return plan, status
 
     # -- pieces ---------------------------------------------------------------------------------------------

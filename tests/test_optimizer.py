@@ -283,3 +283,13 @@ def test_token_budget_stops_after_the_step_that_reaches_it():
     policy, reflection = results["usage"]["policy"], results["usage"]["reflection"]
     assert policy["calls"] == 8 and reflection["calls"] == 2 * 4 + 2 + 1
     assert compiled.experience_library.texts() == [LESSON]  # the library so far is kept
+
+
+def test_without_a_progress_callback_every_stage_draws_a_bar_as_dspy_does(capsys):
+    compile_with(ScriptedLM(learner()), dspy.Predict("question -> answer"))
+    shown = capsys.readouterr().out
+    for stage, total in (("rollout", 16), ("reward", 16), ("summary", 16), ("advantage", 4), ("consolidation", 1)):
+        assert re.search(rf"{stage}: 100%.*{total}/{total}", shown), stage
+    calls = []
+    compile_with(ScriptedLM(learner()), dspy.Predict("question -> answer"), progress=lambda *a: calls.append(a))
+    assert "100%" not in capsys.readouterr().out and ("advantage", 4, 4) in calls

@@ -98,3 +98,8 @@ class Checkpoint:
 def digest(value: Any) -> str:
     """A short stable hash of a JSON-able value."""
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def jsonable(value: Any) -> Any:
+    """`value` made JSON-safe (for checkpoints): structures kept, anything else as text."""
+    return json.loads(json.dumps(value, ensure_ascii=False, default=str))

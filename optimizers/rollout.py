@@ -11,7 +11,8 @@ from typing import Any
 
 import dspy
 
-from tfgrpo.optimizers.utils import as_text, clip, count_tool_calls, jsonable
+from tfgrpo.optimizers.checkpoint import jsonable
+from tfgrpo.optimizers.render import as_text, clip
 
 MAX_VALUE_CHARS = 2000  # one recorded input or output value of a trace (head and tail kept)
 
@@ -45,6 +46,14 @@ def run_program(program: dspy.Module, example: dspy.Example) -> tuple[dspy.Predi
     record = {"outputs": outputs, "error": error, "trace": _record_trace(trace, program),
               "tool_calls": count_tool_calls(outputs)}
     return prediction, record
+
+
+def count_tool_calls(outputs: dict | None) -> int:
+    """Tool calls in a ReAct trajectory (the final 'finish' is not a tool call); 0 for other programs."""
+    trajectory = (outputs or {}).get("trajectory")
+    if not isinstance(trajectory, dict):
+        return 0
+    return sum(1 for k, v in trajectory.items() if k.startswith("tool_name_") and v != "finish")
 
 
 def _record_trace(trace: list, program: dspy.Module) -> list[dict]:

@@ -23,14 +23,14 @@ from dspy.teleprompt.teleprompt import Teleprompter
 
 from tfgrpo.optimizers.checkpoint import Checkpoint, digest
 from tfgrpo.optimizers.knobs import KNOBS, check_knob, fingerprinted_knobs
+from tfgrpo.optimizers.parallel import Failed, StageBar, TooManyFailuresError, run_parallel
+from tfgrpo.optimizers.render import clip, format_attempt, format_fields
+from tfgrpo.optimizers.rewards import call_metric, reference_example, score_attempt
 from tfgrpo.optimizers.rollout import run_program, with_own_lms
-from tfgrpo.optimizers.trajectory import format_attempt
 from tfgrpo.optimizers.usage import add_usage, history_kept, metered, over_budget, stage_usage
-from tfgrpo.optimizers.utils import Failed, StageBar, TooManyFailuresError, call_metric, clip, format_fields, \
-    majority, run_parallel
 from tfgrpo.programs.inject import LIBRARY_KEY, apply_library, resolve_targets
 from tfgrpo.programs.library import ExperienceLibrary
-from tfgrpo.signatures.learning import AdvantageExtractor, Consolidator, Summarizer
+from tfgrpo.programs.learning import AdvantageExtractor, Consolidator, Summarizer
 from tfgrpo.signatures.operations import Operation
 
 logger = logging.getLogger(__name__)
@@ -202,12 +202,13 @@ class TrainingFreeGRPO(Teleprompter):
         timing["rollout"] = time.time() - t0
 
         # 2. rewards, against the ground truth or against the group's majority answer
-        references = {qi: self._reference(trainset[qi], [records[(qi, g)] for g in range(G)]) for qi in batch}
+        references = {qi: reference_example(trainset[qi], [records[(qi, g)] for g in range(G)], self.use_ground_truth)
+                      for qi in batch}
 
         def reward(job):
             unit = f"{key}/rewards/{job[0]}_{job[1]}"
             if (rec := ckpt.get(unit)) is None:
-                rec = self._score(references[job[0]], records[job])
+                rec = score_attempt(self.metric, references[job[0]], records[job])
                 ckpt.put(unit, rec)
             return rec
 
@@ -356,19 +357,6 @@ class TrainingFreeGRPO(Teleprompter):
             candidates.append(cand)
             lms += copies
         return candidates, lms
-
-    def _reference(self, example, group: list[dict]) -> dspy.Example:
-        """The example to score against: itself, or (without ground truth) the group's majority answers."""
-        if self.use_ground_truth:
-            return example
-        labels = {k: majority([(r["outputs"] or {}).get(k) for r in group]) for k in example.labels().keys()}
-        return dspy.Example(**example.inputs(), **labels).with_inputs(*example.inputs().keys())
-
-    def _score(self, example, record: dict) -> dict:
-        if record["error"] or record["outputs"] is None:
-            return {"reward": 0.0, "feedback": f"the attempt failed: {record['error']}"}
-        score, feedback = call_metric(self.metric, example, dspy.Prediction(**record["outputs"]))
-        return {"reward": score, "feedback": feedback}
 
     def _validate(self, program, targets, library, valset, epoch, ckpt) -> float:
         if (saved := ckpt.get(f"epochs/{epoch}")) is not None:

@@ -16,7 +16,7 @@ import pytest
 from tfgrpo import local_model
 from tfgrpo.optimizers import TrainingFreeGRPO
 from tfgrpo.programs import load_program, save_program
-from tfgrpo.signatures import LearningCallError, Summarizer
+from tfgrpo.programs import LearningCallError, Summarizer
 from tfgrpo.tasks.math.datasets import load_math
 from tfgrpo.tasks.math.metric import math_metric
 

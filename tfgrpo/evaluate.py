@@ -15,9 +15,10 @@ from typing import Callable
 
 import dspy
 
+from tfgrpo.optimizers.parallel import run_parallel
+from tfgrpo.optimizers.rewards import call_metric
 from tfgrpo.optimizers.rollout import run_program, with_own_lms
 from tfgrpo.optimizers.usage import metered, stage_usage
-from tfgrpo.optimizers.utils import call_metric, run_parallel
 
 
 def evaluate_program(program: dspy.Module, examples: list, metric: Callable, *, lm: dspy.BaseLM, num_runs: int = 1,

@@ -1,13 +1,37 @@
-"""An attempt's whole path through the program, for the learning calls.
+"""Text the learning calls read: fields, predictions and whole attempts, clipped to a sensible size.
 
-Experiences go into every predictor, so the learning calls must see what every predictor did, not only the
-final prediction. `run_program` (rollout.py) records each predictor call from DSPy's trace, as DSPy's own
-optimizers read it; `format_attempt` writes the attempt as the summarizer reads it.
+Experiences go into every predictor, so an attempt of several predictor calls is shown call by call, from
+the trace `run_program` (rollout.py) records, not by its final prediction alone.
 """
 
 from __future__ import annotations
 
-from tfgrpo.optimizers.utils import as_text, clip, format_fields, format_prediction, jsonable
+import json
+from typing import Any
+
+from tfgrpo.optimizers.checkpoint import jsonable
+
+MAX_ATTEMPT_CHARS = 6000  # an attempt shown to a learning call is cut to this size (head and tail kept)
+
+
+def format_fields(values: dict[str, Any]) -> str:
+    """`name: value` lines, values rendered as text (JSON for structured ones)."""
+    return "\n".join(f"{k}: {as_text(v)}" for k, v in values.items())
+
+
+def format_prediction(pred: Any) -> str:
+    """A prediction as text for a learning call: ReAct trajectories step by step, then the other outputs."""
+    if pred is None:
+        return "(no output)"
+    values = dict(pred.items()) if hasattr(pred, "items") else {"output": pred}
+    parts = []
+    trajectory = values.pop("trajectory", None)
+    if isinstance(trajectory, dict):
+        parts.append("trajectory:\n" + "\n".join(f"  {k}: {as_text(v)}" for k, v in trajectory.items()))
+    elif trajectory is not None:
+        parts.append(f"trajectory: {as_text(trajectory)}")
+    parts.append(format_fields(values))
+    return clip("\n".join(p for p in parts if p))
 
 
 def format_attempt(task_inputs: dict, outputs: dict | None, steps: list[dict], error: str | None) -> str:
@@ -52,3 +76,19 @@ def _format_steps(task_inputs: dict, outputs: dict, steps: list[dict]) -> str:
     if final:  # the program changed or added outputs after its last predictor call: what the metric judged
         lines.append("final output:\n" + format_fields(final))
     return "\n".join(lines)
+
+
+def clip(text: str, limit: int = MAX_ATTEMPT_CHARS) -> str:
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]}\n[... {len(text) - limit} characters cut ...]\n{text[-half:]}"
+
+
+def as_text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, ensure_ascii=False, default=str)
+    except (TypeError, ValueError):
+        return str(value)

@@ -29,8 +29,8 @@ from tfgrpo.optimizers.rewards import call_metric, reference_example, score_atte
 from tfgrpo.optimizers.rollout import run_program, with_own_lms
 from tfgrpo.optimizers.usage import add_usage, history_kept, metered, over_budget, stage_usage
 from tfgrpo.programs.inject import LIBRARY_KEY, apply_library, resolve_targets
-from tfgrpo.programs.library import ExperienceLibrary
 from tfgrpo.programs.learning import AdvantageExtractor, Consolidator, Summarizer
+from tfgrpo.programs.library import ExperienceLibrary
 from tfgrpo.signatures.operations import Operation
 
 logger = logging.getLogger(__name__)

@@ -5,8 +5,16 @@ SIGKILL after a share of its LM calls and resumed from its log_dir, all in child
 LM server per run. It reports faults injected, crashes (a child dying of anything but the kill or the
 documented failure-rate stop), corrupted libraries (a saved state that fails the library's invariants),
 finished units redone after the resume (checkpoint files present at the kill and written again), and
-whether the resumed library equals the uninterrupted one. The last line is
+whether the resumed library equals the uninterrupted one, ending with the line
 `faults: injected=<n> crashes=<n> corrupted=<n> redone=<n> resumed_equal=<true|false>`.
+
+Then the failures that must never pass in silence (issue 11), each measured by a run: a metric that raises
+(row `metric_error`: the run must stop with a MetricError), a reflection LM that fails on every call (row
+`reflection_outage`: the step must not be done, and a resume on a healthy server must reuse the rollouts and
+end with the library of a run that never had the outage), the LM calls one unparseable learning reply costs,
+and a token budget under `dspy.configure(disable_history=True)`. The last line is
+`silent_failures: metric_error=<raised|silent> reflection_outage=<not_done|done> calls_per_bad_reply=<n>
+budget_without_history=<stopped|ignored>`.
 
 The helpers here are shared with tests/test_faults.py. The student program puts its sample number
 (`rollout_id`) in the prompt, so every rollout is a distinct request and the fake's answers depend on the
@@ -34,10 +42,12 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.fake_lm_server import FAULTS, KINDS, FakeLMServer
 
-STOPPED = 3  # exit code of a child stopped by max_failure_rate (the documented RuntimeError)
+STOPPED = 3  # exit code of a child stopped by a documented error (TooManyFailuresError, MetricError)
 UNIT_KIND = {"rollouts": "student", "summaries": "summary", "advantages": "advantage", "plan": "consolidation"}
+LEARNING = ("summary", "advantage", "consolidation")
 DEFAULTS = dict(queries=6, num_generations=4, num_train_epochs=2, batch_size=3, num_threads=8, max_experiences=5,
-                max_failure_rate=0.5, seed=0, lm_timeout=10.0, num_retries=3)
+                max_failure_rate=0.5, seed=0, lm_timeout=10.0, num_retries=3, metric="exact", disable_history=False,
+                max_total_tokens=None)
 
 
 # -- the compile that runs in children (and in tests) --------------------------------------------------------
@@ -50,6 +60,13 @@ def make_trainset(n: int):
 
 def metric(example, pred, trace=None):
     return float(str(getattr(pred, "answer", "")).strip() == example.answer)
+
+
+def misspelled_metric(example, pred, trace=None):
+    return float(str(getattr(pred, "answer", "")).strip() == example.anwser)  # a typo: raises AttributeError
+
+
+METRICS = {"exact": metric, "misspelled": misspelled_metric}
 
 
 def make_program():
@@ -85,9 +102,10 @@ def compile_once(api_base: str, log_dir: str | None, *, child: bool = False, **o
     dspy.configure(lm=dspy.LM("openai/fake", api_base=api_base, api_key="x", cache=False,
                               num_retries=o["num_retries"], timeout=o["lm_timeout"]))
     knobs = {k: o[k] for k in ("num_generations", "num_train_epochs", "batch_size", "num_threads", "max_experiences",
-                               "max_failure_rate", "seed")}
-    opt = TrainingFreeGRPO(metric, log_dir=log_dir, **knobs)
-    return opt.compile(make_program(), trainset=make_trainset(o["queries"]))
+                               "max_failure_rate", "seed", "max_total_tokens")}
+    opt = TrainingFreeGRPO(METRICS[o["metric"]], log_dir=log_dir, progress=lambda *_: None, **knobs)
+    with dspy.context(disable_history=o["disable_history"]):
+        return opt.compile(make_program(), trainset=make_trainset(o["queries"]))
 
 
 def child_main(argv) -> int:
@@ -100,16 +118,18 @@ def child_main(argv) -> int:
     import logging
 
     logging.basicConfig(level=logging.ERROR)
+    from tfgrpo.optimizers import MetricError, TooManyFailuresError
+
     try:
         compiled = compile_once(args.api_base, args.log_dir, child=True, **json.loads(args.opts))
-    except RuntimeError as exc:
-        if "attempts failed" not in str(exc):
-            raise
-        Path(args.out).write_text(json.dumps({"status": "stopped", "error": str(exc)}))
+    except (TooManyFailuresError, MetricError) as exc:
+        status = "metric_error" if isinstance(exc, MetricError) else "stopped"
+        Path(args.out).write_text(json.dumps({"status": status, "error": str(exc)}))
         return STOPPED
-    steps = compiled.detailed_results["steps"]
+    results = compiled.detailed_results
     Path(args.out).write_text(json.dumps({"status": "ok", "library": compiled.experience_library.dump_state(),
-                                          "steps": steps}, default=str))
+                                          "steps": results["steps"], "stopped_early": results["stopped_early"]},
+                                         default=str))
     return 0
 
 
@@ -225,55 +245,137 @@ def kill_and_resume(make_server, root: Path, opts: dict, kill_after: int, kill_k
 
 
 # -- the benchmark -----------------------------------------------------------------------------------------
+def _server(**faults_kw) -> FakeLMServer:
+    return FakeLMServer(latency=0.005, seed=0, vary_identical=False, hang_seconds=1.5, retry_after=0.01, **faults_kw)
+
+
+def _corrupted(opts: dict, results: list, log_dirs: list[Path]) -> int:
+    states = [r["library"] for r in results if r and r.get("library")]
+    states += [json.loads(p.read_text())["library"] for d in log_dirs for p in d.glob("steps/*/done.json")]
+    return sum(bool(library_problems(s, max_experiences=opts["max_experiences"])) for s in states) + \
+        sum(len(torn_files(d)) for d in log_dirs if d.exists())
+
+
+def _size(result: dict | None):
+    return len(result["library"]["experiences"]) if result and result.get("library") else "-"
+
+
+def fault_row(name: str, rate: float, share: float, root: Path, opts: dict) -> dict:
+    """An uninterrupted compile under one fault, then the same compile killed after `share` of its calls and
+    resumed."""
+    def server():
+        return _server(faults={name: rate})
+
+    with server() as srv:
+        code, ref, text, _ = run_child(srv, root / "reference", opts)
+        ref_stats = srv.stats()
+    run = kill_and_resume(server, root, opts, kill_after=max(1, int(share * ref_stats["calls"])))
+    equal = bool(ref and run["result"]) and ref.get("status") == run["result"].get("status") and \
+        ref.get("library") == run["result"].get("library")
+    return dict(name=name, injected=sum(ref_stats["faults"].values()) + sum(run["faults"].values()),
+                crashes=sum(c not in (0, STOPPED) for c in (code, run["exit"])) + (run["kill_exit"] not in (0, STOPPED, -9)),
+                corrupted=_corrupted(opts, [ref, run["result"]], [root / "reference", run["log_dir"]]),
+                redone=len(run["rewritten"]), size=_size(ref), equal=equal, output=text + run["output"],
+                extra=sum(run["killed_calls"].values()) + sum(run["resumed_calls"].values()) - sum(calls(ref_stats).values()),
+                status=(ref.get("status") if ref else "no result") + ("" if run["killed"] else " (finished before the kill)"))
+
+
+def metric_error_row(root: Path, opts: dict) -> dict:
+    """A compile whose metric has a typo: it must stop with a MetricError naming the metric, not learn from 0s."""
+    with _server() as srv:
+        code, result, text, _ = run_child(srv, root / "log", {**opts, "metric": "misspelled"})
+        learning = sum(srv.stats()["kinds"][k]["calls"] for k in LEARNING)
+    result = result or {}
+    raised = code == STOPPED and result.get("status") == "metric_error" and "misspelled_metric" in result["error"]
+    return dict(name="metric_error", injected=1, crashes=int(code not in (0, STOPPED)), redone=0, extra=learning,
+                corrupted=_corrupted(opts, [result], [root / "log"]), size=_size(result), equal=None, output=text,
+                status="raised: MetricError" if raised else f"silent ({result.get('status', 'no result')})")
+
+
+def outage_row(root: Path, opts: dict) -> dict:
+    """A reflection LM that fails on every call (HTTP 500 after the client's retries): the step must not be
+    done; a resume on a healthy server reuses the rollouts and ends as a run that never had the outage."""
+    with _server() as srv:
+        code_ref, ref, text, _ = run_child(srv, root / "reference", opts)
+        ref_calls = sum(calls(srv.stats()).values())
+    log = root / "outage"
+    with _server(faults={"http500": 1.0}, fault_kinds=LEARNING) as srv:
+        code_out, out, text_out, _ = run_child(srv, log, opts)
+        out_stats = srv.stats()
+    not_done = code_out == STOPPED and (out or {}).get("status") == "stopped" and not list(log.glob("steps/*/done.json"))
+    files = unit_files(log)
+    with _server() as srv:
+        code_res, res, text_res, _ = run_child(srv, log, opts)
+        res_calls = sum(calls(srv.stats()).values())
+    rewritten = [f for f, sig in files.items() if (log / f).exists() and signature(log / f) != sig]
+    equal = bool(ref and res) and ref["status"] == res["status"] == "ok" and ref["library"] == res["library"]
+    return dict(name="reflection_outage", injected=sum(out_stats["faults"].values()),
+                crashes=sum(c not in (0, STOPPED) for c in (code_ref, code_out, code_res)),
+                corrupted=_corrupted(opts, [ref, res], [root / "reference", log]), redone=len(rewritten),
+                extra=sum(calls(out_stats).values()) + res_calls - ref_calls, size=_size(ref), equal=equal,
+                output=text + text_out + text_res, not_done=not_done,
+                status=("stopped, step not done" if not_done else "step marked done") + "; resumed on a healthy server")
+
+
+def calls_per_bad_reply(root: Path, opts: dict) -> str:
+    """LM calls per summary when every summary reply is unparseable (the run tolerates the failures)."""
+    with _server(faults={"malformed": 1.0}, fault_kinds=("summary",)) as srv:
+        _, result, _, _ = run_child(srv, root / "log", {**opts, "max_failure_rate": 1.0})
+        sent = srv.stats()["kinds"]["summary"]["calls"]
+    units = sum(s["groups_kept"] for s in (result or {}).get("steps", [])) * opts["num_generations"]
+    return f"{sent / units:g}" if units else "n/a"
+
+
+def budget_without_history(root: Path, opts: dict) -> str:
+    """max_total_tokens=1 under dspy.configure(disable_history=True): the run must stop after its first step."""
+    with _server() as srv:
+        _, result, _, _ = run_child(srv, root / "log", {**opts, "disable_history": True, "max_total_tokens": 1})
+    result = result or {}
+    stopped = len(result.get("steps", [])) == 1 and "max_total_tokens" in (result.get("stopped_early") or "")
+    return "stopped" if stopped else "ignored"
+
+
+def _shown(row: dict) -> dict:
+    if row["crashes"]:
+        print(row["output"][-2000:])
+    equal = "-" if row["equal"] is None else str(row["equal"]).lower()
+    print(f"{row['name']:<18}{row['injected']:>9}{row['crashes']:>8}{row['corrupted']:>8}{row['redone']:>7}"
+          f"{row['extra']:>12}{row['size']:>8}  {equal:<6}{row['status']}")
+    return row
+
+
 def bench(rate: float, names: list[str], share: float) -> int:
     opts = dict(DEFAULTS, queries=12, batch_size=6, lm_timeout=0.5, num_retries=3)
-    totals = dict(injected=0, crashes=0, corrupted=0, redone=0)
-    all_equal = True
     print(f"compile: {opts['queries']} queries, G={opts['num_generations']}, {opts['num_train_epochs']} epochs, batch "
           f"{opts['batch_size']}, {opts['num_threads']} threads; fault rate {rate:.0%}; kill -9 after "
           f"{share:.0%} of the uninterrupted run's LM calls")
-    print(f"{'fault':<13}{'injected':>9}{'crashes':>8}{'corrupt':>8}{'redone':>7}{'extra calls':>12}{'library':>8}  "
+    print(f"{'fault':<18}{'injected':>9}{'crashes':>8}{'corrupt':>8}{'redone':>7}{'extra calls':>12}{'library':>8}  "
           f"{'equal':<6}status")
+    rows = []
     with tempfile.TemporaryDirectory(prefix="tfgrpo-faults-") as tmp:
+        def folder(name: str) -> Path:
+            (Path(tmp) / name).mkdir()
+            return Path(tmp) / name
+
         for name in names:
-            root = Path(tmp) / name
-            root.mkdir()
-
-            def server(name=name):
-                return FakeLMServer(latency=0.005, seed=0, vary_identical=False, faults={name: rate},
-                                    hang_seconds=1.5, retry_after=0.01)
-
-            with server() as srv:
-                code, ref, text, _ = run_child(srv, root / "reference", opts)
-                ref_stats = srv.stats()
-            run = kill_and_resume(server, root, opts, kill_after=max(1, int(share * ref_stats["calls"])))
-            injected = sum(ref_stats["faults"].values()) + sum(run["faults"].values())
-            crashes = sum(c not in (0, STOPPED) for c in (code, run["exit"])) + (run["kill_exit"] not in (0, STOPPED, -9))
-            states = [r["library"] for r in (ref, run["result"]) if r and r.get("library")]
-            states += [json.loads(p.read_text())["library"] for d in (root / "reference", run["log_dir"])
-                       for p in d.glob("steps/*/done.json")]
-            corrupted = sum(bool(library_problems(s, max_experiences=opts["max_experiences"])) for s in states) + \
-                len(torn_files(root / "reference")) + len(torn_files(run["log_dir"]))
-            equal = bool(ref and run["result"]) and ref.get("status") == run["result"].get("status") and \
-                ref.get("library") == run["result"].get("library")
-            extra = sum(run["killed_calls"].values()) + sum(run["resumed_calls"].values()) - \
-                sum(calls(ref_stats).values())
-            status = ref.get("status") if ref else "no result"
-            if crashes:
-                print((text + run["output"])[-2000:])
-            size = len(ref["library"]["experiences"]) if ref and ref.get("library") else "-"
-            print(f"{name:<13}{injected:>9}{crashes:>8}{corrupted:>8}{len(run['rewritten']):>7}{extra:>12}{size:>8}  "
-                  f"{str(equal).lower():<6}{status}{'' if run['killed'] else ' (finished before the kill)'}")
-            totals["injected"] += injected
-            totals["crashes"] += crashes
-            totals["corrupted"] += corrupted
-            totals["redone"] += len(run["rewritten"])
-            all_equal &= equal
+            rows.append(_shown(fault_row(name, rate, share, folder(name), opts)))
+        rows.append(_shown(metric_error_row(folder("metric_error"), opts)))
+        rows.append(_shown(outage_row(folder("outage"), opts)))
+        per_reply = calls_per_bad_reply(folder("bad_replies"), opts)
+        budget = budget_without_history(folder("no_history"), opts)
     print("extra calls: LM calls of the killed + resumed runs beyond the uninterrupted run's (calls in flight at "
-          "the kill and, with transient faults, different retries); redone: finished units written again; "
-          "library: experiences learned by the uninterrupted run")
-    print(f"faults: injected={totals['injected']} crashes={totals['crashes']} corrupted={totals['corrupted']} "
-          f"redone={totals['redone']} resumed_equal={str(all_equal).lower()}")
+          "the kill and, with transient faults, different retries; for reflection_outage, the outage run's calls; "
+          "for metric_error, learning calls made); redone: finished units written again; library: experiences "
+          "learned by the uninterrupted run")
+    total = {k: sum(r[k] for r in rows) for k in ("injected", "crashes", "corrupted", "redone")}
+    all_equal = all(r["equal"] for r in rows if r["equal"] is not None)
+    print(f"faults: injected={total['injected']} crashes={total['crashes']} corrupted={total['corrupted']} "
+          f"redone={total['redone']} resumed_equal={str(all_equal).lower()}")
+    outage = next(r for r in rows if r["name"] == "reflection_outage")
+    metric_row = next(r for r in rows if r["name"] == "metric_error")
+    print(f"silent_failures: metric_error={'raised' if metric_row['status'].startswith('raised') else 'silent'} "
+          f"reflection_outage={'not_done' if outage['not_done'] else 'done'} calls_per_bad_reply={per_reply} "
+          f"budget_without_history={budget}")
     return 0
 
 

@@ -2,7 +2,8 @@
 
 Layout:
     run.json                      what the run was started with (a fingerprint; a resume must match it)
-    steps/0003/rollouts/7_2.json  query 7, generation 2 of step 3 (outputs, reward, error)
+    steps/0003/rollouts/7_2.json  query 7, generation 2 of step 3: outputs, trace, attempt text, error
+    steps/0003/rewards/7_2.json   that rollout's reward and the metric's feedback
     steps/0003/summaries/7_2.json the summary of that rollout
     steps/0003/advantages/7.json  the operations proposed by query 7's group
     steps/0003/plan.json          the consolidated plan
@@ -97,3 +98,8 @@ class Checkpoint:
 def digest(value: Any) -> str:
     """A short stable hash of a JSON-able value."""
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def jsonable(value: Any) -> Any:
+    """`value` made JSON-safe (for checkpoints): structures kept, anything else as text."""
+    return json.loads(json.dumps(value, ensure_ascii=False, default=str))

@@ -8,10 +8,20 @@ says what an existing experience (or an earlier proposal) already says is droppe
 
 from __future__ import annotations
 
+import logging
 import re
 
+import dspy
+
+from tfgrpo.optimizers.parallel import Failed
+from tfgrpo.optimizers.render import clip, format_fields
+from tfgrpo.optimizers.usage import metered, stage_usage
+from tfgrpo.programs.contrast_learner import ContrastLearner
 from tfgrpo.signatures.operations import Operation
 
+logger = logging.getLogger(__name__)
+
+SMALL_REFLECTOR_B = 8  # learning_path="auto" picks "contrast" for reflection LMs of at most this many billion parameters
 REDUNDANT_OVERLAP = 0.5  # Jaccard overlap of content words above which two experiences say the same thing
 _STOP = {"a", "an", "the", "to", "of", "and", "or", "in", "on", "for", "with", "by", "is", "are", "be", "it", "its",
          "each", "every", "all", "any", "that", "this", "when", "then", "as", "at", "from", "into", "if", "use"}
@@ -55,3 +65,74 @@ def fold(existing: list[str], proposals: list[Operation]) -> tuple[list[Operatio
         seen_texts.append(op.text)
         plan.append(op)
     return plan, redundant
+
+
+def model_size_b(model: str) -> float:
+    """Parameter count in billions read from a model name ("qwen2.5-coder-1.5b" -> 1.5); inf if none is given."""
+    sizes = [float(x) for x in re.findall(r"(?<![\d.])(\d+(?:\.\d+)?)b(?![a-z])", model.lower())]
+    return max(sizes) if sizes else float("inf")
+
+
+def constrained_mode(setting: str, reflection_lm) -> str | None:
+    """The response format of the contrast calls for the `constrained_decoding` knob ("auto": json_schema
+    where LiteLLM says the model supports it, else none)."""
+    if setting == "off":
+        return None
+    if setting != "auto":
+        return setting
+    try:
+        return "json_schema" if reflection_lm.supports_response_schema else None
+    except Exception:  # an LM whose capabilities cannot be looked up: parse and validate only
+        return None
+
+
+def learn_by_contrast(opt, program, reflection_lm, library, trainset, records, kept, key, ckpt, stats):
+    """One step's learning on the contrast path of `opt` (a TrainingFreeGRPO): (plan, proposals, counts)."""
+    from tfgrpo.optimizers.training_free_grpo import _outcome, _query_key
+
+    G, lm = opt.num_generations, reflection_lm.copy()
+    learner = ContrastLearner(max_words=opt.max_words_per_experience,
+                              constrained=constrained_mode(opt.constrained_decoding, reflection_lm))
+    allowed = " ".join(p.signature.instructions for _, p in program.named_predictors())
+    jobs = [(qi, b, w) for qi in kept
+            for b, w in contrast_pairs([records[(qi, g)]["reward"] for g in range(G)], opt.max_operations_per_group)]
+
+    def shown(record: dict) -> str:
+        return f"{clip(record['attempt'], 2000)}\nresult: {_outcome(record)}"
+
+    def contrast(job):
+        qi, b, w = job
+        unit = f"{key}/contrasts/{qi}_{b}_{w}"
+        if (rec := ckpt.get(unit)) is None:
+            try:
+                with dspy.context(lm=lm):
+                    rec = learner(task=format_fields(trainset[qi].inputs()), better_attempt=shown(records[(qi, b)]),
+                                  worse_attempt=shown(records[(qi, w)]), library=library, allowed=allowed)
+            except Exception as exc:  # a failed learning call is counted, not fatal
+                return Failed(exc)
+            ckpt.put(unit, rec)
+        return rec
+
+    with metered() as used:
+        results = opt._parallel(contrast, jobs, "contrast")
+    stats["usage"]["contrast"] = stage_usage(used, [lm])
+    opt._stop_if_failing(stats["step"], "contrast calls", [r.error for r in results if isinstance(r, Failed)],
+                         len(jobs))
+    proposals, counts = [], {"learning_failures": 0, "operations_proposed": 0, "refused_specific": 0,
+                             "rewritten_specific": 0, "redundant": 0, "said_none": 0}
+    for (qi, _, _), rec in zip(jobs, results):
+        if isinstance(rec, Failed):
+            counts["learning_failures"] += 1
+            logger.warning("Contrast call on query %s failed (%s); it proposes nothing", qi, rec.error)
+            continue
+        counts["said_none"] += rec["action"] == "none"
+        counts["operations_proposed"] += rec["action"] != "none"
+        counts["rewritten_specific"] += rec["rewritten"] and rec["refused"] is None
+        counts["refused_specific"] += bool(rec["refused"])
+        if rec["refused"]:
+            logger.warning("Refused a rule from query %s: %s (%r)", qi, rec["refused"], rec["rule"][:80])
+        if rec["operation"]:
+            proposals.append((_query_key(trainset[qi], qi), Operation.model_validate(rec["operation"])))
+    plan, counts["redundant"] = fold(library.texts(), [op for _, op in proposals])
+    stats["consolidation"] = f"folded in code: {len(plan)} of {len(proposals)} kept"
+    return plan, proposals, counts

@@ -11,7 +11,7 @@ import logging
 import dspy
 from dspy.teleprompt.teleprompt import Teleprompter
 
-from tfgrpo.optimizers.utils import format_fields
+from tfgrpo.optimizers.render import format_fields
 from tfgrpo.programs.inject import apply_library, resolve_targets
 from tfgrpo.programs.library import ExperienceLibrary
 from tfgrpo.signatures.learning import GenerateExperiences

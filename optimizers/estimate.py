@@ -1,8 +1,10 @@
 """A `--dry-run` estimate of what a Training-Free GRPO run will send, before anything is spent.
 
-Call counts are upper bounds (every group assumed to have contrast). Token counts are rough: prompt sizes
-come from the program's instructions and the training queries at ~4 characters per token, with a full library
-in the prompt; completions are counted at the LM's `max_tokens` cap.
+Call counts are upper bounds: every group is assumed to have contrast, and every call to be sent twice (a
+learning reply that does not parse is asked for once more; a student's reply that does not parse is re-asked
+by DSPy's JSON fallback). Token counts are rough: prompt sizes come from the program's instructions and the
+training queries at ~4 characters per token, with a full library in the prompt; completions are counted at
+the LM's `max_tokens` cap.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import statistics
 
 CHARS_PER_TOKEN = 4
 LEARNING_PROMPT_OVERHEAD = 400  # tokens of instructions and formatting in a learning call
+TRIES = 2  # the most times one call is sent: once, and once more when its reply does not parse
 
 
 def estimate_run(optimizer, student, trainset: list, *, turns_per_rollout: int = 1, max_tokens: int = 512,
@@ -34,6 +37,8 @@ def estimate_run(optimizer, student, trainset: list, *, turns_per_rollout: int =
     else:
         per_step = _paper_step(opt, rollout, batch, G, query, library, max_tokens)
     for stage in per_step.values():
+        stage["calls"] *= TRIES
+        stage["prompt_tokens"] *= TRIES
         stage["completion_tokens"] = stage["calls"] * max_tokens
     total = {k: steps * sum(s[k] for s in per_step.values()) for k in ("calls", "prompt_tokens", "completion_tokens")}
     return {"steps": steps, "per_step_upper_bound": per_step, "total_upper_bound": total}

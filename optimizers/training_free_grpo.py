@@ -6,6 +6,10 @@ an experience library that lives in the program's instructions:
 
     rollouts -> rewards -> (groups with contrast) -> summaries -> group advantages -> consolidation -> library
 
+or, for small reflection LMs (`learning_path="contrast"`, see `contrast.py`):
+
+    rollouts -> rewards -> (groups with contrast) -> one best-vs-worst call per group -> folded in code -> library
+
 Every stage runs its LM calls in parallel; only the consolidation of a step is one call. Every finished unit
 of work is checkpointed in `log_dir` (see `checkpoint.py`), so a crashed run resumes without resending it.
 """
@@ -14,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import random
-import re
 import statistics
 import time
 from typing import Any, Callable
@@ -23,22 +26,71 @@ import dspy
 from dspy.teleprompt.teleprompt import Teleprompter
 
 from tfgrpo.optimizers.checkpoint import Checkpoint, digest
-from tfgrpo.optimizers.contrast import contrast_pairs, fold
-from tfgrpo.optimizers.utils import Failed, add_usage, clip, count_tool_calls, format_fields, format_prediction, \
-    jsonable, majority, metric_result, run_parallel, usage_of
-from tfgrpo.programs.contrast_learner import ContrastLearner
+from tfgrpo.optimizers.contrast import SMALL_REFLECTOR_B, learn_by_contrast, model_size_b
+from tfgrpo.optimizers.knobs import KNOBS, check_knob, fingerprinted_knobs
+from tfgrpo.optimizers.parallel import Failed, StageBar, TooManyFailuresError, run_parallel
+from tfgrpo.optimizers.render import clip, format_attempt, format_fields
+from tfgrpo.optimizers.rewards import call_metric, reference_example, score_attempt
+from tfgrpo.optimizers.rollout import run_program, with_own_lms
+from tfgrpo.optimizers.usage import add_usage, history_kept, metered, over_budget, stage_usage
 from tfgrpo.programs.inject import LIBRARY_KEY, apply_library, resolve_targets
+from tfgrpo.programs.learning import AdvantageExtractor, Consolidator, Summarizer
 from tfgrpo.programs.library import ExperienceLibrary
-from tfgrpo.signatures.learning import AdvantageExtractor, Consolidator, Summarizer
 from tfgrpo.signatures.operations import Operation
 
 logger = logging.getLogger(__name__)
 
 EMPTY_LIBRARY = "(no experiences yet: only 'add' is possible)"
-SMALL_REFLECTOR_B = 8  # learning_path="auto" picks "contrast" for reflection models of at most this many billion parameters
 
 
 class TrainingFreeGRPO(Teleprompter):
+    """Learns a library of natural-language experiences for a DSPy program, and writes it into the
+    instructions of its predictors; the weights and the program's own instructions are left alone.
+
+    `compile(student, trainset=..., valset=None)` returns a copy of the student with the library in place
+    (`compiled.experience_library`) and the run's record in `compiled.detailed_results`: per step the mean
+    reward, groups kept, failures, operations, library size and LM usage by stage; per epoch the validation
+    score. Every finished unit of work is saved in `log_dir`; the same call resumes an interrupted run.
+
+    Args:
+        metric: `metric(example, prediction, trace=None)` returns a reward in [0, 1], or a
+            `dspy.Prediction(score=..., feedback=...)` whose feedback the learning calls read. A metric that
+            raises or leaves [0, 1] stops the run with a `MetricError`.
+        num_generations: Attempts per query (G). A group is only learned from when its rewards differ; 1
+            turns the group comparison off (the paper's ablation). Default 5.
+        temperature: Sampling temperature of the attempts while learning, in [0, 2]. Default 0.7.
+        num_train_epochs: Passes over the trainset. Default 3.
+        batch_size: Queries per optimization step. Default 50.
+        seed: Seeds the order of the trainset and the attempts' rollout IDs. Default 0.
+        reflection_lm: LM of the learning calls (summaries, group advantages, consolidation). Default None:
+            `dspy.settings.lm`, else the student's LM. A stronger model than the student learns better.
+        max_operations_per_group: Most library edits one group may propose. Default 2.
+        use_ground_truth: False scores each attempt against the majority answer of its group and shows the
+            learning calls no answer key. Default True.
+        learning_path: "paper" (summaries, group advantages, one consolidation call), "contrast" (one short
+            call per best-vs-worst pair of a group, typed from the live library, folded in code; made for small
+            reflection LMs) or "auto": contrast when the reflection model's name gives at most 8B parameters.
+            Default "auto".
+        constrained_decoding: For the contrast path: "json_object" (llama.cpp servers' JSON-schema form),
+            "json_schema" (OpenAI, vLLM, SGLang, Ollama), "off" (parse and validate only) or "auto" (json_schema
+            where LiteLLM says the model supports it, else off). Default "auto".
+        max_experiences: Cap on the library's size; None for no cap. Default None.
+        max_words_per_experience: Experiences longer than this are refused (at least 4). Default 32.
+        target_predictors: Names of the predictors that get the library; None for all. Default None.
+        num_threads: Concurrent LM calls within a stage. Default 8.
+        max_failure_rate: When more than this share of a step's attempts, summaries or group advantages
+            fail, the run stops with `TooManyFailuresError` and the step is not done; a resume redoes the
+            failed units. Default 0.5.
+        max_cost: USD, where LiteLLM knows the price: stop after the step that reaches it, keeping the
+            library so far. Needs DSPy's LM history (refused under `disable_history=True`). Default None.
+        max_total_tokens: Prompt plus completion tokens of all calls: stop after the step that reaches it.
+            Default None.
+        log_dir: Folder where every finished unit of work is saved and resumed from; None keeps nothing.
+            Default None.
+        progress: `progress(stage, done, total)`, called as units finish, for UIs. Default None: a tqdm bar
+            per stage, as DSPy's own optimizers draw (pass `lambda *_: None` for silence).
+    """
+
     def __init__(
         self,
         metric: Callable,
@@ -53,41 +105,26 @@ class TrainingFreeGRPO(Teleprompter):
         # learning calls
         reflection_lm: dspy.BaseLM | None = None,  # LM of the learning calls; None: the student's LM
         max_operations_per_group: int = 2,  # cap on the edits one group may propose
+        use_ground_truth: bool = True,  # False: majority vote of the group is the pseudo-label, no answer key shown
         learning_path: str = "auto",  # "paper" | "contrast" (pairwise, for small reflectors) | "auto": by model size
         constrained_decoding: str = "auto",  # contrast path: "json_object" (llama.cpp) | "json_schema" | "off" | "auto"
-        use_ground_truth: bool = True,  # False: majority vote of the group is the pseudo-label, no answer key shown
         # the library
         max_experiences: int | None = None,  # cap on the library's size; None: no cap
         max_words_per_experience: int = 32,  # longer experiences are refused
         target_predictors: list[str] | None = None,  # predictor names that get the library; None: all
         # execution
         num_threads: int = 8,  # concurrent LM calls within a stage
-        max_failure_rate: float = 0.5,  # stop when more of a step's attempts than this fail (the checkpoint stays)
+        max_failure_rate: float = 0.5,  # stop when more of a stage's units than this fail (the checkpoint stays)
         max_cost: float | None = None,  # USD (where litellm knows the price): stop after the step that reaches it
         max_total_tokens: int | None = None,  # prompt + completion tokens of all calls: stop after the step reaching it
         log_dir: str | None = None,  # where every finished unit of work is saved, and resumed from
-        progress: Callable[[str, int, int], None] | None = None,  # progress(stage, done, total), for UIs
+        progress: Callable[[str, int, int], None] | None = None,  # progress(stage, done, total); None: tqdm bars
     ):
-        if num_generations < 1 or batch_size < 1 or num_train_epochs < 0 or num_threads < 1:
-            raise ValueError("num_generations, batch_size and num_threads must be >= 1, num_train_epochs >= 0")
-        if learning_path not in ("auto", "paper", "contrast"):
-            raise ValueError(f"learning_path must be 'auto', 'paper' or 'contrast', not {learning_path!r}")
-        if constrained_decoding not in ("auto", "json_object", "json_schema", "off"):
-            raise ValueError("constrained_decoding must be 'auto', 'json_object', 'json_schema' or 'off', "
-                             f"not {constrained_decoding!r}")
         if not callable(metric):
             raise TypeError("metric must be callable: metric(example, prediction, trace=None) -> float | dspy.Prediction")
         self.metric = metric
-        self.num_generations, self.temperature = num_generations, temperature
-        self.num_train_epochs, self.batch_size, self.seed = num_train_epochs, batch_size, seed
-        self.reflection_lm, self.max_operations_per_group = reflection_lm, max_operations_per_group
-        self.use_ground_truth = use_ground_truth
-        self.learning_path, self.constrained_decoding = learning_path, constrained_decoding
-        self.max_experiences, self.max_words_per_experience = max_experiences, max_words_per_experience
-        self.target_predictors = target_predictors
-        self.num_threads, self.max_failure_rate = num_threads, max_failure_rate
-        self.max_cost, self.max_total_tokens = max_cost, max_total_tokens
-        self.log_dir, self.progress = log_dir, progress
+        for name in KNOBS:  # every knob is checked (knobs.py) and kept under its own name
+            setattr(self, name, check_knob(name, locals()[name]))
 
     # -- the outer loop -------------------------------------------------------------------------------------
     def compile(self, student: dspy.Module, *, trainset: list, teacher=None, valset: list | None = None) -> dspy.Module:
@@ -96,6 +133,10 @@ class TrainingFreeGRPO(Teleprompter):
         program = student.deepcopy()
         targets = resolve_targets(program, self.target_predictors)
         self._policy_lms(program)  # fail early, with a clear message, when no LM is configured
+        if self.max_cost is not None and not history_kept():
+            raise ValueError("max_cost needs DSPy's LM history, the only place where the price of a call is kept, "
+                             "and it is off (dspy.configure(disable_history=True) or max_history_size=0): turn it "
+                             "back on, or budget with max_total_tokens, which is measured either way")
         start = getattr(student, LIBRARY_KEY, None)
         library = ExperienceLibrary.from_state(start.dump_state()) if isinstance(start, ExperienceLibrary) else \
             ExperienceLibrary(max_words=self.max_words_per_experience, max_experiences=self.max_experiences)
@@ -118,7 +159,7 @@ class TrainingFreeGRPO(Teleprompter):
                 step += 1
                 for stage, usage in stats["usage"].items():
                     add_usage(totals["policy" if stage == "rollout" else "reflection"], usage)
-                stopped = self._over_budget(totals)
+                stopped = over_budget(totals, max_total_tokens=self.max_total_tokens, max_cost=self.max_cost)
             if stopped:
                 logger.warning("Stopping early: %s", stopped)
                 break
@@ -156,39 +197,36 @@ class TrainingFreeGRPO(Teleprompter):
             unit = f"{key}/rollouts/{qi}_{g}"
             if (rec := ckpt.get(unit)) is not None:
                 return rec
-            try:
-                pred = candidates[g](**trainset[qi].inputs())
-                rec = {"outputs": jsonable(dict(pred.items())), "attempt": format_prediction(pred), "error": None}
-            except Exception as exc:  # recorded and scored as a failure, never dropped
-                rec = {"outputs": None, "attempt": f"(the program failed: {type(exc).__name__}: {exc})",
-                       "error": f"{type(exc).__name__}: {exc}"}
-            rec["tool_calls"] = count_tool_calls(rec["outputs"])
+            _, rec = run_program(candidates[g], trainset[qi])  # a failed attempt is recorded and scored 0
+            rec["attempt"] = format_attempt(dict(trainset[qi].inputs().items()), rec["outputs"], rec["trace"],
+                                            rec["error"])
             ckpt.put(unit, rec)
             return rec
 
-        records = dict(zip(jobs, self._parallel(rollout, jobs, "rollout")))
-        stats["usage"]["rollout"] = usage_of(rollout_lms)
+        with metered() as used:
+            records = dict(zip(jobs, self._parallel(rollout, jobs, "rollout")))
+        stats["usage"]["rollout"] = stage_usage(used, rollout_lms)
         failures = [r for r in records.values() if r["error"]]
         if len(failures) > self.max_failure_rate * len(jobs):
             for (qi, g), rec in records.items():  # a resume retries them (the outage may be over), not replays them
                 if rec["error"]:
                     ckpt.discard(f"{key}/rollouts/{qi}_{g}")
-            raise RuntimeError(f"step {step}: {len(failures)} of {len(jobs)} attempts failed (first: "
-                               f"{failures[0]['error']}); finished work is kept in log_dir={self.log_dir!r}")
+        self._stop_if_failing(step, "attempts", [r["error"] for r in failures], len(jobs))
         timing["rollout"] = time.time() - t0
 
         # 2. rewards, against the ground truth or against the group's majority answer
-        references = {qi: self._reference(trainset[qi], [records[(qi, g)] for g in range(G)]) for qi in batch}
+        references = {qi: reference_example(trainset[qi], [records[(qi, g)] for g in range(G)], self.use_ground_truth)
+                      for qi in batch}
 
         def reward(job):
             unit = f"{key}/rewards/{job[0]}_{job[1]}"
             if (rec := ckpt.get(unit)) is None:
-                rec = self._score(references[job[0]], records[job])
+                rec = score_attempt(self.metric, references[job[0]], records[job])
                 ckpt.put(unit, rec)
             return rec
 
         for job, scored in zip(jobs, self._parallel(reward, jobs, "reward")):
-            records[job].update(scored if not isinstance(scored, Failed) else {"reward": 0.0, "feedback": scored.error})
+            records[job].update(scored)
         timing["reward"] = time.time() - t0 - sum(timing.values())
 
         # 3. only groups whose rewards differ carry a direction; the others cost no further call
@@ -202,8 +240,8 @@ class TrainingFreeGRPO(Teleprompter):
         # 4-6. learning calls: what did the better attempts know? -> a plan of operations on the library
         reflection_lm = self._reflection_lm(program)
         if self.resolve_learning_path(getattr(reflection_lm, "model", "")) == "contrast":
-            plan, proposals, learned = self._learn_by_contrast(program, reflection_lm, library, trainset, records,
-                                                               kept, key, ckpt, stats)
+            plan, proposals, learned = learn_by_contrast(self, program, reflection_lm, library, trainset, records,
+                                                         kept, key, ckpt, stats)
         else:
             plan, proposals, learned = self._learn_paper(reflection_lm, library, rendered_library, trainset,
                                                          records, kept, key, ckpt, stats)
@@ -217,15 +255,14 @@ class TrainingFreeGRPO(Teleprompter):
                      operations_applied=report.applied, operations_rejected=len(report.rejected),
                      library_size=len(library), seconds=timing, wall_s=time.time() - t0)
         logger.info("Step %d: %d operations proposed, applied %s, %d refused; library has %d experiences",
-                    step, len(proposals), report.applied, len(report.rejected), len(library))
+                    step, stats["operations_proposed"], report.applied, len(report.rejected), len(library))
         ckpt.put(f"{key}/done", {"library": library.dump_state(), "stats": stats})
         return library, stats
 
     def _learn_paper(self, reflection_lm, library, rendered_library, trainset, records, kept, key, ckpt, stats):
         """The paper's path: summarize every attempt of a kept group, extract each group's advantage as
-        operations, consolidate the batch's operations in one call."""
-        G = self.num_generations
-        qkeys = {qi: _query_key(trainset[qi], qi) for qi in kept}
+        operations, consolidate the batch's operations in one call. Returns (plan, proposals, counts)."""
+        G, qkeys = self.num_generations, {qi: _query_key(trainset[qi], qi) for qi in kept}
         # 4. summaries of every attempt in a kept group
         gt = self.use_ground_truth
         summarizer, advantage, consolidator = Summarizer(gt), AdvantageExtractor(gt), Consolidator()
@@ -239,20 +276,27 @@ class TrainingFreeGRPO(Teleprompter):
             unit = f"{key}/summaries/{job[0]}_{job[1]}"
             if (rec := ckpt.get(unit)) is None:
                 r = records[job]
-                rec = summarizer(task_input=format_fields(trainset[job[0]].inputs()), attempt=r["attempt"],
-                                 outcome=_outcome(r), reference_answer=answer_key.get(job[0], ""),
-                                 experiences=rendered_library)
+                try:
+                    rec = summarizer(task_input=format_fields(trainset[job[0]].inputs()), attempt=r["attempt"],
+                                     outcome=_outcome(r), reference_answer=answer_key.get(job[0], ""),
+                                     experiences=rendered_library)
+                except Exception as exc:  # a failed learning call is counted, not fatal
+                    return Failed(exc)
                 ckpt.put(unit, rec)
             return rec
 
+        with metered() as used:
+            summaries = self._parallel(summarize, summary_jobs, "summary")
+        stats["usage"]["summary"] = stage_usage(used, [lms["summary"]])
+        self._stop_if_failing(stats["step"], "summary calls", [s.error for s in summaries if isinstance(s, Failed)],
+                              len(summary_jobs))
         learning_failures = 0
-        for job, summary in zip(summary_jobs, self._parallel(summarize, summary_jobs, "summary")):
+        for job, summary in zip(summary_jobs, summaries):
             if isinstance(summary, Failed):  # fall back to the raw attempt, cut short
                 learning_failures += 1
                 logger.warning("Summary of query %s attempt %d failed (%s); using the raw attempt", *job, summary.error)
                 summary = clip(records[job]["attempt"], 1500)
             records[job]["summary"] = summary
-        stats["usage"]["summary"] = usage_of([lms["summary"]])
 
         # 5. group advantage: what did the better attempts know? -> at most N operations per group
         def extract(qi):
@@ -260,90 +304,42 @@ class TrainingFreeGRPO(Teleprompter):
             if (ops := ckpt.get(unit)) is None:
                 attempts = "\n\n".join(f"Attempt {g + 1} (reward {records[(qi, g)]['reward']:.2f}):\n"
                                        f"{records[(qi, g)]['summary']}" for g in range(G))
-                ops = [o.model_dump() for o in advantage(
-                    task_input=format_fields(trainset[qi].inputs()), reference_answer=answer_key.get(qi, ""),
-                    attempts=attempts, experiences=rendered_library, max_operations=self.max_operations_per_group,
-                    max_words=self.max_words_per_experience)]
+                try:
+                    ops = [o.model_dump() for o in advantage(
+                        task_input=format_fields(trainset[qi].inputs()), reference_answer=answer_key.get(qi, ""),
+                        attempts=attempts, experiences=rendered_library, max_operations=self.max_operations_per_group,
+                        max_words=self.max_words_per_experience)]
+                except Exception as exc:  # a failed learning call is counted, not fatal
+                    return Failed(exc)
                 ckpt.put(unit, ops)
             return ops
 
+        with metered() as used:
+            advantages = self._parallel(extract, kept, "advantage")
+        stats["usage"]["advantage"] = stage_usage(used, [lms["advantage"]])
+        self._stop_if_failing(stats["step"], "group advantage calls", [a.error for a in advantages if isinstance(a, Failed)],
+                              len(kept))
         proposals: list[tuple[str, Operation]] = []
-        for qi, ops in zip(kept, self._parallel(extract, kept, "advantage")):
+        for qi, ops in zip(kept, advantages):
             if isinstance(ops, Failed):
                 learning_failures += 1
                 logger.warning("Group advantage of query %s failed (%s); the group proposes nothing", qi, ops.error)
                 continue
             proposals += [(qkeys[qi], Operation.model_validate(o)) for o in ops]
-        stats["usage"]["advantage"] = usage_of([lms["advantage"]])
 
         # 6. consolidation: one call turns the batch's proposals into the plan
-        plan, stats["consolidation"] = self._consolidate(consolidator, library, proposals, key, ckpt)
-        stats["usage"]["consolidation"] = usage_of([lms["consolidation"]])
+        with metered() as used:
+            plan, stats["consolidation"] = self._consolidate(consolidator, library, proposals, key, ckpt)
+        stats["usage"]["consolidation"] = stage_usage(used, [lms["consolidation"]])
         return plan, proposals, {"learning_failures": learning_failures}
-
-    def _learn_by_contrast(self, program, reflection_lm, library, trainset, records, kept, key, ckpt, stats):
-        """The small-reflector path: one short call per (better, worse) pair of a kept group, each proposing
-        at most one operation; the batch's proposals are folded in code (see `contrast.py`)."""
-        G, lm = self.num_generations, reflection_lm.copy()
-        learner = ContrastLearner(max_words=self.max_words_per_experience,
-                                  constrained=self._resolve_constrained(reflection_lm))
-        allowed = " ".join(p.signature.instructions for _, p in program.named_predictors())
-        jobs = [(qi, b, w) for qi in kept
-                for b, w in contrast_pairs([records[(qi, g)]["reward"] for g in range(G)], self.max_operations_per_group)]
-
-        def contrast(job):
-            qi, b, w = job
-            unit = f"{key}/contrasts/{qi}_{b}_{w}"
-            if (rec := ckpt.get(unit)) is None:
-                with dspy.context(lm=lm):
-                    rec = learner(task=format_fields(trainset[qi].inputs()), better_attempt=_shown(records[(qi, b)]),
-                                  worse_attempt=_shown(records[(qi, w)]), library=library, allowed=allowed)
-                ckpt.put(unit, rec)
-            return rec
-
-        proposals, counts = [], {"learning_failures": 0, "operations_proposed": 0, "refused_specific": 0,
-                                 "rewritten_specific": 0, "redundant": 0, "said_none": 0}
-        for (qi, _, _), rec in zip(jobs, self._parallel(contrast, jobs, "contrast")):
-            if isinstance(rec, Failed):
-                counts["learning_failures"] += 1
-                logger.warning("Contrast call on query %s failed (%s); it proposes nothing", qi, rec.error)
-                continue
-            counts["said_none"] += rec["action"] == "none"
-            counts["operations_proposed"] += rec["action"] != "none"
-            counts["rewritten_specific"] += rec["rewritten"] and rec["refused"] is None
-            counts["refused_specific"] += bool(rec["refused"])
-            if rec["refused"]:
-                logger.warning("Refused a rule from query %s: %s (%r)", qi, rec["refused"], rec["rule"][:80])
-            if rec["operation"]:
-                proposals.append((_query_key(trainset[qi], qi), Operation.model_validate(rec["operation"])))
-        plan, counts["redundant"] = fold(library.texts(), [op for _, op in proposals])
-        stats["usage"]["contrast"] = usage_of([lm])
-        stats["consolidation"] = f"folded in code: {len(plan)} of {len(proposals)} kept"
-        return plan, proposals, counts
-
-    def resolve_learning_path(self, reflection_model: str) -> str:
-        """The learning path for a reflection LM of this name ("auto": contrast for small models)."""
-        if self.learning_path != "auto":
-            return self.learning_path
-        return "contrast" if _model_size_b(reflection_model) <= SMALL_REFLECTOR_B else "paper"
-
-    def _resolve_constrained(self, reflection_lm) -> str | None:
-        if self.constrained_decoding == "off":
-            return None
-        if self.constrained_decoding != "auto":
-            return self.constrained_decoding
-        try:
-            return "json_schema" if reflection_lm.supports_response_schema else None
-        except Exception:  # an LM whose capabilities cannot be looked up: parse and validate only
-            return None
 
     def _consolidate(self, consolidator, library, proposals, key, ckpt) -> tuple[list[Operation], str]:
         if not proposals:
             return [], "nothing proposed"
         if (saved := ckpt.get(f"{key}/plan")) is not None:
             return [Operation.model_validate(o) for o in saved["plan"]], saved["status"]
-        if self.progress:
-            self.progress("consolidation", 0, 1)
+        progress = self.progress or StageBar()
+        progress("consolidation", 0, 1)
         try:
             plan, status = consolidator(experiences=library.render() or EMPTY_LIBRARY, proposals=proposals,
                                         max_words=self.max_words_per_experience), "ok"
@@ -351,19 +347,22 @@ class TrainingFreeGRPO(Teleprompter):
             logger.warning("Consolidation failed (%s); applying the %d proposals directly", exc, len(proposals))
             plan, status = [op for _, op in proposals], "fallback: proposals applied directly"
         ckpt.put(f"{key}/plan", {"plan": [o.model_dump() for o in plan], "status": status})
-        if self.progress:
-            self.progress("consolidation", 1, 1)
+        progress("consolidation", 1, 1)
         return plan, status
 
     # -- pieces ---------------------------------------------------------------------------------------------
-    def _over_budget(self, totals: dict) -> str | None:
-        tokens = sum(u.get("prompt_tokens", 0) + u.get("completion_tokens", 0) for u in totals.values())
-        cost = sum(u.get("cost", 0.0) for u in totals.values())
-        if self.max_total_tokens is not None and tokens >= self.max_total_tokens:
-            return f"{tokens} tokens used, max_total_tokens={self.max_total_tokens}"
-        if self.max_cost is not None and cost >= self.max_cost:
-            return f"${cost:.4f} spent, max_cost={self.max_cost}"
-        return None
+    def resolve_learning_path(self, reflection_model: str) -> str:
+        """The learning path for a reflection LM of this name ("auto": contrast for small models)."""
+        if self.learning_path != "auto":
+            return self.learning_path
+        return "contrast" if model_size_b(reflection_model) <= SMALL_REFLECTOR_B else "paper"
+
+    def _stop_if_failing(self, step: int, units: str, errors: list[str], total: int) -> None:
+        """Stop the run, leaving the step unfinished, when more than `max_failure_rate` of a stage's units failed:
+        an outage must not pass for "nothing to learn". A resume redoes the failed units."""
+        if len(errors) > self.max_failure_rate * total:
+            raise TooManyFailuresError(f"step {step}: {len(errors)} of {total} {units} failed (first: {errors[0]}); "
+                                       f"finished work is kept in log_dir={self.log_dir!r}")
 
     def _parallel(self, fn, items, stage):
         if items:
@@ -386,57 +385,29 @@ class TrainingFreeGRPO(Teleprompter):
         """G copies of the program with the library in their instructions and private, distinct LM copies."""
         candidates, lms = [], []
         for g in range(self.num_generations):
-            cand = apply_library(program.deepcopy(), library, targets)
             rollout_id = int(digest([self.seed, step, g]), 16) % 2**31
-            copies: dict[int, dspy.BaseLM] = {}
-            for _, predictor in cand.named_predictors():
-                base = predictor.lm or dspy.settings.lm
-                if id(base) not in copies:
-                    copies[id(base)] = base.copy(rollout_id=rollout_id, temperature=self.temperature)
-                predictor.lm = copies[id(base)]
+            cand, copies = with_own_lms(apply_library(program.deepcopy(), library, targets), rollout_id=rollout_id,
+                                        temperature=self.temperature)
             candidates.append(cand)
-            lms += copies.values()
+            lms += copies
         return candidates, lms
-
-    def _reference(self, example, group: list[dict]) -> dspy.Example:
-        """The example to score against: itself, or (without ground truth) the group's majority answers."""
-        if self.use_ground_truth:
-            return example
-        labels = {k: majority([(r["outputs"] or {}).get(k) for r in group]) for k in example.labels().keys()}
-        return dspy.Example(**example.inputs(), **labels).with_inputs(*example.inputs().keys())
-
-    def _score(self, example, record: dict) -> dict:
-        if record["error"] or record["outputs"] is None:
-            return {"reward": 0.0, "feedback": f"the attempt failed: {record['error']}"}
-        score, feedback = metric_result(self.metric(example, dspy.Prediction(**record["outputs"]), None))
-        if not 0.0 <= score <= 1.0:
-            raise ValueError(f"metric returned {score}; rewards must lie in [0, 1]")
-        return {"reward": score, "feedback": feedback}
 
     def _validate(self, program, targets, library, valset, epoch, ckpt) -> float:
         if (saved := ckpt.get(f"epochs/{epoch}")) is not None:
             return saved["val_score"]
-        cand = apply_library(program.deepcopy(), library, targets)
+        cand, _ = with_own_lms(apply_library(program.deepcopy(), library, targets))
 
         def score(example):
-            try:
-                pred = cand(**example.inputs())
-                rec = {"outputs": jsonable(dict(pred.items())), "error": None}
-            except Exception as exc:
-                rec = {"outputs": None, "error": f"{type(exc).__name__}: {exc}"}
-            return self._score(example, rec)["reward"]
+            prediction, rec = run_program(cand, example)
+            return 0.0 if rec["error"] else call_metric(self.metric, example, prediction)[0]
 
-        results = self._parallel(score, list(valset), "validation")
-        value = statistics.fmean(0.0 if isinstance(r, Failed) else r for r in results)
+        value = statistics.fmean(self._parallel(score, list(valset), "validation"))
         logger.info("Epoch %d: validation score %.3f with %d experiences", epoch, value, len(library))
         ckpt.put(f"epochs/{epoch}", {"val_score": value, "library": library.dump_state()})
         return value
 
     def _fingerprint(self, program, targets, trainset, valset, library) -> dict:
-        knobs = {k: getattr(self, k) for k in ("num_generations", "temperature", "num_train_epochs", "batch_size", "seed",
-                                                "max_operations_per_group", "use_ground_truth", "max_experiences", "learning_path",
-                                                "max_words_per_experience")}
-        return {"knobs": knobs, "targets": targets,
+        return {"knobs": fingerprinted_knobs(self), "targets": targets,
                 "instructions": digest([p.signature.instructions for _, p in program.named_predictors()]),
                 "trainset": digest([dict(x) for x in trainset]), "valset": digest([dict(x) for x in valset or []]),
                 "initial_library": digest(library.dump_state())}
@@ -445,17 +416,6 @@ class TrainingFreeGRPO(Teleprompter):
 def _query_key(example, index: int) -> str:
     ident = example.get("id") if hasattr(example, "get") else None
     return f"train#{index}" + (f":{ident}" if ident is not None else "")
-
-
-def _model_size_b(model: str) -> float:
-    """Parameter count in billions read from a model name ("qwen2.5-coder-1.5b" -> 1.5); inf if none is given."""
-    sizes = [float(x) for x in re.findall(r"(?<![\d.])(\d+(?:\.\d+)?)b(?![a-z])", model.lower())]
-    return max(sizes) if sizes else float("inf")
-
-
-def _shown(record: dict) -> str:
-    """An attempt as a contrast call sees it: its output, then how it was judged."""
-    return f"{clip(record['attempt'], 2000)}\nresult: {_outcome(record)}"
 
 
 def _answer_key(example, group: list[dict]) -> str:

@@ -30,6 +30,7 @@ class ConstrainedJSONAdapter(dspy.JSONAdapter):
             raise ValueError(f"constrained decoding mode must be 'json_object' or 'json_schema', not {mode!r}")
         super().__init__()
         self.mode = mode
+        self.use_json_adapter_fallback = False  # one reply per call: a reply that does not parse is an error
 
     def _prepare_response_format(self, lm, lm_kwargs, signature):
         schema = output_schema(signature)

@@ -11,14 +11,12 @@ The result is a plain dict (for checkpoints) that says what happened, so every r
 from __future__ import annotations
 
 import dspy
-from dspy.utils.exceptions import AdapterParseError
-from pydantic import ValidationError
 
 from tfgrpo.programs.constrained import ConstrainedJSONAdapter, Mode
 from tfgrpo.programs.generality import parroted_phrases, specific_terms
+from tfgrpo.programs.learning import PARSE_ERRORS, LearningCallError, single_call_adapter
 from tfgrpo.programs.library import ExperienceLibrary
 from tfgrpo.signatures.contrast import GeneralizeRule, contrast_signature
-from tfgrpo.signatures.learning import LearningCallError
 from tfgrpo.signatures.operations import Operation
 
 EMPTY = "(empty: no rules yet)"
@@ -62,14 +60,15 @@ class ContrastLearner(dspy.Module):
 
     def _call(self, signature: type[dspy.Signature], **inputs) -> dspy.Prediction:
         """One call; a reply that does not parse is asked for once more (with other instructions, so the
-        LM cache cannot hand back the same reply), then `LearningCallError`."""
-        with dspy.context(**({"adapter": self.adapter} if self.adapter else {})):
+        LM cache cannot hand back the same reply), then `LearningCallError`. Errors of the LM itself are
+        left to the LM client's own retries."""
+        with dspy.context(adapter=self.adapter or single_call_adapter()):
             try:
                 return dspy.Predict(signature)(**inputs)
-            except (AdapterParseError, ValidationError, ValueError) as first:
+            except PARSE_ERRORS as first:
                 retry = signature.with_instructions(
                     f"{signature.instructions}\n\nYour previous reply could not be read. Follow the output format.")
                 try:
                     return dspy.Predict(retry)(**inputs)
-                except (AdapterParseError, ValidationError, ValueError) as second:
+                except PARSE_ERRORS as second:
                     raise LearningCallError(f"contrast: unusable reply twice ({second})") from first

@@ -1,9 +1,7 @@
 """The learning calls of Training-Free GRPO as DSPy signatures, and the typed operations they return."""
 
-from tfgrpo.signatures.learning import (AdvantageExtractor, Consolidator, ConsolidateOperations, ExtractGroupAdvantage,
-                                        GenerateExperiences,
-                                        LearningCallError, Summarizer, SummarizeRollout)
+from tfgrpo.signatures.learning import ConsolidateOperations, ExtractGroupAdvantage, GenerateExperiences, SummarizeRollout
 from tfgrpo.signatures.operations import Operation, normalize_id
 
-__all__ = ["AdvantageExtractor", "Consolidator", "ConsolidateOperations", "ExtractGroupAdvantage", "GenerateExperiences", "LearningCallError",
-           "Operation", "Summarizer", "SummarizeRollout", "normalize_id"]
+__all__ = ["ConsolidateOperations", "ExtractGroupAdvantage", "GenerateExperiences", "Operation", "SummarizeRollout",
+           "normalize_id"]

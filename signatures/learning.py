@@ -1,30 +1,16 @@
-"""The three learning calls of Training-Free GRPO, as DSPy signatures and modules.
+"""The learning calls of Training-Free GRPO as DSPy signatures (the modules that call them: programs/learning.py).
 
 1. `SummarizeRollout`: one attempt -> a step-by-step account of what it did, which experiences it leaned on,
    and where it went wrong or wandered.
 2. `ExtractGroupAdvantage`: the accounts of one group of attempts at the same query, with their rewards ->
    at most N operations on the library (the "semantic advantage": what the better attempts knew).
 3. `ConsolidateOperations`: every operation proposed in a batch -> one clean revision plan for the library.
-
-Without ground truth the `reference_answer` input is removed from the signatures, so no answer key can
-reach the LM. The modules validate what comes back (pydantic) and ask once more, quoting the error, when a
-reply cannot be parsed; a second failure raises `LearningCallError`, which the optimizer logs and skips.
+4. `GenerateExperiences`: the "directly generated experiences" baseline's single call.
 """
-
-from __future__ import annotations
-
-import json
-import logging
 
 import dspy
 
 from tfgrpo.signatures.operations import Operation
-
-logger = logging.getLogger(__name__)
-
-
-class LearningCallError(RuntimeError):
-    """A learning call whose reply could not be used, even after one retry."""
 
 
 class SummarizeRollout(dspy.Signature):
@@ -80,71 +66,6 @@ class ConsolidateOperations(dspy.Signature):
     proposals: str = dspy.InputField(desc="the operations proposed in this batch, as JSON")
     max_words: int = dspy.InputField(desc="the most words an experience may have")
     plan: list[Operation] = dspy.OutputField(desc="the final operations to apply, in order")
-
-
-def _signature(sig: type[dspy.Signature], use_ground_truth: bool) -> type[dspy.Signature]:
-    return sig if use_ground_truth or "reference_answer" not in sig.input_fields else sig.delete("reference_answer")
-
-
-class _ValidatedCall(dspy.Module):
-    """A predictor that, when its reply cannot be parsed, asks once more and then gives up loudly."""
-
-    def __init__(self, signature: type[dspy.Signature], use_ground_truth: bool):
-        super().__init__()
-        self.use_ground_truth = use_ground_truth
-        self.predict = dspy.Predict(_signature(signature, use_ground_truth))
-
-    def forward(self, **inputs):
-        if not self.use_ground_truth:
-            inputs.pop("reference_answer", None)
-        try:
-            return self.predict(**inputs)
-        except Exception as first:  # the adapter raises its own parse errors; anything else is worth one retry too
-            retry = dspy.Predict(self.predict.signature.with_instructions(
-                f"{self.predict.signature.instructions}\n\nA previous reply could not be used ({_short(first)}). "
-                "Reply again and follow the output format exactly."))
-            retry.lm = self.predict.lm  # the changed instructions make a new prompt, so no cached reply comes back
-            try:
-                return retry(**inputs)
-            except Exception as second:
-                raise LearningCallError(f"{type(self).__name__}: unusable reply twice ({_short(second)})") from second
-
-
-def _short(exc: Exception, limit: int = 300) -> str:
-    text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-class Summarizer(_ValidatedCall):
-    def __init__(self, use_ground_truth: bool = True):
-        super().__init__(SummarizeRollout, use_ground_truth)
-
-    def forward(self, **inputs) -> str:
-        summary = (super().forward(**inputs).summary or "").strip()
-        if not summary:
-            raise LearningCallError("Summarizer: empty summary")
-        return summary
-
-
-class AdvantageExtractor(_ValidatedCall):
-    def __init__(self, use_ground_truth: bool = True):
-        super().__init__(ExtractGroupAdvantage, use_ground_truth)
-
-    def forward(self, **inputs) -> list[Operation]:
-        ops = list(super().forward(**inputs).operations or [])
-        cap = inputs["max_operations"]
-        if len(ops) > cap:
-            logger.warning("Group advantage proposed %d operations, keeping the first %d", len(ops), cap)
-        return ops[:cap]
-
-
-class Consolidator(_ValidatedCall):
-    def __init__(self):
-        super().__init__(ConsolidateOperations, use_ground_truth=True)
-
-    def forward(self, *, experiences: str, proposals: list[tuple[str, Operation]], max_words: int) -> list[Operation]:
-        rendered = json.dumps([{"from_query": q, **op.model_dump()} for q, op in proposals], ensure_ascii=False, indent=1)
-        return list(super().forward(experiences=experiences, proposals=rendered, max_words=max_words).plan or [])
 
 
 class GenerateExperiences(dspy.Signature):

@@ -11,7 +11,7 @@ from scripted_lm import ScriptedLM, kind_of, output_fields
 from test_optimizer import LESSON, make_trainset, metric, student_answer
 from tfgrpo.optimizers import TrainingFreeGRPO
 from tfgrpo.optimizers.contrast import contrast_pairs, fold, overlap
-from tfgrpo.optimizers.training_free_grpo import _model_size_b
+from tfgrpo.optimizers.contrast import model_size_b
 from tfgrpo.programs import ExperienceLibrary
 from tfgrpo.programs.constrained import ConstrainedJSONAdapter, output_schema
 from tfgrpo.programs.generality import specific_terms
@@ -90,10 +90,10 @@ def test_constrained_adapter_sends_the_schema(mode, shape):
 
 
 def test_model_size_from_name():
-    assert _model_size_b("openai/qwen2.5-coder-1.5b") == 1.5
-    assert _model_size_b("ollama/llama3.1:8b") == 8
-    assert _model_size_b("openai/Qwen3-235B-A22B") == 235
-    assert _model_size_b("deepseek/deepseek-chat") == float("inf")
+    assert model_size_b("openai/qwen2.5-coder-1.5b") == 1.5
+    assert model_size_b("ollama/llama3.1:8b") == 8
+    assert model_size_b("openai/Qwen3-235B-A22B") == 235
+    assert model_size_b("deepseek/deepseek-chat") == float("inf")
 
 
 def contrast_learner(rule=LESSON, action="add", generalized=None):

@@ -137,3 +137,15 @@ def test_kill_9_and_resume_under_reply_faults(tmp_path, reference):
     run = F.kill_and_resume(server, tmp_path, KILL_OPTS, kill_after=total // 2)
     assert run["killed"] and run["exit"] == 0, run["output"][-3000:]
     assert run["result"]["library"] == ref["library"] and run["rewritten"] == []
+
+
+def test_the_benchmark_measures_each_silent_failure_as_caught(tmp_path):
+    opts = dict(F.DEFAULTS, queries=6, batch_size=3)
+    folders = {name: tmp_path / name for name in ("metric", "outage", "replies", "history")}
+    for folder in folders.values():
+        folder.mkdir()
+    metric_row, outage = F.metric_error_row(folders["metric"], opts), F.outage_row(folders["outage"], opts)
+    assert metric_row["status"] == "raised: MetricError" and metric_row["extra"] == 0, "no learning call"
+    assert outage["not_done"] and outage["equal"] and outage["redone"] == outage["crashes"] == 0
+    assert F.calls_per_bad_reply(folders["replies"], opts) == "2"
+    assert F.budget_without_history(folders["history"], opts) == "stopped"

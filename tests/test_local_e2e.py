@@ -17,9 +17,9 @@ from tfgrpo import local_model
 from tfgrpo.lms import local_dspy_lm
 from tfgrpo.optimizers import TrainingFreeGRPO
 from tfgrpo.programs import load_program, save_program
-from tfgrpo.programs import ExperienceLibrary
+from tfgrpo.programs import ExperienceLibrary, LearningCallError, Summarizer
 from tfgrpo.programs.contrast_learner import ContrastLearner
-from tfgrpo.signatures import LearningCallError, Operation, Summarizer
+from tfgrpo.signatures import Operation
 from tfgrpo.tasks.game24 import Game24Solver, game24_reward, load_game24
 from tfgrpo.tasks.math.datasets import load_math
 from tfgrpo.tasks.math.metric import math_metric

@@ -145,9 +145,11 @@ def test_group_size_one_learns_nothing_and_calls_nothing_else():
     assert count(lm, "student") == 4 and len(lm.calls) == 4 and len(compiled.experience_library) == 0
 
 
-def test_garbage_from_the_learning_lm_leaves_the_library_unchanged_and_the_run_finishes():
+def test_garbage_from_the_learning_lm_stops_the_run_unless_tolerated_and_never_edits_the_library():
+    with pytest.raises(RuntimeError, match="16 of 16 summary calls failed"):
+        compile_with(ScriptedLM(learner(garbage=True)), dspy.Predict("question -> answer"))
     lm = ScriptedLM(learner(garbage=True))
-    compiled = compile_with(lm, dspy.Predict("question -> answer"), num_train_epochs=2)
+    compiled = compile_with(lm, dspy.Predict("question -> answer"), num_train_epochs=2, max_failure_rate=1.0)
     assert len(compiled.experience_library) == 0
     steps = compiled.detailed_results["steps"]
     assert len(steps) == 2 and all(s["learning_failures"] == 16 + 4 for s in steps)  # summaries + advantages
@@ -281,3 +283,13 @@ def test_token_budget_stops_after_the_step_that_reaches_it():
     policy, reflection = results["usage"]["policy"], results["usage"]["reflection"]
     assert policy["calls"] == 8 and reflection["calls"] == 2 * 4 + 2 + 1
     assert compiled.experience_library.texts() == [LESSON]  # the library so far is kept
+
+
+def test_without_a_progress_callback_every_stage_draws_a_bar_as_dspy_does(capsys):
+    compile_with(ScriptedLM(learner()), dspy.Predict("question -> answer"))
+    shown = capsys.readouterr().out
+    for stage, total in (("rollout", 16), ("reward", 16), ("summary", 16), ("advantage", 4), ("consolidation", 1)):
+        assert re.search(rf"{stage}: 100%.*{total}/{total}", shown), stage
+    calls = []
+    compile_with(ScriptedLM(learner()), dspy.Predict("question -> answer"), progress=lambda *a: calls.append(a))
+    assert "100%" not in capsys.readouterr().out and ("advantage", 4, 4) in calls

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -59,24 +59,40 @@ class TaskConfig(_Strict):
 
 
 class OptimizerConfig(_Strict):
+    """TrainingFreeGRPO's knobs (see its docstring), checked by the same rules as its constructor."""
+
+    model_config = ConfigDict(strict=True, validate_default=True)  # no coercion ("yes" is no bool); defaults checked too
+
     method: Literal["tfgrpo", "direct"] = "tfgrpo"  # direct: the "directly generated experiences" baseline
     num_direct_experiences: int = Field(27, ge=1)  # direct only: how many tips to ask for (match a learned library)
-    num_generations: int = Field(4, ge=1)
-    num_train_epochs: int = Field(1, ge=0)
-    batch_size: int = Field(12, ge=1)
-    temperature: float = Field(0.7, ge=0, le=2)
-    max_operations_per_group: int = Field(2, ge=1)
-    learning_path: Literal["auto", "paper", "contrast"] = "auto"  # auto: contrast for reflection LMs of <= 8B
-    constrained_decoding: Literal["auto", "json_object", "json_schema", "off"] = "auto"  # auto: json_object on local
+    # The CLI's defaults differ from the optimizer's (the paper's: G=5, 3 epochs, batch 50, 8 threads) for a
+    # first run on the embedded model with 2 CPU cores: one short pass that finishes in minutes.
+    num_generations: int = 4
+    num_train_epochs: int = 1
+    batch_size: int = 12
+    num_threads: int = 4
+    # the optimizer's defaults
+    temperature: float = 0.7
+    max_operations_per_group: int = 2
+    learning_path: str = "auto"  # paper | contrast (pairwise, for small reflection LMs) | auto: contrast up to 8B
+    constrained_decoding: str = "auto"  # contrast path: json_object (llama.cpp) | json_schema | off | auto
     max_experiences: int | None = None
-    max_words_per_experience: int = Field(32, ge=4)
+    max_words_per_experience: int = 32
     use_ground_truth: bool = True
     target_predictors: list[str] | None = None
-    num_threads: int = Field(4, ge=1)
-    max_failure_rate: float = Field(0.5, ge=0, le=1)
+    max_failure_rate: float = 0.5
     max_cost: float | None = None  # USD; stop after the step that reaches it (best library so far is kept)
     max_total_tokens: int | None = None  # same, in prompt + completion tokens
     seed: int = 0
+
+    @field_validator("*")
+    @classmethod
+    def _same_rules_as_the_optimizer(cls, value, info):
+        if info.field_name in ("method", "num_direct_experiences"):
+            return value
+        from tfgrpo.optimizers.knobs import check_knob  # imports dspy: only when a config is validated
+
+        return check_knob(info.field_name, value)
 
 
 class EvaluateConfig(_Strict):

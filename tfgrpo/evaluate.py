@@ -15,39 +15,37 @@ from typing import Callable
 
 import dspy
 
-from tfgrpo.optimizers.utils import Failed, count_tool_calls, metric_result, run_parallel, usage_of
+from tfgrpo.optimizers.parallel import run_parallel
+from tfgrpo.optimizers.rewards import call_metric
+from tfgrpo.optimizers.rollout import run_program, with_own_lms
+from tfgrpo.optimizers.usage import metered, stage_usage
 
 
 def evaluate_program(program: dspy.Module, examples: list, metric: Callable, *, lm: dspy.BaseLM, num_runs: int = 1,
                      num_threads: int = 4, name: str = "program",
                      progress: Callable[[str, int, int], None] | None = None) -> list[dict]:
-    """One row per (problem, run): score, tool calls, tokens, the extracted answer."""
-    copies = [lm.copy(rollout_id=r) if num_runs > 1 else lm.copy() for r in range(num_runs)]
-    candidates = []
-    for copy in copies:
-        cand = program.deepcopy()
-        cand.set_lm(copy)
+    """One row per (problem, run): score, tool calls, the extracted answer, and the program's error if it raised
+    (scored 0). A metric that fails stops the evaluation with a `MetricError`."""
+    program = program.deepcopy()
+    program.set_lm(lm)
+    candidates, copies = [], []
+    for r in range(num_runs):
+        cand, lms = with_own_lms(program, **({"rollout_id": r} if num_runs > 1 else {}))
         candidates.append(cand)
+        copies += lms
     jobs = [(i, r) for i in range(len(examples)) for r in range(num_runs)]
 
     def run(job):
         i, r = job
-        example = examples[i]
-        try:
-            pred = candidates[r](**example.inputs())
-            score, feedback = metric_result(metric(example, pred))
-            answer = str(getattr(pred, "answer", ""))
-            tool_calls = count_tool_calls(dict(pred.items()))
-            error = None
-        except Exception as exc:
-            score, feedback, answer, tool_calls, error = 0.0, "", "", 0, f"{type(exc).__name__}: {exc}"
-        return {"program": name, "problem": i, "run": r, "score": score, "answer": answer, "feedback": feedback,
-                "tool_calls": tool_calls, "error": error}
+        prediction, rec = run_program(candidates[r], examples[i])
+        score, feedback = call_metric(metric, examples[i], prediction) if prediction is not None else (0.0, "")
+        return {"program": name, "problem": i, "run": r, "score": score, "feedback": feedback,
+                "answer": str((rec["outputs"] or {}).get("answer", "")), "tool_calls": rec["tool_calls"],
+                "error": rec["error"]}
 
-    rows = run_parallel(run, jobs, num_threads=num_threads, stage=f"evaluate {name}", progress=progress)
-    rows = [r if not isinstance(r, Failed) else {"program": name, "problem": j[0], "run": j[1], "score": 0.0,
-                                                  "error": r.error, "tool_calls": 0} for r, j in zip(rows, jobs)]
-    usage = usage_of(copies)
+    with metered() as used:
+        rows = run_parallel(run, jobs, num_threads=num_threads, stage=f"evaluate {name}", progress=progress)
+    usage = stage_usage(used, copies)
     if rows:
         rows[0]["usage_total"] = usage  # tokens of the whole evaluation, kept on the first row
     return rows

@@ -1,0 +1,94 @@
+"""Text the learning calls read: fields, predictions and whole attempts, clipped to a sensible size.
+
+Experiences go into every predictor, so an attempt of several predictor calls is shown call by call, from
+the trace `run_program` (rollout.py) records, not by its final prediction alone.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tfgrpo.optimizers.checkpoint import jsonable
+
+MAX_ATTEMPT_CHARS = 6000  # an attempt shown to a learning call is cut to this size (head and tail kept)
+
+
+def format_fields(values: dict[str, Any]) -> str:
+    """`name: value` lines, values rendered as text (JSON for structured ones)."""
+    return "\n".join(f"{k}: {as_text(v)}" for k, v in values.items())
+
+
+def format_prediction(pred: Any) -> str:
+    """A prediction as text for a learning call: ReAct trajectories step by step, then the other outputs."""
+    if pred is None:
+        return "(no output)"
+    values = dict(pred.items()) if hasattr(pred, "items") else {"output": pred}
+    parts = []
+    trajectory = values.pop("trajectory", None)
+    if isinstance(trajectory, dict):
+        parts.append("trajectory:\n" + "\n".join(f"  {k}: {as_text(v)}" for k, v in trajectory.items()))
+    elif trajectory is not None:
+        parts.append(f"trajectory: {as_text(trajectory)}")
+    parts.append(format_fields(values))
+    return clip("\n".join(p for p in parts if p))
+
+
+def format_attempt(task_inputs: dict, outputs: dict | None, steps: list[dict], error: str | None) -> str:
+    """An attempt as text: the prediction alone when one predictor call made it, else every call in order.
+
+    A step shows its outputs, and of its inputs only what is new: the task's own inputs are left out (the
+    learning call sees them), an earlier step's output is named by reference, and an input that grew since
+    the previous call (a ReAct trajectory) shows only its new tail.
+    """
+    if len(steps) <= 1:
+        text = format_prediction(outputs) if outputs is not None else ""
+    else:
+        text = _format_steps(task_inputs, outputs or {}, steps)
+    if error:
+        text = f"{text}\n(the program failed: {error})" if text else f"(the program failed: {error})"
+    return clip(text)
+
+
+def _format_steps(task_inputs: dict, outputs: dict, steps: list[dict]) -> str:
+    task = {k: as_text(v) for k, v in jsonable(task_inputs).items()}
+    produced: dict[str, str] = {}  # output text -> where it was produced
+    last_input: dict[str, str] = {}
+    lines = []
+    for i, step in enumerate(steps, 1):
+        lines.append(f"[{i}] {step['predictor']}")
+        for name, value in step["inputs"].items():
+            text = as_text(value)
+            if not text or task.get(name) == text:
+                continue
+            before, last_input[name] = last_input.get(name), text
+            if text in produced:
+                lines.append(f"  {name}: (the {produced[text]})")
+            elif before and text.startswith(before):
+                lines.append(f"  {name}: (as in the previous call, then:) {text[len(before):].strip()}")
+            else:
+                lines.append(f"  {name}: {text}")
+        for name, value in step["outputs"].items():
+            produced.setdefault(as_text(value), f"{name} of [{i}]")
+            lines.append(f"  -> {name}: {as_text(value)}")
+    last = steps[-1]["outputs"]
+    final = {k: v for k, v in outputs.items() if k != "trajectory" and last.get(k) != v}
+    if final:  # the program changed or added outputs after its last predictor call: what the metric judged
+        lines.append("final output:\n" + format_fields(final))
+    return "\n".join(lines)
+
+
+def clip(text: str, limit: int = MAX_ATTEMPT_CHARS) -> str:
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]}\n[... {len(text) - limit} characters cut ...]\n{text[-half:]}"
+
+
+def as_text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, ensure_ascii=False, default=str)
+    except (TypeError, ValueError):
+        return str(value)

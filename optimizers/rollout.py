@@ -1,0 +1,70 @@
+"""Running a program on one example, the same way for learning, validation and evaluation.
+
+`with_own_lms` gives a copy of the program private copies of its LMs (for distinct samples, metering, and a
+clean history of the caller's LM); `run_program` runs it and records the result or the error, with DSPy's
+trace of every predictor call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dspy
+
+from tfgrpo.optimizers.checkpoint import jsonable
+from tfgrpo.optimizers.render import as_text, clip
+
+MAX_VALUE_CHARS = 2000  # one recorded input or output value of a trace (head and tail kept)
+
+
+def with_own_lms(program: dspy.Module, **overrides: Any) -> tuple[dspy.Module, list[dspy.BaseLM]]:
+    """A deep copy of `program` whose predictors call private copies of their LMs (the predictor's own, else
+    `dspy.settings.lm`), with `overrides` (such as rollout_id, temperature) set on the copies; and the copies."""
+    program = program.deepcopy()
+    copies: dict[int, dspy.BaseLM] = {}
+    for name, predictor in program.named_predictors():
+        base = predictor.lm or dspy.settings.lm
+        if base is None:
+            raise ValueError(f"predictor {name!r} has no LM: call dspy.configure(lm=dspy.LM(...)) or set one on it")
+        if id(base) not in copies:
+            copies[id(base)] = base.copy(**overrides)
+        predictor.lm = copies[id(base)]
+    return program, list(copies.values())
+
+
+def run_program(program: dspy.Module, example: dspy.Example) -> tuple[dspy.Prediction | None, dict]:
+    """Run `program` on `example`'s inputs. Returns the prediction (None when the program raised) and a JSON
+    record of the run: `outputs`, `error` (the exception as text; an exception of the program is recorded,
+    never raised), `trace` (every predictor call: name, inputs, outputs) and `tool_calls`."""
+    trace: list = []
+    try:
+        with dspy.context(trace=trace):
+            prediction = program(**example.inputs())
+        outputs, error = jsonable(dict(prediction.items())), None
+    except Exception as exc:
+        prediction, outputs, error = None, None, f"{type(exc).__name__}: {exc}"
+    record = {"outputs": outputs, "error": error, "trace": _record_trace(trace, program),
+              "tool_calls": count_tool_calls(outputs)}
+    return prediction, record
+
+
+def count_tool_calls(outputs: dict | None) -> int:
+    """Tool calls in a ReAct trajectory (the final 'finish' is not a tool call); 0 for other programs."""
+    trajectory = (outputs or {}).get("trajectory")
+    if not isinstance(trajectory, dict):
+        return 0
+    return sum(1 for k, v in trajectory.items() if k.startswith("tool_name_") and v != "finish")
+
+
+def _record_trace(trace: list, program: dspy.Module) -> list[dict]:
+    names = {id(predictor): name for name, predictor in program.named_predictors()}
+    return [{"predictor": names.get(id(predictor), type(predictor).__name__), "inputs": _clipped(inputs),
+             "outputs": _clipped(dict(prediction.items()))} for predictor, inputs, prediction in trace]
+
+
+def _clipped(values: dict[str, Any]) -> dict[str, Any]:
+    kept = {}
+    for name, value in jsonable(values).items():
+        text = as_text(value)
+        kept[name] = value if len(text) <= MAX_VALUE_CHARS else clip(text, MAX_VALUE_CHARS)
+    return kept

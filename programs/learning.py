@@ -1,0 +1,110 @@
+"""The learning calls of Training-Free GRPO as DSPy modules around the signatures in `signatures/learning.py`.
+
+`Summarizer` (one attempt -> a step-by-step summary), `AdvantageExtractor` (a group's summaries -> at most N
+operations on the library) and `Consolidator` (a batch's operations -> one plan). Without ground truth the
+`reference_answer` input is removed from the signatures, so no answer key can reach the LM.
+
+The modules validate what comes back (pydantic) and ask once more, quoting the error, when a reply cannot be
+parsed; a second failure raises `LearningCallError`, which the optimizer counts as a failed call. A reply
+that does not parse thus costs exactly two LM calls: DSPy's fallback from the chat format to JSON is turned
+off for these calls, and errors of the LM itself (timeouts, outages) are not retried here, since the LM
+client retries those (`num_retries`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+
+import dspy
+import pydantic
+from dspy.adapters.chat_adapter import ChatAdapter
+from dspy.utils.exceptions import AdapterParseError
+
+from tfgrpo.signatures.learning import ConsolidateOperations, ExtractGroupAdvantage, SummarizeRollout
+from tfgrpo.signatures.operations import Operation
+
+logger = logging.getLogger(__name__)
+
+PARSE_ERRORS = (AdapterParseError, pydantic.ValidationError)  # a reply that came back but cannot be used
+
+
+class LearningCallError(RuntimeError):
+    """A learning call whose reply could not be used, even after one retry."""
+
+
+def _signature(sig: type[dspy.Signature], use_ground_truth: bool) -> type[dspy.Signature]:
+    return sig if use_ground_truth or "reference_answer" not in sig.input_fields else sig.delete("reference_answer")
+
+
+def single_call_adapter() -> dspy.Adapter:
+    """The configured adapter (DSPy's chat adapter by default) without its JSON fallback, which would send a
+    second call for every reply that does not parse."""
+    adapter = copy.copy(dspy.settings.adapter) if dspy.settings.adapter is not None else ChatAdapter()
+    if isinstance(adapter, ChatAdapter):
+        adapter.use_json_adapter_fallback = False
+    return adapter
+
+
+class _ValidatedCall(dspy.Module):
+    """A predictor that, when its reply cannot be parsed, asks once more and then gives up loudly."""
+
+    def __init__(self, signature: type[dspy.Signature], use_ground_truth: bool):
+        super().__init__()
+        self.use_ground_truth = use_ground_truth
+        self.predict = dspy.Predict(_signature(signature, use_ground_truth))
+
+    def forward(self, **inputs):
+        if not self.use_ground_truth:
+            inputs.pop("reference_answer", None)
+        with dspy.context(adapter=single_call_adapter()):
+            try:
+                return self.predict(**inputs)
+            except PARSE_ERRORS as first:
+                retry = dspy.Predict(self.predict.signature.with_instructions(
+                    f"{self.predict.signature.instructions}\n\nA previous reply could not be used ({_short(first)}). "
+                    "Reply again and follow the output format exactly."))
+                retry.lm = self.predict.lm  # the changed instructions make a new prompt: no cached reply comes back
+                try:
+                    return retry(**inputs)
+                except PARSE_ERRORS as second:
+                    raise LearningCallError(f"{type(self).__name__}: unusable reply twice ({_short(second)})") \
+                        from second
+
+
+def _short(exc: Exception, limit: int = 300) -> str:
+    text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class Summarizer(_ValidatedCall):
+    def __init__(self, use_ground_truth: bool = True):
+        super().__init__(SummarizeRollout, use_ground_truth)
+
+    def forward(self, **inputs) -> str:
+        summary = (super().forward(**inputs).summary or "").strip()
+        if not summary:
+            raise LearningCallError("Summarizer: empty summary")
+        return summary
+
+
+class AdvantageExtractor(_ValidatedCall):
+    def __init__(self, use_ground_truth: bool = True):
+        super().__init__(ExtractGroupAdvantage, use_ground_truth)
+
+    def forward(self, **inputs) -> list[Operation]:
+        ops = list(super().forward(**inputs).operations or [])
+        cap = inputs["max_operations"]
+        if len(ops) > cap:
+            logger.warning("Group advantage proposed %d operations, keeping the first %d", len(ops), cap)
+        return ops[:cap]
+
+
+class Consolidator(_ValidatedCall):
+    def __init__(self):
+        super().__init__(ConsolidateOperations, use_ground_truth=True)
+
+    def forward(self, *, experiences: str, proposals: list[tuple[str, Operation]], max_words: int) -> list[Operation]:
+        rendered = json.dumps([{"from_query": q, **op.model_dump()} for q, op in proposals], ensure_ascii=False, indent=1)
+        return list(super().forward(experiences=experiences, proposals=rendered, max_words=max_words).plan or [])

@@ -1,0 +1,58 @@
+"""The optimizer's knobs are defined once: the constructor and the config file check them by the same rules,
+their defaults differ only where the config says why, and the fingerprint takes the knobs that shape a run."""
+
+import inspect
+
+import pytest
+from pydantic import ValidationError
+
+from tfgrpo.config import OptimizerConfig
+from tfgrpo.optimizers import TrainingFreeGRPO
+from tfgrpo.optimizers.knobs import KNOBS
+
+CONFIG_ONLY = {"method", "num_direct_experiences"}  # the direct baseline's keys
+CLI_DEFAULTS = {"num_generations", "num_train_epochs", "batch_size", "num_threads"}  # see the comment in config.py
+
+BAD = [("num_generations", 0), ("num_generations", 2.5), ("temperature", -0.1), ("temperature", 3),
+       ("num_train_epochs", -1), ("batch_size", 0), ("seed", "zero"), ("reflection_lm", "gpt-4o"),
+       ("max_operations_per_group", 0), ("use_ground_truth", "yes"), ("max_experiences", 0),
+       ("max_words_per_experience", 3), ("target_predictors", []), ("target_predictors", "predict"),
+       ("num_threads", 0), ("max_failure_rate", 1.5), ("max_cost", 0), ("max_cost", -1.0),
+       ("max_total_tokens", 0), ("log_dir", 3), ("progress", "bar")]
+
+
+def metric(example, pred, trace=None):
+    return 1.0
+
+
+def test_the_constructor_takes_exactly_the_defined_knobs():
+    params = inspect.signature(TrainingFreeGRPO.__init__).parameters
+    assert [p for p in params if p not in ("self", "metric")] == list(KNOBS)
+    assert all(params[p].kind is inspect.Parameter.KEYWORD_ONLY for p in KNOBS)
+    doc = TrainingFreeGRPO.__doc__.split("Args:", 1)[1]
+    assert all(f"\n        {name}: " in doc for name in ["metric", *KNOBS]), "every knob is documented"
+
+
+@pytest.mark.parametrize("name, value", BAD, ids=[f"{n}={v!r}" for n, v in BAD])
+def test_a_bad_knob_is_refused_by_the_constructor_and_the_config_alike(name, value):
+    with pytest.raises(ValueError, match=f"^{name} must be"):
+        TrainingFreeGRPO(metric, **{name: value})
+    if name in OptimizerConfig.model_fields:
+        with pytest.raises(ValidationError, match=name):
+            OptimizerConfig(**{name: value})
+
+
+def test_config_defaults_are_the_optimizers_except_the_documented_ones():
+    assert set(OptimizerConfig.model_fields) - CONFIG_ONLY <= set(KNOBS)
+    params = inspect.signature(TrainingFreeGRPO.__init__).parameters
+    config = OptimizerConfig()
+    differ = {k for k in set(OptimizerConfig.model_fields) - CONFIG_ONLY if getattr(config, k) != params[k].default}
+    assert differ == CLI_DEFAULTS
+    TrainingFreeGRPO(metric, **config.model_dump(exclude=CONFIG_ONLY))  # the config's values are valid knobs
+
+
+def test_the_fingerprint_holds_the_knobs_that_change_what_a_run_computes():
+    fingerprinted = {k for k, knob in KNOBS.items() if knob.fingerprinted}
+    assert fingerprinted == {"num_generations", "temperature", "num_train_epochs", "batch_size", "seed",
+                             "max_operations_per_group", "use_ground_truth", "max_experiences",
+                             "max_words_per_experience"}

@@ -18,18 +18,20 @@ import dspy
 
 class ContrastAttempts(dspy.Signature):
     """Two attempts at the same task got different results. Compare them and find the decisive difference:
-    the first step where the worse attempt went wrong, or the method that only the better attempt used.
+    the first step where the worse attempt went wrong, or the technique that only the better attempt used.
     Then turn that difference into one rule that will help future attempts at other tasks of this kind.
 
-    The rule is one imperative sentence about method, usable on any input of this kind; it never mentions
-    the particular values, names or objects of this task. Choose "add" for a new rule, "modify" to improve
-    the library rule given in `target_id`, or "none" when the library already states the lesson."""
+    The rule is one imperative sentence that can be followed as written: it names the concrete technique
+    (for a program: which library functions, which search, which checks, what to print), not a vague goal.
+    It works on any input of this kind, so it never mentions the particular values, names or objects of
+    this task. Choose "add" for a new rule, "modify" to improve the library rule given in `target_id`, or
+    "none" when the library already states the lesson."""
 
     task: str = dspy.InputField(desc="the task both attempts worked on")
     better_attempt: str = dspy.InputField(desc="the attempt that scored higher, with its result")
     worse_attempt: str = dspy.InputField(desc="the attempt that scored lower, with its result")
     library: str = dspy.InputField(desc="the rules learned so far, one per line after its id")
-    difference: str = dspy.OutputField(desc="one or two sentences: what the better attempt did that the worse did not")
+    difference: str = dspy.OutputField(desc="one or two sentences: the concrete thing the better attempt did that the worse did not")
     action: Literal["add", "none"] = dspy.OutputField()
     rule: str = dspy.OutputField(desc="the rule (empty when the action is none)")
 

@@ -9,7 +9,7 @@ import pytest
 
 from scripted_lm import ScriptedLM, kind_of, output_fields
 from test_optimizer import LESSON, make_trainset, metric, student_answer
-from tfgrpo.optimizers import TrainingFreeGRPO
+from tfgrpo.optimizers import TooManyFailuresError, TrainingFreeGRPO
 from tfgrpo.optimizers.contrast import contrast_pairs, fold, overlap
 from tfgrpo.optimizers.contrast import model_size_b
 from tfgrpo.programs import ExperienceLibrary
@@ -165,9 +165,11 @@ def test_invented_ids_cannot_pass_the_typed_reply():
         return student_answer(messages, kwargs)
 
     dspy.configure(lm=ScriptedLM(respond))
-    compiled = TrainingFreeGRPO(metric, num_generations=4, batch_size=4, num_train_epochs=1, num_threads=4,
-                                learning_path="contrast", constrained_decoding="off",
-                                max_operations_per_group=1).compile(student, trainset=make_trainset())
+    opts = dict(num_generations=4, batch_size=4, num_train_epochs=1, num_threads=4, learning_path="contrast",
+                constrained_decoding="off", max_operations_per_group=1)
+    with pytest.raises(TooManyFailuresError, match="contrast calls"):  # every call failed: an outage, not "no lesson"
+        TrainingFreeGRPO(metric, **opts).compile(student, trainset=make_trainset())
+    compiled = TrainingFreeGRPO(metric, max_failure_rate=1.0, **opts).compile(student, trainset=make_trainset())
     step = compiled.detailed_results["steps"][0]
     assert step["learning_failures"] == 4 and step["operations_proposed"] == 0
     assert compiled.experience_library.texts() == ["When adding, start from the ones digit."]

@@ -18,7 +18,8 @@ BAD = [("num_generations", 0), ("num_generations", 2.5), ("temperature", -0.1), 
        ("max_operations_per_group", 0), ("use_ground_truth", "yes"), ("max_experiences", 0),
        ("max_words_per_experience", 3), ("target_predictors", []), ("target_predictors", "predict"),
        ("num_threads", 0), ("max_failure_rate", 1.5), ("max_cost", 0), ("max_cost", -1.0),
-       ("max_total_tokens", 0), ("log_dir", 3), ("progress", "bar")]
+       ("max_total_tokens", 0), ("log_dir", 3), ("progress", "bar"), ("learning_path", "fast"),
+       ("constrained_decoding", "xml")]
 
 
 def metric(example, pred, trace=None):
@@ -55,4 +56,4 @@ def test_the_fingerprint_holds_the_knobs_that_change_what_a_run_computes():
     fingerprinted = {k for k, knob in KNOBS.items() if knob.fingerprinted}
     assert fingerprinted == {"num_generations", "temperature", "num_train_epochs", "batch_size", "seed",
                              "max_operations_per_group", "use_ground_truth", "max_experiences",
-                             "max_words_per_experience"}
+                             "max_words_per_experience", "learning_path"}

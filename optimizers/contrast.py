@@ -15,7 +15,6 @@ import dspy
 
 from tfgrpo.optimizers.parallel import Failed
 from tfgrpo.optimizers.render import clip, format_fields
-from tfgrpo.optimizers.usage import metered, stage_usage
 from tfgrpo.programs.contrast_learner import ContrastLearner
 from tfgrpo.signatures.operations import Operation
 
@@ -113,11 +112,7 @@ def learn_by_contrast(opt, program, reflection_lm, library, trainset, records, k
             ckpt.put(unit, rec)
         return rec
 
-    with metered() as used:
-        results = opt._parallel(contrast, jobs, "contrast")
-    stats["usage"]["contrast"] = stage_usage(used, [lm])
-    opt._stop_if_failing(stats["step"], "contrast calls", [r.error for r in results if isinstance(r, Failed)],
-                         len(jobs))
+    results = opt.learning_stage(contrast, jobs, "contrast", lm, stats)
     proposals, counts = [], {"learning_failures": 0, "operations_proposed": 0, "refused_specific": 0,
                              "rewritten_specific": 0, "redundant": 0, "said_none": 0}
     for (qi, _, _), rec in zip(jobs, results):

@@ -285,11 +285,7 @@ class TrainingFreeGRPO(Teleprompter):
                 ckpt.put(unit, rec)
             return rec
 
-        with metered() as used:
-            summaries = self._parallel(summarize, summary_jobs, "summary")
-        stats["usage"]["summary"] = stage_usage(used, [lms["summary"]])
-        self._stop_if_failing(stats["step"], "summary calls", [s.error for s in summaries if isinstance(s, Failed)],
-                              len(summary_jobs))
+        summaries = self.learning_stage(summarize, summary_jobs, "summary", lms["summary"], stats)
         learning_failures = 0
         for job, summary in zip(summary_jobs, summaries):
             if isinstance(summary, Failed):  # fall back to the raw attempt, cut short
@@ -314,11 +310,7 @@ class TrainingFreeGRPO(Teleprompter):
                 ckpt.put(unit, ops)
             return ops
 
-        with metered() as used:
-            advantages = self._parallel(extract, kept, "advantage")
-        stats["usage"]["advantage"] = stage_usage(used, [lms["advantage"]])
-        self._stop_if_failing(stats["step"], "group advantage calls", [a.error for a in advantages if isinstance(a, Failed)],
-                              len(kept))
+        advantages = self.learning_stage(extract, kept, "advantage", lms["advantage"], stats)
         proposals: list[tuple[str, Operation]] = []
         for qi, ops in zip(kept, advantages):
             if isinstance(ops, Failed):
@@ -363,6 +355,16 @@ class TrainingFreeGRPO(Teleprompter):
         if len(errors) > self.max_failure_rate * total:
             raise TooManyFailuresError(f"step {step}: {len(errors)} of {total} {units} failed (first: {errors[0]}); "
                                        f"finished work is kept in log_dir={self.log_dir!r}")
+
+    def learning_stage(self, fn, jobs: list, stage: str, lm: dspy.BaseLM, stats: dict) -> list:
+        """Run a stage of learning calls (`fn` returns `Failed` for a call that failed): usage metered into
+        `stats`, and the run stopped, unfinished, when more than `max_failure_rate` of the calls failed."""
+        with metered() as used:
+            results = self._parallel(fn, jobs, stage)
+        stats["usage"][stage] = stage_usage(used, [lm])
+        self._stop_if_failing(stats["step"], f"{stage} calls", [r.error for r in results if isinstance(r, Failed)],
+                              len(jobs))
+        return results
 
     def _parallel(self, fn, items, stage):
         if items:

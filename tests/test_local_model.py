@@ -258,7 +258,7 @@ def test_dspy_can_use_it(real_cache):
         assert isinstance(pred.answer, str) and pred.answer.strip()
         # the reply limit reaches the server (DSPy's own field for it, max_completion_tokens, is ignored there)
         short = local_dspy_lm(server.model_alias, server.api_base, max_tokens=12, temperature=0.3, cache=False)
-        short(messages=[{"role": "user", "content": "Count from 1 to 500, one number per line."}])
+        short("Count from 1 to 500, one number per line.")
         assert short.history[-1]["usage"]["completion_tokens"] <= 12
 
 

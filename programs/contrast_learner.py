@@ -14,7 +14,7 @@ import dspy
 
 from tfgrpo.programs.constrained import ConstrainedJSONAdapter, Mode
 from tfgrpo.programs.generality import parroted_phrases, specific_terms
-from tfgrpo.programs.learning import PARSE_ERRORS, LearningCallError, single_call_adapter
+from tfgrpo.programs.learning import call_with_one_retry, single_call_adapter
 from tfgrpo.programs.library import ExperienceLibrary
 from tfgrpo.signatures.contrast import GeneralizeRule, contrast_signature
 from tfgrpo.signatures.operations import Operation
@@ -59,16 +59,5 @@ class ContrastLearner(dspy.Module):
         return rec
 
     def _call(self, signature: type[dspy.Signature], **inputs) -> dspy.Prediction:
-        """One call; a reply that does not parse is asked for once more (with other instructions, so the
-        LM cache cannot hand back the same reply), then `LearningCallError`. Errors of the LM itself are
-        left to the LM client's own retries."""
         with dspy.context(adapter=self.adapter or single_call_adapter()):
-            try:
-                return dspy.Predict(signature)(**inputs)
-            except PARSE_ERRORS as first:
-                retry = signature.with_instructions(
-                    f"{signature.instructions}\n\nYour previous reply could not be read. Follow the output format.")
-                try:
-                    return dspy.Predict(retry)(**inputs)
-                except PARSE_ERRORS as second:
-                    raise LearningCallError(f"contrast: unusable reply twice ({second})") from first
+            return call_with_one_retry(dspy.Predict(signature), inputs, caller=type(self).__name__)

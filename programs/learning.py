@@ -59,18 +59,23 @@ class _ValidatedCall(dspy.Module):
         if not self.use_ground_truth:
             inputs.pop("reference_answer", None)
         with dspy.context(adapter=single_call_adapter()):
-            try:
-                return self.predict(**inputs)
-            except PARSE_ERRORS as first:
-                retry = dspy.Predict(self.predict.signature.with_instructions(
-                    f"{self.predict.signature.instructions}\n\nA previous reply could not be used ({_short(first)}). "
-                    "Reply again and follow the output format exactly."))
-                retry.lm = self.predict.lm  # the changed instructions make a new prompt: no cached reply comes back
-                try:
-                    return retry(**inputs)
-                except PARSE_ERRORS as second:
-                    raise LearningCallError(f"{type(self).__name__}: unusable reply twice ({_short(second)})") \
-                        from second
+            return call_with_one_retry(self.predict, inputs, caller=type(self).__name__)
+
+
+def call_with_one_retry(predict: dspy.Predict, inputs: dict, *, caller: str) -> dspy.Prediction:
+    """`predict(**inputs)`; a reply that does not parse is asked for once more, quoting the error, then
+    `LearningCallError`. Errors of the LM itself are left to the LM client's own retries."""
+    try:
+        return predict(**inputs)
+    except PARSE_ERRORS as first:
+        retry = dspy.Predict(predict.signature.with_instructions(
+            f"{predict.signature.instructions}\n\nA previous reply could not be used ({_short(first)}). "
+            "Reply again and follow the output format exactly."))
+        retry.lm = predict.lm  # the changed instructions make a new prompt: no cached reply comes back
+        try:
+            return retry(**inputs)
+        except PARSE_ERRORS as second:
+            raise LearningCallError(f"{caller}: unusable reply twice ({_short(second)})") from second
 
 
 def _short(exc: Exception, limit: int = 300) -> str:

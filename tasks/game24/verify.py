@@ -66,21 +66,27 @@ def extract_expression(text: str) -> str | None:
     return None
 
 
-def check(numbers: list[int], answer: str) -> tuple[bool, str]:
-    """(solved, feedback) for one answer to the puzzle with these numbers."""
+def _judge(numbers: list[int], answer: str) -> tuple[bool, str, list[int] | None]:
+    """(solved, feedback, the numbers a legal expression in `answer` uses, or None if there is none)."""
     expression = extract_expression(answer)
     if expression is None:
-        return False, "no arithmetic expression found in the answer"
+        return False, "no arithmetic expression found in the answer", None
     try:
         value, used = evaluate(expression)
     except ValueError as exc:
-        return False, f"{expression}: {exc}"
+        return False, f"{expression}: {exc}", None
     if Counter(used) != Counter(numbers):
-        return False, f"{expression} uses the numbers {sorted(used)}, but the puzzle gives {sorted(numbers)}"
+        return False, f"{expression} uses the numbers {sorted(used)}, but the puzzle gives {sorted(numbers)}", used
     if value != TARGET:
         shown = str(value) if value.denominator == 1 else f"{value} (= {float(value):.4g})"
-        return False, f"{expression} equals {shown}, not {TARGET}"
-    return True, f"{expression} = {TARGET}: solved"
+        return False, f"{expression} equals {shown}, not {TARGET}", used
+    return True, f"{expression} = {TARGET}: solved", used
+
+
+def check(numbers: list[int], answer: str) -> tuple[bool, str]:
+    """(solved, feedback) for one answer to the puzzle with these numbers."""
+    solved, feedback, _ = _judge(numbers, answer)
+    return solved, feedback
 
 
 def game24_metric(example, pred, trace=None) -> dspy.Prediction:
@@ -102,14 +108,9 @@ def game24_reward(example, pred, trace=None) -> dspy.Prediction:
     < "it printed an expression" < "an expression of the right numbers" < solved. Report results with
     `game24_metric`, never with this."""
     numbers = puzzle_numbers(example.numbers)
-    solved, feedback = check(numbers, getattr(pred, "answer", "") or "")
+    solved, feedback, used = _judge(numbers, getattr(pred, "answer", "") or "")
     if solved:
         return dspy.Prediction(score=1.0, feedback=feedback)
-    expression = extract_expression(getattr(pred, "answer", "") or "")
-    try:
-        used = evaluate(expression)[1] if expression else None
-    except ValueError:
-        used = None
     if used is not None:
         score = PARTIAL_RIGHT_NUMBERS if Counter(used) == Counter(numbers) else PARTIAL_EXPRESSION
     else:

@@ -30,7 +30,8 @@ from tfgrpo.lms import open_lms  # noqa: E402
 from tfgrpo.optimizers import TrainingFreeGRPO  # noqa: E402
 from tfgrpo.optimizers.checkpoint import Checkpoint  # noqa: E402
 from tfgrpo.optimizers.contrast import learn_by_contrast  # noqa: E402
-from tfgrpo.optimizers.training_free_grpo import EMPTY_LIBRARY, _query_key  # noqa: E402
+from tfgrpo.optimizers.render import query_key  # noqa: E402
+from tfgrpo.optimizers.training_free_grpo import EMPTY_LIBRARY  # noqa: E402
 from tfgrpo.programs import ExperienceLibrary  # noqa: E402
 from tfgrpo.programs.generality import parroted_phrases, specific_terms  # noqa: E402
 
@@ -71,7 +72,7 @@ def main() -> None:
     start = ExperienceLibrary.from_state(json.loads(prev.read_text())["library"]) if prev.exists() else \
         ExperienceLibrary(max_words=cfg.optimizer.max_words_per_experience)
     print(f"step {args.step}: {len(batch)} queries, {len(kept)} with reward contrast, library of {len(start)}")
-    queries = {_query_key(trainset[qi], qi): str(trainset[qi].inputs().toDict()) for qi in batch}
+    queries = {query_key(trainset[qi], qi): str(trainset[qi].inputs().toDict()) for qi in batch}
     allowed = " ".join(p.signature.instructions for _, p in make().named_predictors())
     lines = []
     with open_lms(cfg) as (policy, reflection):

@@ -14,7 +14,7 @@ import re
 import dspy
 
 from tfgrpo.optimizers.parallel import Failed
-from tfgrpo.optimizers.render import clip, format_fields
+from tfgrpo.optimizers.render import clip, format_fields, outcome, query_key
 from tfgrpo.programs.contrast_learner import ContrastLearner
 from tfgrpo.signatures.operations import Operation
 
@@ -87,8 +87,6 @@ def constrained_mode(setting: str, reflection_lm) -> str | None:
 
 def learn_by_contrast(opt, program, reflection_lm, library, trainset, records, kept, key, ckpt, stats):
     """One step's learning on the contrast path of `opt` (a TrainingFreeGRPO): (plan, proposals, counts)."""
-    from tfgrpo.optimizers.training_free_grpo import _outcome, _query_key
-
     G, lm = opt.num_generations, reflection_lm.copy()
     learner = ContrastLearner(max_words=opt.max_words_per_experience,
                               constrained=constrained_mode(opt.constrained_decoding, reflection_lm))
@@ -97,7 +95,7 @@ def learn_by_contrast(opt, program, reflection_lm, library, trainset, records, k
             for b, w in contrast_pairs([records[(qi, g)]["reward"] for g in range(G)], opt.max_operations_per_group)]
 
     def shown(record: dict) -> str:
-        return f"{clip(record['attempt'], 2000)}\nresult: {_outcome(record)}"
+        return f"{clip(record['attempt'], 2000)}\nresult: {outcome(record)}"
 
     def contrast(job):
         qi, b, w = job
@@ -127,7 +125,7 @@ def learn_by_contrast(opt, program, reflection_lm, library, trainset, records, k
         if rec["refused"]:
             logger.warning("Refused a rule from query %s: %s (%r)", qi, rec["refused"], rec["rule"][:80])
         if rec["operation"]:
-            proposals.append((_query_key(trainset[qi], qi), Operation.model_validate(rec["operation"])))
+            proposals.append((query_key(trainset[qi], qi), Operation.model_validate(rec["operation"])))
     plan, counts["redundant"] = fold(library.texts(), [op for _, op in proposals])
     stats["consolidation"] = f"folded in code: {len(plan)} of {len(proposals)} kept"
     return plan, proposals, counts

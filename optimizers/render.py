@@ -92,3 +92,15 @@ def as_text(value: Any) -> str:
         return json.dumps(value, ensure_ascii=False, default=str)
     except (TypeError, ValueError):
         return str(value)
+
+
+def query_key(example, index: int) -> str:
+    """How a training query is named in provenance and logs: its index, and its id where it has one."""
+    ident = example.get("id") if hasattr(example, "get") else None
+    return f"train#{index}" + (f":{ident}" if ident is not None else "")
+
+
+def outcome(record: dict) -> str:
+    """How an attempt was judged, as the learning calls read it."""
+    verdict = "judged correct" if record["reward"] >= 1 else "judged wrong" if record["reward"] <= 0 else "partly right"
+    return f"{verdict} (reward {record['reward']:.2f})" + (f"; {record['feedback']}" if record.get("feedback") else "")

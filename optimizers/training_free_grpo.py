@@ -29,7 +29,7 @@ from tfgrpo.optimizers.checkpoint import Checkpoint, digest
 from tfgrpo.optimizers.contrast import SMALL_REFLECTOR_B, learn_by_contrast, model_size_b
 from tfgrpo.optimizers.knobs import KNOBS, check_knob, fingerprinted_knobs
 from tfgrpo.optimizers.parallel import Failed, StageBar, TooManyFailuresError, run_parallel
-from tfgrpo.optimizers.render import clip, format_attempt, format_fields
+from tfgrpo.optimizers.render import clip, format_attempt, format_fields, outcome, query_key
 from tfgrpo.optimizers.rewards import call_metric, reference_example, score_attempt
 from tfgrpo.optimizers.rollout import run_program, with_own_lms
 from tfgrpo.optimizers.usage import add_usage, history_kept, metered, over_budget, stage_usage
@@ -251,8 +251,7 @@ class TrainingFreeGRPO(Teleprompter):
         sources = sorted({q for q, _ in proposals})
         report = library.apply(plan, step=step, sources=sources)
         stats.update(learned)
-        stats.update(operations_proposed=stats.get("operations_proposed", len(proposals)),
-                     operations_applied=report.applied, operations_rejected=len(report.rejected),
+        stats.update(operations_applied=report.applied, operations_rejected=len(report.rejected),
                      library_size=len(library), seconds=timing, wall_s=time.time() - t0)
         logger.info("Step %d: %d operations proposed, applied %s, %d refused; library has %d experiences",
                     step, stats["operations_proposed"], report.applied, len(report.rejected), len(library))
@@ -262,7 +261,7 @@ class TrainingFreeGRPO(Teleprompter):
     def _learn_paper(self, reflection_lm, library, rendered_library, trainset, records, kept, key, ckpt, stats):
         """The paper's path: summarize every attempt of a kept group, extract each group's advantage as
         operations, consolidate the batch's operations in one call. Returns (plan, proposals, counts)."""
-        G, qkeys = self.num_generations, {qi: _query_key(trainset[qi], qi) for qi in kept}
+        G, qkeys = self.num_generations, {qi: query_key(trainset[qi], qi) for qi in kept}
         # 4. summaries of every attempt in a kept group
         gt = self.use_ground_truth
         summarizer, advantage, consolidator = Summarizer(gt), AdvantageExtractor(gt), Consolidator()
@@ -278,7 +277,7 @@ class TrainingFreeGRPO(Teleprompter):
                 r = records[job]
                 try:
                     rec = summarizer(task_input=format_fields(trainset[job[0]].inputs()), attempt=r["attempt"],
-                                     outcome=_outcome(r), reference_answer=answer_key.get(job[0], ""),
+                                     outcome=outcome(r), reference_answer=answer_key.get(job[0], ""),
                                      experiences=rendered_library)
                 except Exception as exc:  # a failed learning call is counted, not fatal
                     return Failed(exc)
@@ -323,7 +322,7 @@ class TrainingFreeGRPO(Teleprompter):
         with metered() as used:
             plan, stats["consolidation"] = self._consolidate(consolidator, library, proposals, key, ckpt)
         stats["usage"]["consolidation"] = stage_usage(used, [lms["consolidation"]])
-        return plan, proposals, {"learning_failures": learning_failures}
+        return plan, proposals, {"learning_failures": learning_failures, "operations_proposed": len(proposals)}
 
     def _consolidate(self, consolidator, library, proposals, key, ckpt) -> tuple[list[Operation], str]:
         if not proposals:
@@ -415,18 +414,8 @@ class TrainingFreeGRPO(Teleprompter):
                 "initial_library": digest(library.dump_state())}
 
 
-def _query_key(example, index: int) -> str:
-    ident = example.get("id") if hasattr(example, "get") else None
-    return f"train#{index}" + (f":{ident}" if ident is not None else "")
-
-
 def _answer_key(example, group: list[dict]) -> str:
     """The ground truth shown to learning calls: the labels the program also outputs (else all labels)."""
     labels = dict(example.labels())
     produced = {k for r in group for k in (r["outputs"] or {})}
     return clip(format_fields({k: v for k, v in labels.items() if k in produced} or labels), 2000)
-
-
-def _outcome(record: dict) -> str:
-    verdict = "judged correct" if record["reward"] >= 1 else "judged wrong" if record["reward"] <= 0 else "partly right"
-    return f"{verdict} (reward {record['reward']:.2f})" + (f"; {record['feedback']}" if record.get("feedback") else "")

@@ -85,6 +85,7 @@ def main() -> None:
     ap.add_argument("--generations", type=int, default=4)
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--max-demos", type=int, default=2, help="winning attempts kept as demos (0: experiences only)")
     ap.add_argument("--simba-seeds", type=int, default=1, help="0 skips SIMBA")
     ap.add_argument("--simba-steps", type=int, default=1)
     ap.add_argument("--simba-candidates", type=int, default=2)
@@ -112,6 +113,7 @@ def main() -> None:
                                          num_train_epochs=args.epochs, batch_size=args.batch,
                                          max_operations_per_group=1, num_threads=args.threads, seed=seed,
                                          learning_path="contrast", constrained_decoding="json_object",
+                                         max_demos=args.max_demos,
                                          log_dir=str(d / "checkpoint"))
             compiled = optimizer.compile(Game24Solver(), trainset=trainset)
             save_program(compiled, d / "program.json")
@@ -129,6 +131,7 @@ def main() -> None:
             rows["baseline"] += b
             rows["tfgrpo"] += c
             print(json.dumps({"seed": seed, "compile_s": round(compile_s), "library": texts,
+                              "demos": len(compiled.write_program.demos),
                               "baseline": summarize(b)["mean_at_k"], "compiled": summarize(c)["mean_at_k"]}),
                   flush=True)
             if seed < args.simba_seeds:

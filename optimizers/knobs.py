@@ -60,6 +60,7 @@ KNOBS: dict[str, Knob] = {
     "target_predictors": Knob(_optional(lambda v: isinstance(v, (list, tuple)) and len(v) > 0 and
                                         all(isinstance(n, str) for n in v)),
                               "None or a non-empty list of predictor names"),
+    "max_demos": Knob(_int(0), "an integer >= 0", fingerprinted=True),
     # execution
     "num_threads": Knob(_int(1), "an integer >= 1"),
     "max_failure_rate": Knob(_number(0, 1), "a number in [0, 1]"),

@@ -26,6 +26,7 @@ import dspy
 from dspy.teleprompt.teleprompt import Teleprompter
 
 from tfgrpo.optimizers.checkpoint import Checkpoint, digest
+from tfgrpo.optimizers.demos import apply_demos, demo_candidates, select_demos
 from tfgrpo.optimizers.contrast import SMALL_REFLECTOR_B, learn_by_contrast, model_size_b
 from tfgrpo.optimizers.knobs import KNOBS, check_knob, fingerprinted_knobs
 from tfgrpo.optimizers.parallel import Failed, StageBar, TooManyFailuresError, run_parallel
@@ -77,6 +78,10 @@ class TrainingFreeGRPO(Teleprompter):
         max_experiences: Cap on the library's size; None for no cap. Default None.
         max_words_per_experience: Experiences longer than this are refused (at least 4). Default 32.
         target_predictors: Names of the predictors that get the library; None for all. Default None.
+        max_demos: Winning attempts kept as few-shot demos of the target predictors: after each step, a
+            query's best attempt that fully succeeded (reward >= 1) while its groupmates did worse, ranked by
+            group advantage, one per query (see optimizers/demos.py). An extension of the paper for small
+            policy models, which copy a working example far better than they follow advice. Default 0 (off).
         num_threads: Concurrent LM calls within a stage. Default 8.
         max_failure_rate: When more than this share of a step's attempts, summaries or group advantages
             fail, the run stops with `TooManyFailuresError` and the step is not done; a resume redoes the
@@ -112,6 +117,7 @@ class TrainingFreeGRPO(Teleprompter):
         max_experiences: int | None = None,  # cap on the library's size; None: no cap
         max_words_per_experience: int = 32,  # longer experiences are refused
         target_predictors: list[str] | None = None,  # predictor names that get the library; None: all
+        max_demos: int = 0,  # keep this many winning attempts as few-shot demos (an extension; 0: the paper's method)
         # execution
         num_threads: int = 8,  # concurrent LM calls within a stage
         max_failure_rate: float = 0.5,  # stop when more of a stage's units than this fail (the checkpoint stays)
@@ -144,7 +150,7 @@ class TrainingFreeGRPO(Teleprompter):
         ckpt = Checkpoint(self.log_dir)
         ckpt.start(self._fingerprint(program, targets, trainset, valset, library))
 
-        rng, step, steps, epochs = random.Random(self.seed), 0, [], []
+        rng, step, steps, epochs, demos = random.Random(self.seed), 0, [], [], []
         best: tuple[float, dict] | None = None
         totals, stopped = {"policy": {}, "reflection": {}}, None
         for epoch in range(self.num_train_epochs):
@@ -154,7 +160,8 @@ class TrainingFreeGRPO(Teleprompter):
                 if stopped:
                     break
                 batch = order[at: at + self.batch_size]
-                library, stats = self._step(program, targets, library, trainset, batch, step, epoch, ckpt)
+                library, demos, stats = self._step(program, targets, library, demos, trainset, batch, step, epoch,
+                                                   ckpt)
                 steps.append(stats)
                 step += 1
                 for stage, usage in stats["usage"].items():
@@ -164,13 +171,13 @@ class TrainingFreeGRPO(Teleprompter):
                 logger.warning("Stopping early: %s", stopped)
                 break
             if valset:
-                score = self._validate(program, targets, library, valset, epoch, ckpt)
+                score = self._validate(program, targets, library, demos, valset, epoch, ckpt)
                 epochs.append({"epoch": epoch, "val_score": score, "library_size": len(library)})
                 if best is None or score >= best[0]:  # ties go to the later library
-                    best = (score, library.dump_state())
+                    best = (score, library.dump_state(), demos)
 
-        final = ExperienceLibrary.from_state(best[1]) if best else library
-        compiled = apply_library(student.deepcopy(), final, targets)
+        final, final_demos = (ExperienceLibrary.from_state(best[1]), best[2]) if best else (library, demos)
+        compiled = apply_demos(apply_library(student.deepcopy(), final, targets), final_demos, targets)
         compiled.detailed_results = {"steps": steps, "epochs": epochs, "reused_units": ckpt.reused,
                                      "best_val_score": best[0] if best else None, "usage": totals,
                                      "stopped_early": stopped}
@@ -178,18 +185,18 @@ class TrainingFreeGRPO(Teleprompter):
         return compiled
 
     # -- one optimization step ------------------------------------------------------------------------------
-    def _step(self, program, targets, library, trainset, batch, step, epoch, ckpt):
+    def _step(self, program, targets, library, demos, trainset, batch, step, epoch, ckpt):
         key = f"steps/{step:04d}"
         done = ckpt.get(f"{key}/done")
         if done is not None:
             logger.info("Step %d: complete in the checkpoint, reused", step)
-            return ExperienceLibrary.from_state(done["library"]), done["stats"]
+            return ExperienceLibrary.from_state(done["library"]), done.get("demos", []), done["stats"]
         G, t0, timing = self.num_generations, time.time(), {}
         stats: dict[str, Any] = {"step": step, "epoch": epoch, "batch_size": len(batch), "usage": {}}
         rendered_library = library.render() or EMPTY_LIBRARY
 
         # 1. rollouts: G distinct samples per query, each candidate with its own LM copies (rollout_id)
-        candidates, rollout_lms = self._candidates(program, targets, library, step)
+        candidates, rollout_lms = self._candidates(program, targets, library, demos, step)
         jobs = [(qi, g) for qi in batch for g in range(G)]
 
         def rollout(job):
@@ -248,6 +255,10 @@ class TrainingFreeGRPO(Teleprompter):
         timing["learning"] = time.time() - t0 - sum(timing.values())
 
         # 7. the plan is validated and applied in code, all or nothing
+        if self.max_demos:  # winning attempts as demos (optimizers/demos.py)
+            keys = {qi: query_key(trainset[qi], qi) for qi in kept}
+            demos = select_demos(demos, demo_candidates(records, kept, G, step, keys), self.max_demos)
+            stats["demos"] = [d["query"] for d in demos]
         sources = sorted({q for q, _ in proposals})
         report = library.apply(plan, step=step, sources=sources)
         stats.update(learned)
@@ -255,8 +266,8 @@ class TrainingFreeGRPO(Teleprompter):
                      library_size=len(library), seconds=timing, wall_s=time.time() - t0)
         logger.info("Step %d: %d operations proposed, applied %s, %d refused; library has %d experiences",
                     step, stats["operations_proposed"], report.applied, len(report.rejected), len(library))
-        ckpt.put(f"{key}/done", {"library": library.dump_state(), "stats": stats})
-        return library, stats
+        ckpt.put(f"{key}/done", {"library": library.dump_state(), "demos": demos, "stats": stats})
+        return library, demos, stats
 
     def _learn_paper(self, reflection_lm, library, rendered_library, trainset, records, kept, key, ckpt, stats):
         """The paper's path: summarize every attempt of a kept group, extract each group's advantage as
@@ -382,21 +393,21 @@ class TrainingFreeGRPO(Teleprompter):
     def _reflection_lm(self, program) -> dspy.BaseLM:
         return self.reflection_lm or dspy.settings.lm or next(iter(self._policy_lms(program).values()))
 
-    def _candidates(self, program, targets, library, step):
-        """G copies of the program with the library in their instructions and private, distinct LM copies."""
+    def _candidates(self, program, targets, library, demos, step):
+        """G copies of the program with the library (and demos) and private, distinct LM copies."""
         candidates, lms = [], []
         for g in range(self.num_generations):
             rollout_id = int(digest([self.seed, step, g]), 16) % 2**31
-            cand, copies = with_own_lms(apply_library(program.deepcopy(), library, targets), rollout_id=rollout_id,
-                                        temperature=self.temperature)
+            shown = apply_demos(apply_library(program.deepcopy(), library, targets), demos, targets)
+            cand, copies = with_own_lms(shown, rollout_id=rollout_id, temperature=self.temperature)
             candidates.append(cand)
             lms += copies
         return candidates, lms
 
-    def _validate(self, program, targets, library, valset, epoch, ckpt) -> float:
+    def _validate(self, program, targets, library, demos, valset, epoch, ckpt) -> float:
         if (saved := ckpt.get(f"epochs/{epoch}")) is not None:
             return saved["val_score"]
-        cand, _ = with_own_lms(apply_library(program.deepcopy(), library, targets))
+        cand, _ = with_own_lms(apply_demos(apply_library(program.deepcopy(), library, targets), demos, targets))
 
         def score(example):
             prediction, rec = run_program(cand, example)
@@ -404,7 +415,7 @@ class TrainingFreeGRPO(Teleprompter):
 
         value = statistics.fmean(self._parallel(score, list(valset), "validation"))
         logger.info("Epoch %d: validation score %.3f with %d experiences", epoch, value, len(library))
-        ckpt.put(f"epochs/{epoch}", {"val_score": value, "library": library.dump_state()})
+        ckpt.put(f"epochs/{epoch}", {"val_score": value, "library": library.dump_state(), "demos": demos})
         return value
 
     def _fingerprint(self, program, targets, trainset, valset, library) -> dict:

@@ -80,6 +80,7 @@ class OptimizerConfig(_Strict):
     max_words_per_experience: int = 32
     use_ground_truth: bool = True
     target_predictors: list[str] | None = None
+    max_demos: int = 0  # winning attempts kept as few-shot demos (an extension of the paper; 0: off)
     max_failure_rate: float = 0.5
     max_cost: float | None = None  # USD; stop after the step that reaches it (best library so far is kept)
     max_total_tokens: int | None = None  # same, in prompt + completion tokens

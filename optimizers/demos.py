@@ -1,0 +1,52 @@
+"""Winning attempts kept as demonstrations: an extension of the paper, off unless `max_demos > 0`.
+
+A small policy model copies what it sees in its prompt, and a small reflection model cannot yet put a
+working procedure into words (see benchmarks/rule_ceiling.py). The group rollouts already hold the
+procedure whenever one attempt succeeded where its groupmates failed. Such an attempt is a candidate
+demonstration; its group advantage (reward minus the group's mean reward) ranks it, as the group-relative
+signal ranks everything else in this optimizer. The best `max_demos` of the run so far, at most one per
+training query, fill the target predictors' few-shot slots (`predictor.demos`, what DSPy's
+BootstrapFewShot fills), so the next step's rollouts and the compiled program see them, and they save and
+load as plain DSPy state. Only full successes (reward >= 1) qualify: a half-right program taught by example
+teaches its mistakes too.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import dspy
+
+
+def demo_candidates(records: dict, kept: list[int], num_generations: int, step: int, keys: dict[int, str]) -> list[dict]:
+    """Per query with reward contrast: its best attempt, if it fully succeeded, with its group advantage."""
+    found = []
+    for qi in kept:
+        rewards = [records[(qi, g)]["reward"] for g in range(num_generations)]
+        best = max(range(num_generations), key=lambda g: (rewards[g], -g))
+        record = records[(qi, best)]
+        if rewards[best] >= 1 and not record["error"] and record["trace"]:
+            found.append({"query": keys[qi], "step": step, "advantage": rewards[best] - statistics.fmean(rewards),
+                          "trace": record["trace"]})
+    return found
+
+
+def select_demos(pool: list[dict], new: list[dict], max_demos: int) -> list[dict]:
+    """The `max_demos` best of the pool and the new candidates: highest advantage first, then the earlier
+    step; one per query."""
+    best_per_query: dict[str, dict] = {}
+    for demo in sorted(pool + new, key=lambda d: (-d["advantage"], d["step"], d["query"])):
+        best_per_query.setdefault(demo["query"], demo)
+    return list(best_per_query.values())[:max_demos]
+
+
+def apply_demos(program: dspy.Module, demos: list[dict], targets: list[str]) -> dspy.Module:
+    """Put each demo's predictor calls into the matching target predictors' `demos` (in place; returns
+    `program`). Without demos the program's own demos are left as they are."""
+    if not demos:
+        return program
+    for name, predictor in program.named_predictors():
+        if name in targets:
+            predictor.demos = [dspy.Example(**call["inputs"], **call["outputs"])
+                               for demo in demos for call in demo["trace"] if call["predictor"] == name]
+    return program

@@ -1,0 +1,64 @@
+"""Winning attempts kept as few-shot demos (max_demos): which attempts qualify, where they go, and that they
+reach later rollouts, the compiled program and a saved file, without touching the student."""
+
+import dspy
+
+from scripted_lm import ScriptedLM, kind_of
+from test_optimizer import compile_with, learner, make_trainset
+from tfgrpo.optimizers.demos import demo_candidates, select_demos
+
+
+def _records(rewards_by_query):
+    return {(qi, g): {"reward": r, "error": None,
+                      "trace": [{"predictor": "p", "inputs": {"q": f"q{qi}"}, "outputs": {"a": f"a{qi}.{g}"}}]}
+            for qi, rewards in rewards_by_query.items() for g, r in enumerate(rewards)}
+
+
+def test_only_full_successes_ranked_by_group_advantage():
+    records = _records({0: [1, 0, 0, 0], 1: [0.3, 0, 0, 0], 2: [1, 1, 1, 0], 3: [0, 1, 0, 1]})
+    found = demo_candidates(records, [0, 1, 2, 3], 4, step=0, keys={i: f"k{i}" for i in range(4)})
+    assert [d["query"] for d in found] == ["k0", "k2", "k3"]  # a partial success (k1) teaches its mistakes too
+    assert found[2]["trace"][0]["outputs"] == {"a": "a3.1"}  # the first of equally good attempts
+    best = select_demos([], found, 2)
+    assert [(d["query"], d["advantage"]) for d in best] == [("k0", 0.75), ("k3", 0.5)]
+
+
+def test_one_demo_per_query_and_earlier_steps_win_ties():
+    old = {"query": "k0", "step": 0, "advantage": 0.5, "trace": []}
+    new = [{"query": "k0", "step": 1, "advantage": 0.75, "trace": []},
+           {"query": "k1", "step": 1, "advantage": 0.5, "trace": []}]
+    assert [(d["query"], d["step"]) for d in select_demos([old], new, 3)] == [("k0", 1), ("k1", 1)]
+    assert [(d["query"], d["step"]) for d in select_demos([dict(old, query="k2")], new, 2)] == [("k0", 1), ("k2", 0)]
+
+
+def test_compiled_program_carries_a_winning_attempt_and_the_student_is_untouched(tmp_path):
+    lm = ScriptedLM(learner())
+    student = dspy.Predict("question -> answer")
+    compiled = compile_with(lm, student, batch_size=2, max_demos=1, log_dir=str(tmp_path / "ckpt"))
+    assert student.demos == []
+    (demo,) = compiled.demos
+    assert demo.answer == str(eval(demo.question.removeprefix("What is ").removesuffix("?")))  # a right answer
+    assert compiled.detailed_results["steps"][0]["demos"]
+    # the second step's attempts were shown the demo (DSPy puts a demo before the question, as a past turn)
+    step2 = [c for c in lm.calls if kind_of(c["messages"]) == "student" and len(c["messages"]) > 2]
+    assert step2 and all(demo.question in c["messages"][1]["content"] for c in step2)
+    path = tmp_path / "program.json"
+    compiled.save(str(path))
+    fresh = dspy.Predict("question -> answer")
+    fresh.load(str(path))  # stock DSPy
+    assert [dict(d)["answer"] for d in fresh.demos] == [demo.answer]  # stock DSPy loads demos as dicts
+
+
+def test_off_by_default():
+    compiled = compile_with(ScriptedLM(learner()), dspy.Predict("question -> answer"))
+    assert compiled.demos == []
+    assert "demos" not in compiled.detailed_results["steps"][0]
+
+
+def test_a_resumed_run_restores_the_demos(tmp_path):
+    kw = dict(batch_size=2, max_demos=2, log_dir=str(tmp_path / "ckpt"))
+    first = compile_with(ScriptedLM(learner()), dspy.Predict("question -> answer"), **kw)
+    lm = ScriptedLM(learner())
+    again = compile_with(lm, dspy.Predict("question -> answer"), **kw)
+    assert lm.calls == []  # every step came from the checkpoint
+    assert [d.toDict() for d in again.demos] == [d.toDict() for d in first.demos]

@@ -55,7 +55,7 @@ def test_compile_save_and_load_in_stock_dspy(local_lm, tmp_path):
     dspy.configure(lm=local_lm)
     trainset = load_math("gsm8k_train", limit=2)
     compiled = TrainingFreeGRPO(math_metric, num_generations=3, num_train_epochs=1, batch_size=2, num_threads=2,
-                                learning_path="paper", log_dir=str(tmp_path / "log")).compile(dspy.ChainOfThought("question -> answer"),
+                                learning_path="paper", max_demos=2, log_dir=str(tmp_path / "log")).compile(dspy.ChainOfThought("question -> answer"),
                                                                        trainset=trainset)
     step = compiled.detailed_results["steps"][0]
     assert step["usage"]["rollout"]["calls"] >= 6 and step["usage"]["rollout"]["completion_tokens"] > 0
@@ -68,12 +68,14 @@ def test_compile_save_and_load_in_stock_dspy(local_lm, tmp_path):
     script = textwrap.dedent("""
         import json, sys, dspy
         p = dspy.ChainOfThought("question -> answer"); p.load(sys.argv[1])
-        print(json.dumps(p.predict.signature.instructions))
+        print(json.dumps([p.predict.signature.instructions, len(p.predict.demos)]))
     """)
     out = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"})
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == compiled.predict.signature.instructions
+    instructions, demos = json.loads(out.stdout.strip().splitlines()[-1])
+    assert instructions == compiled.predict.signature.instructions
+    assert demos == len(compiled.predict.demos) == len(step.get("demos", []))  # solved attempts, if any
     reloaded = load_program(dspy.ChainOfThought("question -> answer"), path)
     assert reloaded.experience_library.dump_state() == compiled.experience_library.dump_state()
 

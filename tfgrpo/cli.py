@@ -104,7 +104,9 @@ def _compile(config: Config, policy, reflection) -> Path:
     (run_dir / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
     if steps:
         learning_curve({run_dir.name: steps}, run_dir / "learning_curve.png")
-    console.print(f"compiled in {time.time() - started:.0f} s: {len(compiled.experience_library)} experiences")
+    demos = sum(len(p.demos) for _, p in compiled.named_predictors())
+    console.print(f"compiled in {time.time() - started:.0f} s: {len(compiled.experience_library)} experiences, "
+                  f"{demos} demos")
     for role, u in (compiled.detailed_results.get("usage") or {}).items():
         console.print(f"  {role}: {u.get('calls', 0)} calls, {u.get('prompt_tokens', 0):,} prompt + "
                       f"{u.get('completion_tokens', 0):,} completion tokens, ${u.get('cost', 0.0):.4f}")

@@ -4,7 +4,8 @@ with the 1.5B model as both the policy and the reflection LM; and DSPy's SIMBA o
     .venv/bin/python benchmarks/local_learning.py --seeds 2 --train 8 --eval 50      # ~1 h on 2 cores
 
 Per seed s: Training-Free GRPO compiles the Game of 24 program on training puzzles (ranks from
---train-offset + s * --train; partial-credit reward), then the baseline and the compiled program are
+--train-offset + s * --train; partial-credit reward; contrast path; --max-demos winning attempts kept as
+demos, 0 for experiences alone), then the baseline and the compiled program are
 evaluated on the same held-out test puzzles with the same sampling run (rollout_id = s, temperature 0.3),
 scored by the strict verifier (solved or not). SIMBA (dspy.SIMBA, same training puzzles, same reward, a
 comparable number of LM calls) is evaluated the same way against the same baseline rows. Differences are

@@ -1,13 +1,15 @@
 """How far can a library move the Game of 24 student? Baseline vs fixed libraries, paired, on training puzzles.
 
     .venv/bin/python benchmarks/rule_ceiling.py --problems 8 --runs 2                       # ~15 min on 2 cores
-    .venv/bin/python benchmarks/rule_ceiling.py --library runs/local-game24/library.json    # add a learned library
+    .venv/bin/python benchmarks/rule_ceiling.py --learned runs/local-game24/library.json    # add learned arms
+    .venv/bin/python benchmarks/rule_ceiling.py --learned runs/local-game24/program.json    # (rules and demos)
 
 This separates the two halves of learning on the embedded model: can the student use an experience at all,
 and does the reflector write experiences worth using? Arms, each evaluated on the same training puzzles
 (ranks --offset.., never the test puzzles) with the same sampling runs (rollout_id = run, temperature 0.3):
   baseline        no library
-  learned:NAME    each --library given (a library.json or program.json written by `tfgrpo compile`)
+  learned:FILE    each --learned given: a library.json (the learned rules alone) or a program.json (everything
+                  the compiled program carries: rules and demos), both written by `tfgrpo compile`
   oracle:*        reference rules written by a person, NOT learned: the whole search procedure, and its two
                   halves (search coverage alone, robustness alone). They measure the ceiling, nothing more.
 Last lines, one per arm (lift and its 95% paired bootstrap CI over puzzles are against the baseline):
@@ -28,8 +30,8 @@ import tfgrpo  # noqa: E402,F401
 from tfgrpo.evaluate import evaluate_program, paired_difference  # noqa: E402
 from tfgrpo.lms import local_dspy_lm  # noqa: E402
 from tfgrpo.local_model import ensure_server  # noqa: E402
-from tfgrpo.programs import ExperienceLibrary  # noqa: E402
-from tfgrpo.programs.inject import LIBRARY_KEY, apply_library  # noqa: E402
+from tfgrpo.programs import ExperienceLibrary, load_program  # noqa: E402
+from tfgrpo.programs.inject import apply_library  # noqa: E402
 from tfgrpo.signatures.operations import Operation  # noqa: E402
 from tfgrpo.tasks.game24 import Game24Solver, game24_metric, load_game24  # noqa: E402
 
@@ -51,9 +53,10 @@ def _library(texts: list[str]) -> ExperienceLibrary:
     return library
 
 
-def _load_library(path: Path) -> ExperienceLibrary:
-    state = json.loads(path.read_text())
-    return ExperienceLibrary.from_state(state.get(LIBRARY_KEY, state))  # program.json carries it under a key
+def _learned(path: Path):
+    if path.name == "library.json":
+        return apply_library(Game24Solver(), ExperienceLibrary.from_state(json.loads(path.read_text())))
+    return load_program(Game24Solver(), path)
 
 
 def main() -> None:
@@ -62,15 +65,15 @@ def main() -> None:
     ap.add_argument("--problems", type=int, default=8)
     ap.add_argument("--offset", type=int, default=300, help="first training puzzle (rank - 1)")
     ap.add_argument("--runs", type=int, default=2, help="sampling runs per puzzle")
-    ap.add_argument("--library", action="append", default=[], help="a learned library.json or program.json")
+    ap.add_argument("--learned", action="append", default=[], help="a library.json or program.json of a run")
     ap.add_argument("--no-oracle", action="store_true", help="skip the hand-written reference rules")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
 
     puzzles = load_game24("game24_train", limit=args.problems, offset=args.offset)
-    arms = {f"learned:{Path(p).parent.name or p}": _load_library(Path(p)) for p in args.library}
+    arms = {f"learned:{Path(p).parent.name}/{Path(p).name}": _learned(Path(p)) for p in args.learned}
     if not args.no_oracle:
-        arms.update({name: _library([text]) for name, text in ORACLE.items()})
+        arms.update({name: apply_library(Game24Solver(), _library([text])) for name, text in ORACLE.items()})
     api_base, server = ensure_server(args.model, n_ctx=8192)
     try:
         lm = local_dspy_lm(args.model, api_base, temperature=0.3, max_tokens=512, timeout=300, num_retries=2,
@@ -78,8 +81,7 @@ def main() -> None:
         base = evaluate_program(Game24Solver(), puzzles, game24_metric, lm=lm, num_runs=args.runs,
                                 num_threads=args.threads, name="baseline")
         results = {"baseline": base}
-        for name, library in arms.items():
-            program = apply_library(Game24Solver(), library)
+        for name, program in arms.items():
             results[name] = evaluate_program(program, puzzles, game24_metric, lm=lm, num_runs=args.runs,
                                              num_threads=args.threads, name=name)
     finally:

@@ -22,6 +22,9 @@ def learning_curve(runs: dict[str, list[dict]], path: Path, title: str = "Traini
         xs = [s["step"] for s in steps]
         for ax, (_, key) in zip(axes, PANELS):
             ax.plot(xs, [s.get(key, 0.0) for s in steps], marker="o", label=name)
+        if any("demos" in s for s in steps):  # max_demos runs: the demos kept, next to the experiences
+            axes[1].plot(xs, [len(s.get("demos", [])) for s in steps], marker="s", linestyle="--",
+                         label=f"{name}: demos")
     for ax, (label, _) in zip(axes, PANELS):
         ax.set_title(label, fontsize=10)
         ax.set_xlabel("step")
@@ -33,6 +36,8 @@ def learning_curve(runs: dict[str, list[dict]], path: Path, title: str = "Traini
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     if len(runs) > 1:
         axes[0].legend(fontsize=8)
+    if any("demos" in s for steps in runs.values() for s in steps):
+        axes[1].set_title("experiences (solid) and demos (dashed)\nafter the step", fontsize=10)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -26,8 +26,8 @@ import dspy
 from dspy.teleprompt.teleprompt import Teleprompter
 
 from tfgrpo.optimizers.checkpoint import Checkpoint, digest
-from tfgrpo.optimizers.demos import apply_demos, demo_candidates, select_demos
 from tfgrpo.optimizers.contrast import SMALL_REFLECTOR_B, learn_by_contrast, model_size_b
+from tfgrpo.optimizers.demos import apply_demos, demo_candidates, select_demos
 from tfgrpo.optimizers.knobs import KNOBS, check_knob, fingerprinted_knobs
 from tfgrpo.optimizers.parallel import Failed, StageBar, TooManyFailuresError, run_parallel
 from tfgrpo.optimizers.render import clip, format_attempt, format_fields, outcome, query_key

@@ -47,10 +47,12 @@ ORACLE = {  # written by hand for this benchmark; never used by the optimizer
 }
 
 
-def _library(texts: list[str]) -> ExperienceLibrary:
+def _oracle(text: str):
     library = ExperienceLibrary(max_words=80)
-    library.apply([Operation(action="add", ids=[], text=t) for t in texts], step=0)
-    return library
+    report = library.apply([Operation(action="add", text=text)], step=0)
+    if report.rejected:  # an arm without its rule would pass for a measurement of it
+        raise ValueError(f"oracle rule refused: {report.rejected[0][1]}")
+    return apply_library(Game24Solver(), library)
 
 
 def _learned(path: Path):
@@ -73,7 +75,7 @@ def main() -> None:
     puzzles = load_game24("game24_train", limit=args.problems, offset=args.offset)
     arms = {f"learned:{Path(p).parent.name}/{Path(p).name}": _learned(Path(p)) for p in args.learned}
     if not args.no_oracle:
-        arms.update({name: apply_library(Game24Solver(), _library([text])) for name, text in ORACLE.items()})
+        arms.update({name: _oracle(text) for name, text in ORACLE.items()})
     api_base, server = ensure_server(args.model, n_ctx=8192)
     try:
         lm = local_dspy_lm(args.model, api_base, temperature=0.3, max_tokens=512, timeout=300, num_retries=2,

@@ -177,7 +177,7 @@ class TrainingFreeGRPO(Teleprompter):
                     best = (score, library.dump_state(), demos)
 
         final, final_demos = (ExperienceLibrary.from_state(best[1]), best[2]) if best else (library, demos)
-        compiled = apply_demos(apply_library(student.deepcopy(), final, targets), final_demos, targets)
+        compiled = self._with_learned(student, targets, final, final_demos)
         compiled.detailed_results = {"steps": steps, "epochs": epochs, "reused_units": ckpt.reused,
                                      "best_val_score": best[0] if best else None, "usage": totals,
                                      "stopped_early": stopped}
@@ -393,13 +393,18 @@ class TrainingFreeGRPO(Teleprompter):
     def _reflection_lm(self, program) -> dspy.BaseLM:
         return self.reflection_lm or dspy.settings.lm or next(iter(self._policy_lms(program).values()))
 
+    @staticmethod
+    def _with_learned(program, targets, library, demos) -> dspy.Module:
+        """A copy of `program` carrying what was learned: the library in the targets' instructions, and demos."""
+        return apply_demos(apply_library(program.deepcopy(), library, targets), demos, targets)
+
     def _candidates(self, program, targets, library, demos, step):
         """G copies of the program with the library (and demos) and private, distinct LM copies."""
         candidates, lms = [], []
         for g in range(self.num_generations):
             rollout_id = int(digest([self.seed, step, g]), 16) % 2**31
-            shown = apply_demos(apply_library(program.deepcopy(), library, targets), demos, targets)
-            cand, copies = with_own_lms(shown, rollout_id=rollout_id, temperature=self.temperature)
+            cand, copies = with_own_lms(self._with_learned(program, targets, library, demos), rollout_id=rollout_id,
+                                        temperature=self.temperature)
             candidates.append(cand)
             lms += copies
         return candidates, lms
@@ -407,7 +412,7 @@ class TrainingFreeGRPO(Teleprompter):
     def _validate(self, program, targets, library, demos, valset, epoch, ckpt) -> float:
         if (saved := ckpt.get(f"epochs/{epoch}")) is not None:
             return saved["val_score"]
-        cand, _ = with_own_lms(apply_demos(apply_library(program.deepcopy(), library, targets), demos, targets))
+        cand, _ = with_own_lms(self._with_learned(program, targets, library, demos))
 
         def score(example):
             prediction, rec = run_program(cand, example)

@@ -18,11 +18,12 @@ PANELS = (("mean reward of the step's attempts\n(each step: other problems)", "m
 def learning_curve(runs: dict[str, list[dict]], path: Path, title: str = "Training-Free GRPO") -> Path:
     """`runs` maps a run's name to its per-step stats (`steps.jsonl` rows)."""
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    with_demos = any("demos" in s for steps in runs.values() for s in steps)  # a max_demos run is among them
     for name, steps in runs.items():
         xs = [s["step"] for s in steps]
         for ax, (_, key) in zip(axes, PANELS):
             ax.plot(xs, [s.get(key, 0.0) for s in steps], marker="o", label=name)
-        if any("demos" in s for s in steps):  # max_demos runs: the demos kept, next to the experiences
+        if with_demos:  # the demos kept, next to the experiences
             axes[1].plot(xs, [len(s.get("demos", [])) for s in steps], marker="s", linestyle="--",
                          label=f"{name}: demos")
     for ax, (label, _) in zip(axes, PANELS):
@@ -36,7 +37,7 @@ def learning_curve(runs: dict[str, list[dict]], path: Path, title: str = "Traini
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     if len(runs) > 1:
         axes[0].legend(fontsize=8)
-    if any("demos" in s for steps in runs.values() for s in steps):
+    if with_demos:
         axes[1].set_title("experiences (solid) and demos (dashed)\nafter the step", fontsize=10)
     fig.suptitle(title)
     fig.tight_layout()

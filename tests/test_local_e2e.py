@@ -13,7 +13,7 @@ import textwrap
 import dspy
 import pytest
 
-from tfgrpo import local_model
+from tfgrpo import local_model, local_weights
 from tfgrpo.lms import local_dspy_lm
 from tfgrpo.optimizers import TrainingFreeGRPO
 from tfgrpo.programs import load_program, save_program
@@ -31,7 +31,7 @@ def _missing() -> str | None:
     try:
         import llama_cpp  # noqa: F401
 
-        local_model.find_parts(local_model.MODELS[MODEL])
+        local_weights.find_parts(local_weights.MODELS[MODEL])
     except Exception as exc:  # not installed, or weights missing
         return f"{type(exc).__name__}: {exc}"
     return None

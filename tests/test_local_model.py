@@ -1,14 +1,11 @@
-"""Tests of tfgrpo.local_model: weight assembly, and the llama.cpp server lifecycle.
+"""Tests of tfgrpo.local_model: the server lifecycle, for both engines (llama-server and llama-cpp-python).
 
-The assembly logic is exercised on a tiny fake model whose "part packages" are created
-in a temp dir. Tests marked ``local_model`` use the real 0.5B model (assembled once per
-session into a temp cache dir) and a real llama_cpp server.
+Tests marked ``local_model`` use the real 0.5B model (assembled once per session into a temp cache dir).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import importlib.util
 import json
 import os
@@ -23,16 +20,16 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tfgrpo import local_model as lm
-from tfgrpo.local_model import LocalModelError, LocalServer, LocalServerError, ModelSpec
+from tfgrpo import local_weights as lw
+from tfgrpo.local_model import LocalServer, LocalServerError
+from tfgrpo.local_weights import LocalModelError
 
 SMALL = "qwen2.5-coder-0.5b"
 
 
 def _real_model_missing() -> str | None:
-    if importlib.util.find_spec("llama_cpp") is None:
-        return "llama-cpp-python is not installed (pip install -e '.[local]')"
     try:
-        lm.find_parts(lm.MODELS[SMALL])
+        lw.find_parts(lw.MODELS[SMALL])
     except LocalModelError as exc:
         return str(exc)
     return None
@@ -74,116 +71,65 @@ def _chat(api_base: str, content: str, max_tokens: int = 16, **extra) -> dict:
         return json.loads(resp.read())
 
 
-# --------------------------------------------------------------- assembly (fake model)
+def _engine_missing(engine: str) -> str | None:
+    if engine == "llama-server" and lm.find_llama_server() is None:
+        return "llama-server is not built (bash scripts/setup.sh)"
+    if engine == "llama-cpp-python" and importlib.util.find_spec("llama_cpp") is None:
+        return "llama-cpp-python is not installed (pip install -e '.[local]')"
+    return None
 
 
-@pytest.fixture
-def fake(tmp_path, monkeypatch):
-    """A 3-part fake model whose part packages live in a temp dir on sys.path."""
-    site = tmp_path / "site"
-    chunks = [b"GGUF" + os.urandom(1000), os.urandom(2000), os.urandom(500)]
-    for n, chunk in enumerate(chunks, start=1):
-        pkg = site / f"tfgrpo_fake_part{n}"
-        (pkg / "data").mkdir(parents=True)
-        (pkg / "__init__.py").write_text("")
-        (pkg / "data" / f"part{n:02d}.bin").write_bytes(chunk)
-    blob = b"".join(chunks)
-    spec = ModelSpec(
-        "fake", "fake", "tfgrpo-fake-part{n}", "1.0", parts=3, size=len(blob),
-        sha256=hashlib.sha256(blob).hexdigest(), filename="fake.gguf",
-    )  # fmt: skip
-    monkeypatch.syspath_prepend(str(site))
-    importlib.invalidate_caches()
-    monkeypatch.setitem(lm.MODELS, "fake", spec)
-    return spec, site, blob, tmp_path / "cache"
+@pytest.fixture(params=["llama-server", "llama-cpp-python"])
+def engine(request):
+    """Each lifecycle test runs on both engines; an engine that is not installed is skipped."""
+    if reason := _engine_missing(request.param):
+        pytest.skip(reason)
+    return request.param
 
 
-def test_assembles_once_and_reuses(fake):
-    spec, _, blob, cache = fake
-    path = lm.ensure_model("fake", cache_dir=cache)
-    assert path == cache / "fake.gguf" and path.read_bytes() == blob
-    note = json.loads((cache / "fake.gguf.verified").read_text())
-    assert note["sha256"] == spec.sha256
-    assert not list(cache.glob("*.tmp")), "temp file left behind"
-    inode, mtime = path.stat().st_ino, path.stat().st_mtime_ns
-    assert lm.ensure_model("fake", cache_dir=cache) == path
-    assert (path.stat().st_ino, path.stat().st_mtime_ns) == (inode, mtime), "reassembled although valid"
+# ------------------------------------------------------------ engines, arguments, state file (no model)
 
 
-def test_env_var_sets_cache_dir(fake, monkeypatch):
-    _, _, blob, cache = fake
-    monkeypatch.setenv("TFGRPO_CACHE_DIR", str(cache / "from-env"))
-    assert lm.default_cache_dir() == cache / "from-env"
-    assert lm.ensure_model("fake").read_bytes() == blob
+def test_engine_resolution(monkeypatch, tmp_path):
+    fake = tmp_path / "llama-server"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("TFGRPO_LLAMA_SERVER", str(fake))
+    assert lm.find_llama_server() == str(fake)
+    assert lm.resolve_engine("auto") == lm.resolve_engine("llama-server") == "llama-server"
+    monkeypatch.setenv("TFGRPO_LLAMA_SERVER", str(tmp_path / "missing"))
+    with pytest.raises(LocalServerError, match="llama-server was not found.*scripts/setup.sh"):
+        lm.resolve_engine("llama-server")
+    if importlib.util.find_spec("llama_cpp") is not None:
+        assert lm.resolve_engine("auto") == "llama-cpp-python"  # the fallback, with a warning
+    with pytest.raises(ValueError, match="unknown engine"):
+        lm.resolve_engine("vllm")
 
 
-def test_truncated_cache_is_rebuilt(fake):
-    _, _, blob, cache = fake
-    path = lm.ensure_model("fake", cache_dir=cache)
-    path.write_bytes(blob[:100])
-    assert lm.ensure_model("fake", cache_dir=cache).read_bytes() == blob
+def test_llama_server_arguments(monkeypatch, tmp_path):
+    fake = tmp_path / "llama-server"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("TFGRPO_LLAMA_SERVER", str(fake))
+    server = LocalServer(SMALL, n_ctx=4096, parallel=3, cache_dir=tmp_path)
+    server.model_path, server.port = tmp_path / "m.gguf", 1234
+    args = server.server_args()
+    assert args[:2] == ["--exec", str(fake)]  # the launcher execs the binary (keeping the parent-death signal)
+    assert args[args.index("-np") + 1] == "3" and args[args.index("-c") + 1] == str(3 * 4096)  # n_ctx per request
+    assert "--metrics" in args
+    with pytest.raises(ValueError, match="parallel"):
+        LocalServer(SMALL, parallel=0, cache_dir=tmp_path)
+    if importlib.util.find_spec("llama_cpp") is not None:  # one request at a time there: parallel is ignored
+        assert LocalServer(SMALL, engine="llama-cpp-python", parallel=4, cache_dir=tmp_path).parallel == 1
 
 
-def test_corrupted_cache_is_rebuilt(fake):
-    _, _, blob, cache = fake
-    path = lm.ensure_model("fake", cache_dir=cache)
-    st = path.stat()
-    path.write_bytes(b"XXXX" + blob[4:])  # same size, new mtime -> note no longer matches
-    assert lm.ensure_model("fake", cache_dir=cache).read_bytes() == blob
-    # damage that keeps size and mtime is invisible to the cheap check, but verify=True sees it
-    path.write_bytes(blob[:-1] + b"\x00")
-    os.utime(path, ns=(st.st_atime_ns, path.stat().st_mtime_ns))
-    lm._write_note(lm.MODELS["fake"], path)
-    assert lm.ensure_model("fake", cache_dir=cache, verify=True).read_bytes() == blob
-
-
-def test_corrupted_cache_without_parts_is_refused(fake):
-    _, site, _, cache = fake
-    path = lm.ensure_model("fake", cache_dir=cache)
-    path.write_bytes(b"GGUF")
-    (site / "tfgrpo_fake_part2" / "data" / "part02.bin").unlink()
-    with pytest.raises(LocalModelError, match=r"tfgrpo-fake-part2==1\.0.*pip install -e \"\.\[local\]\""):
-        lm.ensure_model("fake", cache_dir=cache)
-
-
-def test_missing_part_package(fake):
-    _, site, _, cache = fake
-    (site / "tfgrpo_fake_part3" / "__init__.py").unlink()
-    (site / "tfgrpo_fake_part3" / "data" / "part03.bin").unlink()
-    (site / "tfgrpo_fake_part3" / "data").rmdir()
-    (site / "tfgrpo_fake_part3").rmdir()
-    importlib.invalidate_caches()
-    with pytest.raises(LocalModelError, match=r"missing tfgrpo-fake-part3==1\.0.*\.\[local\]"):
-        lm.ensure_model("fake", cache_dir=cache)
-    assert not (cache / "fake.gguf").exists()
-
-
-def test_damaged_chunk_fails_sha256(fake):
-    _, site, blob, cache = fake
-    (site / "tfgrpo_fake_part2" / "data" / "part02.bin").write_bytes(b"\0" * 2000)
-    with pytest.raises(LocalModelError, match="sha256"):
-        lm.ensure_model("fake", cache_dir=cache)
-    assert not (cache / "fake.gguf").exists() and not list(cache.glob("*.tmp"))
-
-
-def test_wrong_size_and_bad_magic(fake, monkeypatch):
-    spec, site, blob, cache = fake
-    monkeypatch.setitem(lm.MODELS, "fake", dataclasses.replace(spec, size=spec.size + 1))
-    with pytest.raises(LocalModelError, match="add up to"):
-        lm.ensure_model("fake", cache_dir=cache)
-    bad = b"NOPE" + blob[4:]
-    (site / "tfgrpo_fake_part1" / "data" / "part01.bin").write_bytes(bad[:1004])
-    monkeypatch.setitem(lm.MODELS, "fake", dataclasses.replace(spec, sha256=hashlib.sha256(bad).hexdigest()))
-    with pytest.raises(LocalModelError, match="not a GGUF"):
-        lm.ensure_model("fake", cache_dir=cache)
-
-
-def test_unknown_model():
-    with pytest.raises(ValueError, match="qwen2.5-coder-1.5b"):
-        lm.ensure_model("gpt-5")
-
-
-# ------------------------------------------------------------------- state file only
+def test_state_file_of_an_older_version_still_reads(tmp_path):
+    """A detached server started before engines existed must still be found (and stopped), not orphaned."""
+    old = {"pid": 1, "port": 9, "host": "127.0.0.1", "model": SMALL, "model_alias": SMALL,
+           "api_base": "http://127.0.0.1:9/v1", "log_path": "x.log", "model_path": "x.gguf", "started_at": 0.0}
+    (tmp_path / lm.STATE_FILE).write_text(json.dumps(old))
+    info = lm._read_state(tmp_path)
+    assert (info.engine, info.parallel) == ("llama-cpp-python", 1)
 
 
 def test_stale_state_file_is_cleaned(tmp_path):
@@ -207,33 +153,34 @@ def real_cache(tmp_path_factory):
     if _SKIP:
         pytest.skip(_SKIP)
     cache = tmp_path_factory.mktemp("tfgrpo-cache")
-    lm.ensure_model(SMALL, cache_dir=cache)
+    lw.ensure_model(SMALL, cache_dir=cache)
     return cache
 
 
 @real
 def test_real_model_is_verified(real_cache):
-    spec = lm.MODELS[SMALL]
+    spec = lw.MODELS[SMALL]
     path = real_cache / spec.filename
     assert path.stat().st_size == spec.size == 491_400_064
     assert path.open("rb").read(4) == b"GGUF"
     t0 = time.monotonic()
-    assert lm.ensure_model(SMALL, cache_dir=real_cache) == path
+    assert lw.ensure_model(SMALL, cache_dir=real_cache) == path
     assert time.monotonic() - t0 < 0.5, "cached model should be reused without rehashing"
-    assert lm.ensure_model(SMALL, cache_dir=real_cache, verify=True) == path  # full sha256
+    assert lw.ensure_model(SMALL, cache_dir=real_cache, verify=True) == path  # full sha256
 
 
 @real
-def test_owned_server_lifecycle(real_cache, capfd):
-    server = LocalServer(SMALL, n_ctx=2048, cache_dir=real_cache)
+def test_owned_server_lifecycle(real_cache, engine, capfd):
+    server = LocalServer(SMALL, n_ctx=2048, cache_dir=real_cache, engine=engine, parallel=2)
     with server:
         pid = server.pid
+        assert server.engine == engine and lm._pid_alive(pid)
         assert server.api_base.startswith("http://127.0.0.1:") and server.api_base.endswith("/v1")
         models = json.loads(urllib.request.urlopen(f"{server.api_base}/models", timeout=10).read())
         assert [m["id"] for m in models["data"]] == [SMALL]
         answer = _chat(server.api_base, "What is 2+3? Answer with a number.")
         assert answer["choices"][0]["message"]["content"].strip()
-        # several client threads at once: the server queues them, none fails
+        # several client threads at once: the server decodes or queues them, none fails
         with ThreadPoolExecutor(6) as pool:
             replies = list(pool.map(lambda i: _chat(server.api_base, f"Say {i}.", 4, stream=False), range(6)))
         assert all(r["choices"][0]["message"]["content"] is not None for r in replies)
@@ -242,14 +189,14 @@ def test_owned_server_lifecycle(real_cache, capfd):
     assert server.proc is None and _wait_gone(pid, timeout=1), "server process survived stop()"
     out, err = capfd.readouterr()
     assert "llama" not in (out + err).lower(), "server output leaked to our terminal"
-    assert "POST /v1/chat/completions" in server.log_path.read_text()
+    assert ("POST /v1/chat/completions" if engine == "llama-cpp-python" else "slot") in server.log_path.read_text()
     server.stop()  # idempotent
 
 
 @real
-def test_dspy_can_use_it(real_cache):
+def test_dspy_can_use_it(real_cache, engine):
     dspy = pytest.importorskip("dspy")
-    with LocalServer(SMALL, n_ctx=4096, cache_dir=real_cache) as server:
+    with LocalServer(SMALL, n_ctx=4096, cache_dir=real_cache, engine=engine) as server:
         from tfgrpo.lms import local_dspy_lm
 
         lm_ = local_dspy_lm(server.model_alias, server.api_base, max_tokens=256, temperature=0.3, cache=False)
@@ -263,8 +210,8 @@ def test_dspy_can_use_it(real_cache):
 
 
 @real
-def test_stopped_on_exception_and_ctrl_c(real_cache, monkeypatch):
-    server = LocalServer(SMALL, n_ctx=1024, cache_dir=real_cache)
+def test_stopped_on_exception_and_ctrl_c(real_cache, engine, monkeypatch):
+    server = LocalServer(SMALL, n_ctx=1024, cache_dir=real_cache, engine=engine)
     with pytest.raises(RuntimeError, match="boom"):
         with server:
             pid = server.pid
@@ -285,12 +232,12 @@ def test_stopped_on_exception_and_ctrl_c(real_cache, monkeypatch):
 
 @real
 @pytest.mark.parametrize("how", ["atexit", "sigkill"])
-def test_no_orphan_when_parent_exits(real_cache, tmp_path, how):
+def test_no_orphan_when_parent_exits(real_cache, engine, tmp_path, how):
     code = f"""
         import threading, time
         from pathlib import Path
         from tfgrpo.local_model import LocalServer
-        s = LocalServer({SMALL!r}, n_ctx=1024, cache_dir=Path({str(real_cache)!r}))
+        s = LocalServer({SMALL!r}, n_ctx=1024, cache_dir=Path({str(real_cache)!r}), engine={engine!r})
         if {how!r} == "atexit":  # from a worker thread: no parent-death signal, atexit alone must stop it
             t = threading.Thread(target=s.start)
             t.start()
@@ -310,9 +257,10 @@ def test_no_orphan_when_parent_exits(real_cache, tmp_path, how):
 
 
 @real
-def test_detached_server_is_reused_then_stopped(real_cache):
+def test_detached_server_is_reused_then_stopped(real_cache, engine):
     try:
-        info = lm.start_detached(SMALL, n_ctx=2048, cache_dir=real_cache)
+        info = lm.start_detached(SMALL, n_ctx=2048, cache_dir=real_cache, engine=engine)
+        assert info.engine == engine
         assert lm.status(cache_dir=real_cache) == info
         assert json.loads((real_cache / lm.STATE_FILE).read_text())["pid"] == info.pid
         assert lm.start_detached(SMALL, cache_dir=real_cache) == info  # idempotent
@@ -326,13 +274,13 @@ def test_detached_server_is_reused_then_stopped(real_cache):
         assert lm.status(cache_dir=real_cache) is None and not (real_cache / lm.STATE_FILE).exists()
         assert lm.stop_detached(cache_dir=real_cache) is False
         # nothing detached any more: ensure_server starts (and hands us) an owned server
-        api_base, owned = lm.ensure_server(SMALL, n_ctx=1024, cache_dir=real_cache)
+        api_base, owned = lm.ensure_server(SMALL, n_ctx=1024, cache_dir=real_cache, engine=engine)
         try:
             assert owned is not None and api_base == owned.api_base != info.api_base
         finally:
             owned.stop()
         # a detached server that died leaves a stale state file, which status() removes
-        info = lm.start_detached(SMALL, n_ctx=1024, cache_dir=real_cache)
+        info = lm.start_detached(SMALL, n_ctx=1024, cache_dir=real_cache, engine=engine)
         os.killpg(info.pid, signal.SIGKILL)
         assert _wait_gone(info.pid)
         assert lm.status(cache_dir=real_cache) is None and not (real_cache / lm.STATE_FILE).exists()
@@ -340,12 +288,11 @@ def test_detached_server_is_reused_then_stopped(real_cache):
         lm.stop_detached(cache_dir=real_cache)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
-def test_early_death_reports_log_tail(tmp_path, monkeypatch):
+def test_early_death_reports_log_tail(tmp_path, monkeypatch, engine):
     bogus = tmp_path / "bogus.gguf"
     bogus.write_bytes(b"GGUF" + b"\0" * 4096)
     monkeypatch.setattr(lm, "ensure_model", lambda *a, **k: bogus)
-    server = LocalServer(SMALL, cache_dir=tmp_path, startup_timeout_s=60)
-    with pytest.raises(LocalServerError, match=r"(?s)exited with code 1 during startup.*Failed to load model"):
+    server = LocalServer(SMALL, cache_dir=tmp_path, startup_timeout_s=60, engine=engine)
+    with pytest.raises(LocalServerError, match=r"(?s)exited with code \d+ during startup.*(Failed to load model|failed to load)"):
         server.start()
     assert server.proc is None

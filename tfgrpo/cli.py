@@ -267,12 +267,15 @@ def report(run_dirs: list[Path], out: Path = typer.Option(Path("report"), help="
 
 
 @lm_app.command("start")
-def lm_start(model: str = "qwen2.5-coder-1.5b", n_ctx: int = 8192) -> None:
+def lm_start(model: str = "qwen2.5-coder-1.5b", n_ctx: int = 8192,
+             engine: str = typer.Option("auto", help="llama-server | llama-cpp-python | auto (llama-server if built)"),
+             parallel: int = typer.Option(None, help="requests decoded together (llama-server; default: cores/2, at most 4)")) -> None:
     """Start the embedded model server in the background (reused by later runs until `tfgrpo lm stop`)."""
     from tfgrpo.local_model import start_detached
 
-    info = start_detached(model, n_ctx=n_ctx)
-    console.print(f"serving {info.model} at {info.api_base} (pid {info.pid}, log {info.log_path})")
+    info = start_detached(model, n_ctx=n_ctx, engine=engine, parallel=parallel)
+    console.print(f"serving {info.model} at {info.api_base} with {info.engine}, {info.parallel} slot(s) "
+                  f"(pid {info.pid}, log {info.log_path})")
 
 
 @lm_app.command("stop")
@@ -289,7 +292,8 @@ def lm_status() -> None:
     from tfgrpo.local_model import status
 
     info = status()
-    console.print(f"{info.model} at {info.api_base} (pid {info.pid})" if info else "no server running")
+    console.print(f"{info.model} at {info.api_base} with {info.engine}, {info.parallel} slot(s) (pid {info.pid})"
+                  if info else "no server running")
 
 
 if __name__ == "__main__":

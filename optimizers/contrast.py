@@ -1,4 +1,4 @@
-"""Pieces of the small-reflector learning path ("contrast") of `TrainingFreeGRPO`.
+"""The small-reflector learning path ("contrast") of `TrainingFreeGRPO`.
 
 Per group with reward contrast, the best attempts are paired with the worst ones (at most
 `max_operations_per_group` pairs); each pair is one `ContrastLearner` call that proposes at most one
@@ -14,6 +14,7 @@ import re
 import dspy
 
 from tfgrpo.optimizers.parallel import Failed
+from tfgrpo.optimizers.paths import LearningPath
 from tfgrpo.optimizers.render import clip, format_fields, outcome, query_key
 from tfgrpo.programs.contrast_learner import ContrastLearner
 from tfgrpo.signatures.operations import Operation
@@ -85,47 +86,61 @@ def constrained_mode(setting: str, reflection_lm) -> str | None:
         return None
 
 
-def learn_by_contrast(opt, program, reflection_lm, library, trainset, records, kept, key, ckpt, stats):
-    """One step's learning on the contrast path of `opt` (a TrainingFreeGRPO): (plan, proposals, counts)."""
-    G, lm = opt.num_generations, reflection_lm.copy()
-    learner = ContrastLearner(max_words=opt.max_words_per_experience,
-                              constrained=constrained_mode(opt.constrained_decoding, reflection_lm))
-    allowed = " ".join(p.signature.instructions for _, p in program.named_predictors())
-    jobs = [(qi, b, w) for qi in kept
-            for b, w in contrast_pairs([records[(qi, g)]["reward"] for g in range(G)], opt.max_operations_per_group)]
+class ContrastPath(LearningPath):
+    """Per group, up to `max_operations_per_group` (better, worse) pairs, one `ContrastLearner` call each; the batch's
+    proposals folded in code (no consolidation call)."""
 
-    def shown(record: dict) -> str:
+    stages = ("contrast",)
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        opt, program, reflection_lm = self.opt, self.program, args[2]
+        self.lms = {"contrast": reflection_lm.copy()}
+        self.learner = ContrastLearner(max_words=opt.max_words_per_experience,
+                                       constrained=constrained_mode(opt.constrained_decoding, reflection_lm))
+        self.allowed = " ".join(p.signature.instructions for _, p in program.named_predictors())
+
+    def _shown(self, record: dict) -> str:
         return f"{clip(record['attempt'], 2000)}\nresult: {outcome(record)}"
 
-    def contrast(job):
-        qi, b, w = job
-        unit = f"{key}/contrasts/{qi}_{b}_{w}"
-        if (rec := ckpt.get(unit)) is None:
-            try:
-                with dspy.context(lm=lm):
-                    rec = learner(task=format_fields(trainset[qi].inputs()), better_attempt=shown(records[(qi, b)]),
-                                  worse_attempt=shown(records[(qi, w)]), library=library, allowed=allowed)
-            except Exception as exc:  # a failed learning call is counted, not fatal
-                return Failed(exc)
-            ckpt.put(unit, rec)
-        return rec
+    def learn(self, qi):
+        pairs = contrast_pairs([self.records[(qi, g)]["reward"] for g in range(self.G)],
+                               self.opt.max_operations_per_group)
+        task = format_fields(self.trainset[qi].inputs())
 
-    results = opt.learning_stage(contrast, jobs, "contrast", lm, stats)
-    proposals, counts = [], {"learning_failures": 0, "operations_proposed": 0, "refused_specific": 0,
-                             "rewritten_specific": 0, "redundant": 0, "said_none": 0}
-    for (qi, _, _), rec in zip(jobs, results):
-        if isinstance(rec, Failed):
-            counts["learning_failures"] += 1
-            logger.warning("Contrast call on query %s failed (%s); it proposes nothing", qi, rec.error)
-            continue
-        counts["said_none"] += rec["action"] == "none"
-        counts["operations_proposed"] += rec["action"] != "none"
-        counts["rewritten_specific"] += rec["rewritten"] and rec["refused"] is None
-        counts["refused_specific"] += bool(rec["refused"])
-        if rec["refused"]:
-            logger.warning("Refused a rule from query %s: %s (%r)", qi, rec["refused"], rec["rule"][:80])
-        if rec["operation"]:
-            proposals.append((query_key(trainset[qi], qi), Operation.model_validate(rec["operation"])))
-    plan, counts["redundant"] = fold(library.texts(), [op for _, op in proposals])
-    stats["consolidation"] = f"folded in code: {len(plan)} of {len(proposals)} kept"
-    return plan, proposals, counts
+        def contrast(pair):
+            b, w = pair
+
+            def call():
+                with dspy.context(lm=self.lms["contrast"]):
+                    return self.learner(task=task, better_attempt=self._shown(self.records[(qi, b)]),
+                                        worse_attempt=self._shown(self.records[(qi, w)]), library=self.library,
+                                        allowed=self.allowed)
+
+            return self._call(f"{self.key}/contrasts/{qi}_{b}_{w}", call)
+
+        self.results[qi] = (yield [("contrast", contrast, pair) for pair in pairs])
+
+    def finish(self, kept):
+        stats = self.stats
+        results = [(qi, rec) for qi in kept for rec in self.results[qi]]
+        self.opt._stop_if_failing(stats["step"], "contrast calls", [r.error for _, r in results if isinstance(r, Failed)],
+                                  len(results))
+        proposals, counts = [], {"learning_failures": 0, "operations_proposed": 0, "refused_specific": 0,
+                                 "rewritten_specific": 0, "redundant": 0, "said_none": 0}
+        for qi, rec in results:
+            if isinstance(rec, Failed):
+                counts["learning_failures"] += 1
+                logger.warning("Contrast call on query %s failed (%s); it proposes nothing", qi, rec.error)
+                continue
+            counts["said_none"] += rec["action"] == "none"
+            counts["operations_proposed"] += rec["action"] != "none"
+            counts["rewritten_specific"] += rec["rewritten"] and rec["refused"] is None
+            counts["refused_specific"] += bool(rec["refused"])
+            if rec["refused"]:
+                logger.warning("Refused a rule from query %s: %s (%r)", qi, rec["refused"], rec["rule"][:80])
+            if rec["operation"]:
+                proposals.append((query_key(self.trainset[qi], qi), Operation.model_validate(rec["operation"])))
+        plan, counts["redundant"] = fold(self.library.texts(), [op for _, op in proposals])
+        stats["consolidation"] = f"folded in code: {len(plan)} of {len(proposals)} kept"
+        return plan, proposals, counts

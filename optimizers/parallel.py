@@ -25,17 +25,40 @@ class TooManyFailuresError(RuntimeError):
 
 
 class StageBar:
-    """A tqdm bar for one stage, as DSPy draws its own: the progress callback when the caller gives none."""
+    """A tqdm bar for one stage, as DSPy draws its own: the progress callback when the caller gives none. Its total
+    may grow (a pipelined step learns of a stage's units as groups reach it); `close_when_done=False` leaves closing
+    to the caller."""
 
-    def __init__(self):
+    def __init__(self, close_when_done: bool = True):
         self.bar: tqdm.tqdm | None = None
+        self.close_when_done = close_when_done
 
     def __call__(self, stage: str, done: int, total: int) -> None:
         if self.bar is None:
             self.bar = tqdm.tqdm(total=total, desc=stage, dynamic_ncols=True, file=sys.stdout)
+        if total != self.bar.total:
+            self.bar.total = total
         self.bar.update(done - self.bar.n)
-        if done >= total:
+        if done >= total and self.close_when_done:
+            self.close()
+
+    def close(self) -> None:
+        if self.bar is not None:
             self.bar.close()
+
+
+class StageBars:
+    """One `StageBar` per stage, for the overlapping stages of a pipelined step; `close()` them when it is over."""
+
+    def __init__(self):
+        self.bars: dict[str, StageBar] = {}
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        self.bars.setdefault(stage, StageBar(close_when_done=False))(stage, done, total)
+
+    def close(self) -> None:
+        for bar in self.bars.values():
+            bar.close()
 
 
 def run_parallel(fn: Callable, items: list, *, num_threads: int, stage: str,
@@ -73,3 +96,93 @@ def run_parallel(fn: Callable, items: list, *, num_threads: int, stage: str,
     if errors:
         raise errors[0]
     return results
+
+
+class WaitFor:
+    """Yielded by a flow of `run_flows`: park me until every other flow is finished or parked, then, once the check
+    `on_stage_done(stage)` has passed, resume me. Flows parked at different stages resume stage by stage, in the order
+    the stages first ran, so a stage's check sees all of its units."""
+
+    def __init__(self, stage: str):
+        self.stage = stage
+
+
+def run_flows(flows: list, *, num_threads: int, progress: Callable[[str, int, int], None] | None = None,
+              meters: dict | None = None, on_stage_done: Callable[[str], None] | None = None) -> None:
+    """Drive generator `flows` (one per group of a step) to their end, each as far as its own results allow.
+
+    A flow yields a list of units `(stage, fn, item)` and is sent back the list of `fn(item)`s, in order, once all of
+    them are done; the units of every flow share one pool of `num_threads` threads, so a group's learning calls start
+    while other groups still roll out: no stage waits for the slowest call of the stage before it. The flows' own code
+    runs in this thread, one at a time, so what they record needs no lock. A unit runs with this thread's DSPy
+    settings, and with `meters[stage]` as DSPy's usage tracker. Nothing is swallowed: the first unit or flow that
+    raises stops everything (units not started are cancelled, running ones finish) and its exception is raised here.
+    """
+    import queue
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dspy.dsp.utils.settings import thread_local_overrides
+
+    bars = StageBars() if progress is None else None
+    progress, meters = progress or bars, meters or {}
+    parent = thread_local_overrides.get().copy()
+    counts: dict[str, list[int]] = {}  # stage -> [done, submitted], in the order the stages first ran
+    pending: dict = {}  # future -> (flow, its batch of results, units of the batch left, index in it, stage)
+    waiting: dict[str, list] = {}  # stage -> flows parked at WaitFor(stage)
+    finished: queue.SimpleQueue = queue.SimpleQueue()  # futures as they finish (waiting on all pending is O(n) each)
+
+    def in_worker(stage, fn, item):
+        overrides = {**parent, **({"usage_tracker": meters[stage]} if stage in meters else {})}
+        token = thread_local_overrides.set(overrides)
+        try:
+            return fn(item)
+        finally:
+            thread_local_overrides.reset(token)
+
+    def advance(flow, value) -> None:
+        try:
+            request = flow.send(value)
+        except StopIteration:
+            return
+        if isinstance(request, WaitFor):
+            waiting.setdefault(request.stage, []).append(flow)
+            return
+        if not request:
+            advance(flow, [])
+            return
+        batch, left = [None] * len(request), [len(request)]
+        for i, (stage, fn, item) in enumerate(request):
+            counts.setdefault(stage, [0, 0])[1] += 1
+            future = pool.submit(in_worker, stage, fn, item)
+            pending[future] = (flow, batch, left, i, stage)
+            future.add_done_callback(finished.put)
+
+    def release() -> None:  # nothing runs: resume the flows parked at the earliest stage
+        while not pending and waiting:
+            stage = min(waiting, key=list(counts).index)
+            if on_stage_done:
+                on_stage_done(stage)
+            for flow in waiting.pop(stage):
+                advance(flow, None)
+
+    with ThreadPoolExecutor(max_workers=max(1, num_threads)) as pool:
+        try:
+            for flow in flows:
+                advance(flow, None)
+            release()
+            while pending:
+                future = finished.get()
+                flow, batch, left, i, stage = pending.pop(future)
+                batch[i] = future.result()  # a unit that raised stops the step here
+                counts[stage][0] += 1
+                progress(stage, *counts[stage])
+                left[0] -= 1
+                if left[0] == 0:
+                    advance(flow, batch)
+                release()
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        finally:
+            if bars is not None:
+                bars.close()

@@ -10,8 +10,10 @@ or, for small reflection LMs (`learning_path="contrast"`, see `contrast.py`):
 
     rollouts -> rewards -> (groups with contrast) -> one best-vs-worst call per group -> folded in code -> library
 
-Every stage runs its LM calls in parallel; only the consolidation of a step is one call. Every finished unit
-of work is checkpointed in `log_dir` (see `checkpoint.py`), so a crashed run resumes without resending it.
+Each group goes through the step at its own pace: its summaries start as soon as its own attempts are scored,
+while other groups still roll out (`parallel.run_flows`, `paths.py`); only the consolidation waits for the batch.
+Every finished unit of work is checkpointed in `log_dir` (see `checkpoint.py`), so a crashed run resumes without
+resending it.
 """
 
 from __future__ import annotations
@@ -26,23 +28,19 @@ import dspy
 from dspy.teleprompt.teleprompt import Teleprompter
 
 from tfgrpo.optimizers.checkpoint import Checkpoint, digest
-from tfgrpo.optimizers.contrast import SMALL_REFLECTOR_B, learn_by_contrast, model_size_b
+from tfgrpo.optimizers.contrast import SMALL_REFLECTOR_B, ContrastPath, model_size_b
 from tfgrpo.optimizers.demos import apply_demos, demo_candidates, select_demos
 from tfgrpo.optimizers.knobs import KNOBS, check_knob, fingerprinted_knobs
-from tfgrpo.optimizers.parallel import Failed, StageBar, TooManyFailuresError, run_parallel
-from tfgrpo.optimizers.render import clip, format_attempt, format_fields, outcome, query_key
+from tfgrpo.optimizers.parallel import StageBars, TooManyFailuresError, WaitFor, run_flows, run_parallel
+from tfgrpo.optimizers.paths import PaperPath
+from tfgrpo.optimizers.render import format_attempt, query_key
 from tfgrpo.optimizers.rewards import call_metric, reference_example, score_attempt
 from tfgrpo.optimizers.rollout import run_program, with_own_lms
-from tfgrpo.optimizers.usage import add_usage, history_kept, metered, over_budget, stage_usage
+from tfgrpo.optimizers.usage import add_usage, history_kept, metered_stages, over_budget, stage_usage
 from tfgrpo.programs.inject import LIBRARY_KEY, apply_library, resolve_targets
-from tfgrpo.programs.learning import AdvantageExtractor, Consolidator, Summarizer
 from tfgrpo.programs.library import ExperienceLibrary
-from tfgrpo.signatures.operations import Operation
 
 logger = logging.getLogger(__name__)
-
-EMPTY_LIBRARY = "(no experiences yet: only 'add' is possible)"
-
 
 class TrainingFreeGRPO(Teleprompter):
     """Learns a library of natural-language experiences for a DSPy program, and writes it into the
@@ -82,7 +80,7 @@ class TrainingFreeGRPO(Teleprompter):
             query's best attempt that fully succeeded (reward >= 1) while its groupmates did worse, ranked by
             group advantage, one per query (see optimizers/demos.py). An extension of the paper for small
             policy models, which copy a working example far better than they follow advice. Default 0 (off).
-        num_threads: Concurrent LM calls within a stage. Default 8.
+        num_threads: Concurrent LM calls of a step (all stages share them). Default 8.
         max_failure_rate: When more than this share of a step's attempts, summaries or group advantages
             fail, the run stops with `TooManyFailuresError` and the step is not done; a resume redoes the
             failed units. Default 0.5.
@@ -119,7 +117,7 @@ class TrainingFreeGRPO(Teleprompter):
         target_predictors: list[str] | None = None,  # predictor names that get the library; None: all
         max_demos: int = 0,  # keep this many winning attempts as few-shot demos (an extension; 0: the paper's method)
         # execution
-        num_threads: int = 8,  # concurrent LM calls within a stage
+        num_threads: int = 8,  # concurrent LM calls of a step (rollouts and learning calls share them)
         max_failure_rate: float = 0.5,  # stop when more of a stage's units than this fail (the checkpoint stays)
         max_cost: float | None = None,  # USD (where litellm knows the price): stop after the step that reaches it
         max_total_tokens: int | None = None,  # prompt + completion tokens of all calls: stop after the step reaching it
@@ -191,15 +189,16 @@ class TrainingFreeGRPO(Teleprompter):
         if done is not None:
             logger.info("Step %d: complete in the checkpoint, reused", step)
             return ExperienceLibrary.from_state(done["library"]), done.get("demos", []), done["stats"]
-        G, t0, timing = self.num_generations, time.time(), {}
+        G, t0, finished_at = self.num_generations, time.time(), {}
         stats: dict[str, Any] = {"step": step, "epoch": epoch, "batch_size": len(batch), "usage": {}}
-        rendered_library = library.render() or EMPTY_LIBRARY
-
-        # 1. rollouts: G distinct samples per query, each candidate with its own LM copies (rollout_id)
         candidates, rollout_lms = self._candidates(program, targets, library, demos, step)
-        jobs = [(qi, g) for qi in batch for g in range(G)]
+        reflection_lm = self._reflection_lm(program)
+        contrast = self.resolve_learning_path(getattr(reflection_lm, "model", "")) == "contrast"
+        records: dict[tuple[int, int], dict] = {}
+        path = (ContrastPath if contrast else PaperPath)(self, program, reflection_lm, library, trainset, records,
+                                                          key, ckpt, stats)
 
-        def rollout(job):
+        def rollout(job):  # G distinct samples per query, each candidate with its own LM copies (rollout_id)
             qi, g = job
             unit = f"{key}/rollouts/{qi}_{g}"
             if (rec := ckpt.get(unit)) is not None:
@@ -210,49 +209,59 @@ class TrainingFreeGRPO(Teleprompter):
             ckpt.put(unit, rec)
             return rec
 
-        with metered() as used:
-            records = dict(zip(jobs, self._parallel(rollout, jobs, "rollout")))
-        stats["usage"]["rollout"] = stage_usage(used, rollout_lms)
-        failures = [r for r in records.values() if r["error"]]
-        if len(failures) > self.max_failure_rate * len(jobs):
-            for (qi, g), rec in records.items():  # a resume retries them (the outage may be over), not replays them
-                if rec["error"]:
-                    ckpt.discard(f"{key}/rollouts/{qi}_{g}")
-        self._stop_if_failing(step, "attempts", [r["error"] for r in failures], len(jobs))
-        timing["rollout"] = time.time() - t0
-
-        # 2. rewards, against the ground truth or against the group's majority answer
-        references = {qi: reference_example(trainset[qi], [records[(qi, g)] for g in range(G)], self.use_ground_truth)
-                      for qi in batch}
-
-        def reward(job):
-            unit = f"{key}/rewards/{job[0]}_{job[1]}"
+        def reward(job):  # against the ground truth, or against the group's majority answer
+            qi, g, reference = job
+            unit = f"{key}/rewards/{qi}_{g}"
             if (rec := ckpt.get(unit)) is None:
-                rec = score_attempt(self.metric, references[job[0]], records[job])
+                rec = score_attempt(self.metric, reference, records[(qi, g)])
                 ckpt.put(unit, rec)
             return rec
 
-        for job, scored in zip(jobs, self._parallel(reward, jobs, "reward")):
-            records[job].update(scored)
-        timing["reward"] = time.time() - t0 - sum(timing.values())
+        def group(qi):
+            """One query's way through the step: it learns as soon as its own attempts are scored."""
+            attempts = yield [("rollout", rollout, (qi, g)) for g in range(G)]
+            records.update({(qi, g): rec for g, rec in enumerate(attempts)})
+            if any(rec["error"] for rec in attempts):
+                yield WaitFor("rollout")  # nothing more is spent on it before the attempts' failure check
+            reference = reference_example(trainset[qi], attempts, self.use_ground_truth)
+            for g, scored in enumerate((yield [("reward", reward, (qi, g, reference)) for g in range(G)])):
+                records[(qi, g)].update(scored)
+            if len({records[(qi, g)]["reward"] for g in range(G)}) > 1:  # only contrast carries a direction
+                yield from path.learn(qi)
 
-        # 3. only groups whose rewards differ carry a direction; the others cost no further call
+        def rollouts_checked():
+            errors = [rec["error"] for rec in records.values() if rec["error"]]
+            if len(errors) > self.max_failure_rate * len(batch) * G:
+                for (qi, g), rec in records.items():  # a resume retries them (the outage may be over), not replays them
+                    if rec["error"]:
+                        ckpt.discard(f"{key}/rollouts/{qi}_{g}")
+            self._stop_if_failing(step, "attempts", errors, len(batch) * G)
+
+        def progress(stage, n, total):
+            finished_at[stage] = time.time() - t0  # stages overlap: when each one's latest unit finished
+            (self.progress or bars)(stage, n, total)
+
+        # 1-6. rollouts -> rewards -> (groups with contrast) -> learning calls, each group at its own pace
+        bars, stages = StageBars(), ("rollout", *path.stages)
+        logger.info("Step %d: %d queries x %d attempts on %d thread(s)", step, len(batch), G, self.num_threads)
+        with metered_stages(stages) as meters:
+            try:
+                run_flows([group(qi) for qi in batch], num_threads=self.num_threads, progress=progress, meters=meters,
+                          on_stage_done=lambda stage: rollouts_checked() if stage == "rollout" else path.stage_done(stage))
+            finally:
+                bars.close()
+        stats["usage"]["rollout"] = stage_usage(meters["rollout"], rollout_lms)
+        for stage in path.stages:
+            stats["usage"][stage] = stage_usage(meters[stage], [path.lms[stage]])
         kept = [qi for qi in batch if len({records[(qi, g)]["reward"] for g in range(G)}) > 1]
         rewards = [r["reward"] for r in records.values()]
         stats.update(mean_reward=statistics.fmean(rewards), groups=len(batch), groups_kept=len(kept),
-                     frac_skipped_zero_std=1 - len(kept) / len(batch), rollout_failures=len(failures),
+                     frac_skipped_zero_std=1 - len(kept) / len(batch),
+                     rollout_failures=sum(bool(r["error"]) for r in records.values()),
                      tool_calls_mean=statistics.fmean(r["tool_calls"] for r in records.values()))
         logger.info("Step %d: mean reward %.3f, %d/%d groups with contrast", step, stats["mean_reward"], len(kept), len(batch))
-
-        # 4-6. learning calls: what did the better attempts know? -> a plan of operations on the library
-        reflection_lm = self._reflection_lm(program)
-        if self.resolve_learning_path(getattr(reflection_lm, "model", "")) == "contrast":
-            plan, proposals, learned = learn_by_contrast(self, program, reflection_lm, library, trainset, records,
-                                                         kept, key, ckpt, stats)
-        else:
-            plan, proposals, learned = self._learn_paper(reflection_lm, library, rendered_library, trainset,
-                                                         records, kept, key, ckpt, stats)
-        timing["learning"] = time.time() - t0 - sum(timing.values())
+        plan, proposals, learned = path.finish(kept)  # failure checks of the learning calls, then the plan
+        finished_at["learning"] = time.time() - t0
 
         # 7. the plan is validated and applied in code, all or nothing
         if self.max_demos:  # winning attempts as demos (optimizers/demos.py)
@@ -263,94 +272,11 @@ class TrainingFreeGRPO(Teleprompter):
         report = library.apply(plan, step=step, sources=sources)
         stats.update(learned)
         stats.update(operations_applied=report.applied, operations_rejected=len(report.rejected),
-                     library_size=len(library), seconds=timing, wall_s=time.time() - t0)
+                     library_size=len(library), seconds=finished_at, wall_s=time.time() - t0)
         logger.info("Step %d: %d operations proposed, applied %s, %d refused; library has %d experiences",
                     step, stats["operations_proposed"], report.applied, len(report.rejected), len(library))
         ckpt.put(f"{key}/done", {"library": library.dump_state(), "demos": demos, "stats": stats})
         return library, demos, stats
-
-    def _learn_paper(self, reflection_lm, library, rendered_library, trainset, records, kept, key, ckpt, stats):
-        """The paper's path: summarize every attempt of a kept group, extract each group's advantage as
-        operations, consolidate the batch's operations in one call. Returns (plan, proposals, counts)."""
-        G, qkeys = self.num_generations, {qi: query_key(trainset[qi], qi) for qi in kept}
-        # 4. summaries of every attempt in a kept group
-        gt = self.use_ground_truth
-        summarizer, advantage, consolidator = Summarizer(gt), AdvantageExtractor(gt), Consolidator()
-        lms = {name: reflection_lm.copy() for name in ("summary", "advantage", "consolidation")}
-        for module, name in ((summarizer, "summary"), (advantage, "advantage"), (consolidator, "consolidation")):
-            module.set_lm(lms[name])
-        answer_key = {qi: _answer_key(trainset[qi], [records[(qi, g)] for g in range(G)]) for qi in kept} if gt else {}
-        summary_jobs = [(qi, g) for qi in kept for g in range(G)]
-
-        def summarize(job):
-            unit = f"{key}/summaries/{job[0]}_{job[1]}"
-            if (rec := ckpt.get(unit)) is None:
-                r = records[job]
-                try:
-                    rec = summarizer(task_input=format_fields(trainset[job[0]].inputs()), attempt=r["attempt"],
-                                     outcome=outcome(r), reference_answer=answer_key.get(job[0], ""),
-                                     experiences=rendered_library)
-                except Exception as exc:  # a failed learning call is counted, not fatal
-                    return Failed(exc)
-                ckpt.put(unit, rec)
-            return rec
-
-        summaries = self.learning_stage(summarize, summary_jobs, "summary", lms["summary"], stats)
-        learning_failures = 0
-        for job, summary in zip(summary_jobs, summaries):
-            if isinstance(summary, Failed):  # fall back to the raw attempt, cut short
-                learning_failures += 1
-                logger.warning("Summary of query %s attempt %d failed (%s); using the raw attempt", *job, summary.error)
-                summary = clip(records[job]["attempt"], 1500)
-            records[job]["summary"] = summary
-
-        # 5. group advantage: what did the better attempts know? -> at most N operations per group
-        def extract(qi):
-            unit = f"{key}/advantages/{qi}"
-            if (ops := ckpt.get(unit)) is None:
-                attempts = "\n\n".join(f"Attempt {g + 1} (reward {records[(qi, g)]['reward']:.2f}):\n"
-                                       f"{records[(qi, g)]['summary']}" for g in range(G))
-                try:
-                    ops = [o.model_dump() for o in advantage(
-                        task_input=format_fields(trainset[qi].inputs()), reference_answer=answer_key.get(qi, ""),
-                        attempts=attempts, experiences=rendered_library, max_operations=self.max_operations_per_group,
-                        max_words=self.max_words_per_experience)]
-                except Exception as exc:  # a failed learning call is counted, not fatal
-                    return Failed(exc)
-                ckpt.put(unit, ops)
-            return ops
-
-        advantages = self.learning_stage(extract, kept, "advantage", lms["advantage"], stats)
-        proposals: list[tuple[str, Operation]] = []
-        for qi, ops in zip(kept, advantages):
-            if isinstance(ops, Failed):
-                learning_failures += 1
-                logger.warning("Group advantage of query %s failed (%s); the group proposes nothing", qi, ops.error)
-                continue
-            proposals += [(qkeys[qi], Operation.model_validate(o)) for o in ops]
-
-        # 6. consolidation: one call turns the batch's proposals into the plan
-        with metered() as used:
-            plan, stats["consolidation"] = self._consolidate(consolidator, library, proposals, key, ckpt)
-        stats["usage"]["consolidation"] = stage_usage(used, [lms["consolidation"]])
-        return plan, proposals, {"learning_failures": learning_failures, "operations_proposed": len(proposals)}
-
-    def _consolidate(self, consolidator, library, proposals, key, ckpt) -> tuple[list[Operation], str]:
-        if not proposals:
-            return [], "nothing proposed"
-        if (saved := ckpt.get(f"{key}/plan")) is not None:
-            return [Operation.model_validate(o) for o in saved["plan"]], saved["status"]
-        progress = self.progress or StageBar()
-        progress("consolidation", 0, 1)
-        try:
-            plan, status = consolidator(experiences=library.render() or EMPTY_LIBRARY, proposals=proposals,
-                                        max_words=self.max_words_per_experience), "ok"
-        except Exception as exc:  # the proposals were validated one by one already: apply them as they are
-            logger.warning("Consolidation failed (%s); applying the %d proposals directly", exc, len(proposals))
-            plan, status = [op for _, op in proposals], "fallback: proposals applied directly"
-        ckpt.put(f"{key}/plan", {"plan": [o.model_dump() for o in plan], "status": status})
-        progress("consolidation", 1, 1)
-        return plan, status
 
     # -- pieces ---------------------------------------------------------------------------------------------
     def resolve_learning_path(self, reflection_model: str) -> str:
@@ -365,16 +291,6 @@ class TrainingFreeGRPO(Teleprompter):
         if len(errors) > self.max_failure_rate * total:
             raise TooManyFailuresError(f"step {step}: {len(errors)} of {total} {units} failed (first: {errors[0]}); "
                                        f"finished work is kept in log_dir={self.log_dir!r}")
-
-    def learning_stage(self, fn, jobs: list, stage: str, lm: dspy.BaseLM, stats: dict) -> list:
-        """Run a stage of learning calls (`fn` returns `Failed` for a call that failed): usage metered into
-        `stats`, and the run stopped, unfinished, when more than `max_failure_rate` of the calls failed."""
-        with metered() as used:
-            results = self._parallel(fn, jobs, stage)
-        stats["usage"][stage] = stage_usage(used, [lm])
-        self._stop_if_failing(stats["step"], f"{stage} calls", [r.error for r in results if isinstance(r, Failed)],
-                              len(jobs))
-        return results
 
     def _parallel(self, fn, items, stage):
         if items:
@@ -429,9 +345,3 @@ class TrainingFreeGRPO(Teleprompter):
                 "trainset": digest([dict(x) for x in trainset]), "valset": digest([dict(x) for x in valset or []]),
                 "initial_library": digest(library.dump_state())}
 
-
-def _answer_key(example, group: list[dict]) -> str:
-    """The ground truth shown to learning calls: the labels the program also outputs (else all labels)."""
-    labels = dict(example.labels())
-    produced = {k for r in group for k in (r["outputs"] or {})}
-    return clip(format_fields({k: v for k, v in labels.items() if k in produced} or labels), 2000)

@@ -37,12 +37,21 @@ class UsageMeter(UsageTracker):
 def metered() -> Iterator[UsageMeter]:
     """Meter the LM calls made inside the block, in this thread and in those DSPy starts from it. An enclosing
     `dspy.track_usage()` still receives them."""
-    meter, outer = UsageMeter(), dspy.settings.usage_tracker
-    with dspy.context(usage_tracker=meter):
-        try:
-            yield meter
-        finally:
-            if outer is not None:
+    with metered_stages(["all"]) as meters:
+        with dspy.context(usage_tracker=meters["all"]):
+            yield meters["all"]
+
+
+@contextmanager
+def metered_stages(stages) -> Iterator[dict[str, UsageMeter]]:
+    """One meter per stage, for units that run with their stage's meter as DSPy's usage tracker (`run_flows`); an
+    enclosing `dspy.track_usage()` still receives every call once."""
+    meters, outer = {stage: UsageMeter() for stage in stages}, dspy.settings.usage_tracker
+    try:
+        yield meters
+    finally:
+        if outer is not None:
+            for meter in meters.values():
                 for lm, entries in meter.usage_data.items():
                     outer.usage_data[lm].extend(e for e in entries if e)
 

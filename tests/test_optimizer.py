@@ -2,6 +2,7 @@
 
 import json
 import re
+import threading
 
 import dspy
 import pytest
@@ -124,6 +125,30 @@ def test_call_budget_of_a_step():
     usage = compiled.detailed_results["steps"][0]["usage"]
     assert {k: v["calls"] for k, v in usage.items()} == {"rollout": 16, "summary": 16, "advantage": 4, "consolidation": 1}
     assert all(v["prompt_tokens"] > 0 for v in usage.values())
+
+
+def test_a_group_learns_while_another_still_rolls_out():
+    """No stage barrier: the groups whose attempts are in are summarized and judged while a slow group still rolls
+    out. The slow group's rollouts wait for the other groups' three group advantages; with a barrier after the
+    rollouts they would wait in vain (and time out)."""
+    base, lock, advantages, released = learner(), threading.Lock(), [0], threading.Event()
+
+    def respond(messages, kwargs):
+        kind, slow = kind_of(messages), "What is 0 + 10?" in messages[-1]["content"]
+        if kind == "student" and slow:
+            assert released.wait(timeout=20), "the slow group's rollouts waited for a stage barrier"
+        reply = base(messages, kwargs)
+        if kind == "advantage":
+            with lock:
+                advantages[0] += 1
+                if advantages[0] == 3:
+                    released.set()
+        return reply
+
+    lm = ScriptedLM(respond)
+    compiled = compile_with(lm, dspy.Predict("question -> answer"), num_threads=8)
+    assert compiled.experience_library.texts() == [LESSON]
+    assert (count(lm, "student"), count(lm, "summary"), count(lm, "advantage"), count(lm, "consolidation")) == (16, 16, 4, 1)
 
 
 def test_groups_with_equal_rewards_make_no_learning_call():

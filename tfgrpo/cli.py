@@ -108,7 +108,8 @@ def _compile(config: Config, policy, reflection) -> Path:
     console.print(f"compiled in {time.time() - started:.0f} s: {len(compiled.experience_library)} experiences, "
                   f"{demos} demos")
     for role, u in (compiled.detailed_results.get("usage") or {}).items():
-        console.print(f"  {role}: {u.get('calls', 0)} calls, {u.get('prompt_tokens', 0):,} prompt + "
+        cached = f" ({u['cached_tokens']:,} from the server's prompt cache)" if u.get("cached_tokens") else ""
+        console.print(f"  {role}: {u.get('calls', 0)} calls, {u.get('prompt_tokens', 0):,} prompt{cached} + "
                       f"{u.get('completion_tokens', 0):,} completion tokens, ${u.get('cost', 0.0):.4f}")
     if compiled.detailed_results.get("stopped_early"):
         console.print(f"[yellow]stopped early: {compiled.detailed_results['stopped_early']}")

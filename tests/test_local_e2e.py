@@ -119,8 +119,9 @@ def test_game24_compiles_on_the_contrast_path(local_lm, tmp_path):
                                 log_dir=str(tmp_path / "log")).compile(Game24Solver(),
                                                                        trainset=load_game24(limit=2, offset=300))
     step = compiled.detailed_results["steps"][0]
-    assert step["usage"]["rollout"]["calls"] == 6 and "summary" not in step["usage"]
-    assert step["usage"].get("contrast", {}).get("calls", 0) >= step["groups_kept"] - step["learning_failures"]
-    assert step["operations_applied"]["add"] == len(compiled.experience_library)
+    why = json.dumps({k: v for k, v in step.items() if k != "demos"}, default=str)  # the whole record if one fails
+    assert step["usage"]["rollout"]["calls"] == 6 and "summary" not in step["usage"], why
+    assert step["usage"].get("contrast", {}).get("calls", 0) >= step["groups_kept"] - step["learning_failures"], why
+    assert step["operations_applied"]["add"] == len(compiled.experience_library), why
     reloaded = load_program(Game24Solver(), save_program(compiled, tmp_path / "game24.json"))
     assert reloaded.experience_library.texts() == compiled.experience_library.texts()

@@ -124,8 +124,8 @@ class ContrastPath(LearningPath):
     def finish(self, kept):
         stats = self.stats
         results = [(qi, rec) for qi in kept for rec in self.results[qi]]
-        self.opt._stop_if_failing(stats["step"], "contrast calls", [r.error for _, r in results if isinstance(r, Failed)],
-                                  len(results))
+        errors = [r.error for _, r in results if isinstance(r, Failed)]
+        self.opt._stop_if_failing(stats["step"], "contrast calls", errors, len(results))
         proposals, counts = [], {"learning_failures": 0, "operations_proposed": 0, "refused_specific": 0,
                                  "rewritten_specific": 0, "redundant": 0, "said_none": 0}
         for qi, rec in results:

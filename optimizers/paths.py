@@ -129,12 +129,10 @@ class PaperPath(LearningPath):
                                       self.summarized)
 
     def finish(self, kept):
-        stats = self.stats
-        errors = [e for _, _, e in self.failed_summaries]
-        advantages = [(qi, self.results[qi]) for qi in kept]
-        self.opt._stop_if_failing(stats["step"], "advantage calls", [o.error for _, o in advantages if isinstance(o, Failed)],
-                                  len(kept))
-        proposals, failures = [], len(errors)
+        stats, advantages = self.stats, [(qi, self.results[qi]) for qi in kept]
+        errors = [o.error for _, o in advantages if isinstance(o, Failed)]
+        self.opt._stop_if_failing(stats["step"], "advantage calls", errors, len(kept))
+        proposals, failures = [], len(self.failed_summaries)
         for qi, ops in advantages:
             if isinstance(ops, Failed):
                 failures += 1

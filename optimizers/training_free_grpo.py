@@ -229,7 +229,9 @@ class TrainingFreeGRPO(Teleprompter):
             if len({records[(qi, g)]["reward"] for g in range(G)}) > 1:  # only contrast carries a direction
                 yield from path.learn(qi)
 
-        def rollouts_checked():
+        def stage_checked(stage):  # a flow waits at this stage's failure check (WaitFor)
+            if stage != "rollout":
+                return path.stage_done(stage)
             errors = [rec["error"] for rec in records.values() if rec["error"]]
             if len(errors) > self.max_failure_rate * len(batch) * G:
                 for (qi, g), rec in records.items():  # a resume retries them (the outage may be over), not replays them
@@ -247,7 +249,7 @@ class TrainingFreeGRPO(Teleprompter):
         with metered_stages(stages) as meters:
             try:
                 run_flows([group(qi) for qi in batch], num_threads=self.num_threads, progress=progress, meters=meters,
-                          on_stage_done=lambda stage: rollouts_checked() if stage == "rollout" else path.stage_done(stage))
+                          on_stage_done=stage_checked)
             finally:
                 bars.close()
         stats["usage"]["rollout"] = stage_usage(meters["rollout"], rollout_lms)

@@ -40,8 +40,9 @@ logger = logging.getLogger(__name__)
 STATE_FILE = "server.json"
 ENGINES = ("auto", "llama-server", "llama-cpp-python")
 BUILD_HINT = "bash scripts/setup.sh (it builds llama-server into the virtualenv)"
-# llama-server slots decoded in one batch. On 2 cores decoding is compute-bound and 1, 2, 4 or 8 streams gave the
-# same tokens/s (benchmarks/local_throughput.py), so batching pays only where there are cores (or a GPU) to spare.
+# llama-server slots decoded in one batch. On 2 cores decoding is nearly compute-bound: 4 streams gave 1.0-1.44x the
+# tokens/s of one (benchmarks/local_throughput.py, within run-to-run noise) and each slot warms shared prefixes on its
+# own, so one slot there; batching pays where there are cores (or a GPU) to spare.
 DEFAULT_PARALLEL = min(4, max(1, (os.cpu_count() or 1) // 2))
 
 

@@ -94,11 +94,10 @@ class ContrastPath(LearningPath):
 
     def __init__(self, *args):
         super().__init__(*args)
-        opt, program, reflection_lm = self.opt, self.program, args[2]
-        self.lms = {"contrast": reflection_lm.copy()}
-        self.learner = ContrastLearner(max_words=opt.max_words_per_experience,
-                                       constrained=constrained_mode(opt.constrained_decoding, reflection_lm))
-        self.allowed = " ".join(p.signature.instructions for _, p in program.named_predictors())
+        self.lms = {"contrast": self.reflection_lm.copy()}
+        self.learner = ContrastLearner(max_words=self.opt.max_words_per_experience,
+                                       constrained=constrained_mode(self.opt.constrained_decoding, self.reflection_lm))
+        self.allowed = " ".join(p.signature.instructions for _, p in self.program.named_predictors())
 
     def _shown(self, record: dict) -> str:
         return f"{clip(record['attempt'], 2000)}\nresult: {outcome(record)}"

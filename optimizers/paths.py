@@ -32,7 +32,8 @@ class LearningPath:
     stages: tuple[str, ...] = ()
 
     def __init__(self, opt, program, reflection_lm, library, trainset, records, key, ckpt, stats):
-        self.opt, self.program, self.library, self.trainset = opt, program, library, trainset
+        self.opt, self.program, self.reflection_lm, self.library = opt, program, reflection_lm, library
+        self.trainset = trainset
         self.records, self.key, self.ckpt, self.stats, self.G = records, key, ckpt, stats, opt.num_generations
         self.results: dict = {}  # qi -> what its flow produced
         self.lms: dict[str, dspy.BaseLM] = {}
@@ -75,14 +76,13 @@ class PaperPath(LearningPath):
 
     def __init__(self, *args):
         super().__init__(*args)
-        opt, reflection_lm, library = self.opt, args[2], self.library
-        gt = opt.use_ground_truth
+        gt = self.opt.use_ground_truth
         self.summarizer, self.advantage, self.consolidator = Summarizer(gt), AdvantageExtractor(gt), Consolidator()
-        self.lms = {name: reflection_lm.copy() for name in ("summary", "advantage", "consolidation")}
+        self.lms = {name: self.reflection_lm.copy() for name in ("summary", "advantage", "consolidation")}
         for module, name in ((self.summarizer, "summary"), (self.advantage, "advantage"),
                              (self.consolidator, "consolidation")):
             module.set_lm(self.lms[name])
-        self.rendered = library.render() or EMPTY_LIBRARY
+        self.rendered = self.library.render() or EMPTY_LIBRARY  # the library as every call of the step sees it
         self.failed_summaries: list[tuple[int, int, str]] = []
         self.summarized = 0  # summary calls made so far
 
@@ -153,7 +153,7 @@ class PaperPath(LearningPath):
         progress = self.opt.progress or StageBar()
         progress("consolidation", 0, 1)
         try:
-            plan, status = self.consolidator(experiences=self.library.render() or EMPTY_LIBRARY, proposals=proposals,
+            plan, status = self.consolidator(experiences=self.rendered, proposals=proposals,
                                              max_words=self.opt.max_words_per_experience), "ok"
         except Exception as exc:  # the proposals were validated one by one already: apply them as they are
             logger.warning("Consolidation failed (%s); applying the %d proposals directly", exc, len(proposals))

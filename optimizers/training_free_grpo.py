@@ -217,6 +217,9 @@ class TrainingFreeGRPO(Teleprompter):
                 ckpt.put(unit, rec)
             return rec
 
+        def has_contrast(qi):  # only a group whose rewards differ carries a direction
+            return len({records[(qi, g)]["reward"] for g in range(G)}) > 1
+
         def group(qi):
             """One query's way through the step: it learns as soon as its own attempts are scored."""
             attempts = yield [("rollout", rollout, (qi, g)) for g in range(G)]
@@ -226,7 +229,7 @@ class TrainingFreeGRPO(Teleprompter):
             reference = reference_example(trainset[qi], attempts, self.use_ground_truth)
             for g, scored in enumerate((yield [("reward", reward, (qi, g, reference)) for g in range(G)])):
                 records[(qi, g)].update(scored)
-            if len({records[(qi, g)]["reward"] for g in range(G)}) > 1:  # only contrast carries a direction
+            if has_contrast(qi):
                 yield from path.learn(qi)
 
         def stage_checked(stage):  # a flow waits at this stage's failure check (WaitFor)
@@ -255,7 +258,7 @@ class TrainingFreeGRPO(Teleprompter):
         stats["usage"]["rollout"] = stage_usage(meters["rollout"], rollout_lms)
         for stage in path.stages:
             stats["usage"][stage] = stage_usage(meters[stage], [path.lms[stage]])
-        kept = [qi for qi in batch if len({records[(qi, g)]["reward"] for g in range(G)}) > 1]
+        kept = [qi for qi in batch if has_contrast(qi)]
         rewards = [r["reward"] for r in records.values()]
         stats.update(mean_reward=statistics.fmean(rewards), groups=len(batch), groups_kept=len(kept),
                      frac_skipped_zero_std=1 - len(kept) / len(batch),

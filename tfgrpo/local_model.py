@@ -215,6 +215,7 @@ class LocalServer:
         if parallel is not None and parallel < 1:
             raise ValueError(f"parallel must be at least 1, got {parallel}")
         self.engine = resolve_engine(engine)
+        self.binary = find_llama_server() if self.engine == "llama-server" else None
         if self.engine == "llama-cpp-python" and (parallel or 1) > 1:
             logger.warning("llama-cpp-python's server decodes one request at a time: parallel=%d is ignored", parallel)
         self.parallel = (parallel or DEFAULT_PARALLEL) if self.engine == "llama-server" else 1
@@ -239,7 +240,7 @@ class LocalServer:
             # --metrics: /metrics counts prompt tokens processed vs taken from a slot's cache.
             # -t/-tb: generation and prompt processing use the same cores; -b 512 as below.
             return [
-                "--exec", find_llama_server(), "-m", str(self.model_path), "--alias", self.model_alias,
+                "--exec", self.binary, "-m", str(self.model_path), "--alias", self.model_alias,
                 "--host", self.host, "--port", str(self.port), "-c", str(self.n_ctx * self.parallel),
                 "--kv-unified", "-np", str(self.parallel), "-b", "512", "-t", str(self.n_threads),
                 "-tb", str(self.n_threads), "--metrics", "--no-webui",

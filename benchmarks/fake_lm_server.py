@@ -116,6 +116,13 @@ class Responder:
                 values.update(next_thought=f"Call {tool[0]}.", next_tool_name=tool[0], next_tool_args=args)
             else:
                 values.update(next_thought="Done.", next_tool_name="finish", next_tool_args={})
+        if "action" in values:  # the web task's step agent: `tool_turns` searches for the question, then an answer
+            if user.count("[turn ") < self.tool_turns:
+                values.update(action="search", argument=field_values(user).get("question", "x"))
+            else:
+                values.update(action="answer", argument="yes" if right else "no")
+        if "verdict" in values:  # an LLM judge
+            values.update(reason="Compared with the reference.", verdict="correct" if right else "incorrect")
         return values
 
     def _advantage(self, inputs, ids):

@@ -75,7 +75,7 @@ def main() -> None:
     queries = {query_key(trainset[qi], qi): str(trainset[qi].inputs().toDict()) for qi in batch}
     allowed = " ".join(p.signature.instructions for _, p in make().named_predictors())
     lines = []
-    with open_lms(cfg) as (policy, reflection):
+    with open_lms(cfg) as (policy, reflection, _):
         dspy.configure(lm=policy)
         for path in ("paper", "contrast"):
             knobs = {**_tfgrpo_knobs(cfg), "learning_path": path}

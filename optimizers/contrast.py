@@ -16,6 +16,7 @@ import dspy
 from tfgrpo.optimizers.parallel import Failed
 from tfgrpo.optimizers.paths import LearningPath
 from tfgrpo.optimizers.render import clip, format_fields, outcome, query_key
+from tfgrpo.optimizers.rollout import tool_observations
 from tfgrpo.programs.contrast_learner import ContrastLearner
 from tfgrpo.signatures.operations import Operation
 
@@ -109,12 +110,13 @@ class ContrastPath(LearningPath):
 
         def contrast(pair):
             b, w = pair
+            seen = "\n".join(o for g in pair for o in tool_observations(self.records[(qi, g)]))
 
             def call():
                 with dspy.context(lm=self.lms["contrast"]):
                     return self.learner(task=task, better_attempt=self._shown(self.records[(qi, b)]),
                                         worse_attempt=self._shown(self.records[(qi, w)]), library=self.library,
-                                        allowed=self.allowed)
+                                        allowed=self.allowed, seen=seen)
 
             return self._call(f"{self.key}/contrasts/{qi}_{b}_{w}", call)
 

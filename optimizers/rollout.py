@@ -56,6 +56,14 @@ def count_tool_calls(outputs: dict | None) -> int:
     return sum(1 for k, v in trajectory.items() if k.startswith("tool_name_") and v != "finish")
 
 
+def tool_observations(record: dict) -> list[str]:
+    """What the tools returned during a recorded attempt (a ReAct-style trajectory's observations)."""
+    trajectory = (record.get("outputs") or {}).get("trajectory")
+    if not isinstance(trajectory, dict):
+        return []
+    return [as_text(v) for k, v in trajectory.items() if k.startswith("observation_")]
+
+
 def _record_trace(trace: list, program: dspy.Module) -> list[dict]:
     names = {id(predictor): name for name, predictor in program.named_predictors()}
     return [{"predictor": names.get(id(predictor), type(predictor).__name__), "inputs": _clipped(inputs),

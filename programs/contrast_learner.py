@@ -29,8 +29,10 @@ class ContrastLearner(dspy.Module):
         self.adapter = ConstrainedJSONAdapter(constrained) if constrained else None  # None: DSPy's default adapter
 
     def forward(self, *, task: str, better_attempt: str, worse_attempt: str, library: ExperienceLibrary,
-                allowed: str = "") -> dict:
-        """`allowed`: text whose words and numbers belong to the task itself (the program's instructions)."""
+                allowed: str = "", seen: str = "") -> dict:
+        """`allowed`: text whose words and numbers belong to the task itself (the program's instructions);
+        `seen`: what the attempts' tools returned (search results, pages), whose names and facts are as specific
+        to this task as the task's own."""
         sig = contrast_signature(list(library.active), self.max_words)
         reply = self._call(sig, task=task, better_attempt=better_attempt, worse_attempt=worse_attempt,
                            library=library.render() or EMPTY)
@@ -42,12 +44,13 @@ class ContrastLearner(dspy.Module):
         if rec["action"] == "modify" and rec["target_id"] == "none":
             rec["refused"] = "modify without a target id"
             return rec
-        terms = specific_terms(rec["rule"], task, allowed=allowed) + parroted_phrases(rec["rule"])
+        specific_to = f"{task}\n{seen}" if seen else task
+        terms = specific_terms(rec["rule"], specific_to, allowed=allowed) + parroted_phrases(rec["rule"])
         if terms:  # one chance to say it generally
             rec["specific"], rec["rewritten"] = terms, True
             rec["rule"] = str(self._call(GeneralizeRule, rule=rec["rule"], details=", ".join(terms)).general_rule
                               or "").strip()
-            still = specific_terms(rec["rule"], task, allowed=allowed) + parroted_phrases(rec["rule"])
+            still = specific_terms(rec["rule"], specific_to, allowed=allowed) + parroted_phrases(rec["rule"])
             if still:
                 rec["refused"] = f"repeats task-specific terms: {', '.join(still)}"
                 return rec

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -57,29 +58,24 @@ class _StageBars:
             console.print(f"{time.strftime('%H:%M:%S')} {stage}: {done}/{total}")
 
 
-def _task_parts(config: Config):
-    """(program factory, evaluation metric, loader, training reward) of the configured task."""
-    t = config.task
-    if t.name == "game24":
-        from tfgrpo.tasks.game24 import Game24Solver, game24_metric, game24_reward, load_game24
+@contextlib.contextmanager
+def _session(cfg: Config):
+    """(policy LM, reflection LM, task parts), with everything started for them stopped on exit."""
+    from tfgrpo.lms import open_lms
+    from tfgrpo.task import task_parts
 
-        reward = game24_reward if t.train_reward == "partial" else game24_metric
-        return Game24Solver, game24_metric, load_game24, reward
-    from tfgrpo.tasks.math.datasets import load_math
-    from tfgrpo.tasks.math.metric import math_metric
-    from tfgrpo.tasks.math.programs import make_program
-
-    return (lambda: make_program(t.program, max_iters=t.max_iters)), math_metric, load_math, math_metric
+    with open_lms(cfg) as (policy, reflection, judge), contextlib.ExitStack() as stack:
+        yield policy, reflection, task_parts(cfg, stack, policy=policy, judge_lm=judge)
 
 
-def _compile(config: Config, policy, reflection) -> Path:
+def _compile(config: Config, parts, policy, reflection) -> Path:
     import dspy
 
     from tfgrpo.optimizers import DirectExperiences, TrainingFreeGRPO
     from tfgrpo.plots import learning_curve
     from tfgrpo.programs import save_program
 
-    make, _, load, reward = _task_parts(config)
+    make, load, reward = parts.make, parts.load, parts.reward
     t, o, run_dir = config.task, config.optimizer, Path(config.run_dir)
     trainset = load(t.trainset, limit=t.train_limit, offset=t.train_offset)
     valset = load(t.valset, limit=t.val_limit) if t.valset else None
@@ -117,11 +113,11 @@ def _compile(config: Config, policy, reflection) -> Path:
     return run_dir / "program.json"
 
 
-def _evaluate(config: Config, policy, program_path: Path) -> dict:
+def _evaluate(config: Config, parts, policy, program_path: Path) -> dict:
     from tfgrpo.evaluate import evaluate_program, paired_difference, summarize, write_rows
     from tfgrpo.programs import load_program
 
-    make, metric, load, _ = _task_parts(config)
+    make, metric, load = parts.make, parts.metric, parts.load
     t, e, out = config.task, config.evaluate, Path(config.run_dir) / "eval"
     examples = load(t.evalset, limit=t.eval_limit, offset=t.eval_offset)
     programs = {"baseline": make(), "compiled": load_program(make(), program_path)}
@@ -132,11 +128,16 @@ def _evaluate(config: Config, policy, program_path: Path) -> dict:
         for name, program in programs.items():
             started = time.time()
             rows[name] = evaluate_program(program, examples, metric, lm=policy, num_runs=e.num_runs,
-                                          num_threads=e.num_threads, name=name, progress=bars)
+                                          num_threads=e.num_threads, name=name, progress=bars,
+                                          extra_metrics=parts.extra_metrics)
             seconds[name] = time.time() - started
             write_rows(rows[name], out / f"{name}.jsonl")
     summary = {name: {**summarize(r), "seconds": seconds[name]} for name, r in rows.items()}
     summary["paired"] = paired_difference(rows["baseline"], rows["compiled"], seed=e.seed)
+    for key in parts.extra_metrics:
+        summary[f"paired_{key}"] = paired_difference(rows["baseline"], rows["compiled"], seed=e.seed, key=key)
+    if parts.judge is not None:
+        summary["judge_calls"] = parts.judge.calls
     summary["evalset"] = {"name": t.evalset, "offset": t.eval_offset, "limit": t.eval_limit}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     _print_summary(summary)
@@ -144,18 +145,21 @@ def _evaluate(config: Config, policy, program_path: Path) -> dict:
 
 
 def _print_summary(summary: dict) -> None:
+    extras = list(summary["baseline"].get("metrics") or {})
     table = Table(title="held-out evaluation (same problems, same runs)")
-    for col in ("program", "problems", "k", "Mean@k", "Pass@k", "tool calls", "tokens in/out", "errors", "seconds"):
+    for col in ("program", "problems", "k", "Mean@k", "Pass@k", *extras, "tool calls", "tokens in/out", "errors",
+                "seconds"):
         table.add_column(col)
     for name in ("baseline", "compiled"):
         s = summary[name]
         table.add_row(name, str(s["problems"]), str(s["k"]), f"{s['mean_at_k']:.3f}", f"{s['pass_at_k']:.3f}",
-                      f"{s['tool_calls_per_problem']:.2f}", f"{s['prompt_tokens']}/{s['completion_tokens']}",
-                      str(s["errors"]), f"{s['seconds']:.0f}")
+                      *(f"{s['metrics'][k]:.3f}" for k in extras), f"{s['tool_calls_per_problem']:.2f}",
+                      f"{s['prompt_tokens']}/{s['completion_tokens']}", str(s["errors"]), f"{s['seconds']:.0f}")
     console.print(table)
-    p = summary["paired"]
-    console.print(f"compiled - baseline = {p['difference']:+.3f} (95% bootstrap CI {p['ci95'][0]:+.3f} .. "
-                  f"{p['ci95'][1]:+.3f}) over {p['problems']} problems; {p['wins']} better, {p['losses']} worse")
+    for label, key in [("", "paired")] + [(f" ({k})", f"paired_{k}") for k in extras]:
+        p = summary[key]
+        console.print(f"compiled - baseline{label} = {p['difference']:+.3f} (95% bootstrap CI {p['ci95'][0]:+.3f} .. "
+                      f"{p['ci95'][1]:+.3f}) over {p['problems']} problems; {p['wins']} better, {p['losses']} worse")
 
 
 def _print_library(state: dict) -> None:
@@ -180,11 +184,14 @@ def _tfgrpo_knobs(cfg: Config) -> dict:
 def _dry_run(cfg: Config) -> None:
     from tfgrpo.optimizers import TrainingFreeGRPO
     from tfgrpo.optimizers.estimate import estimate_run
+    from tfgrpo.task import task_parts
 
-    make, _, load, metric = _task_parts(cfg)
+    with contextlib.ExitStack() as stack:
+        parts = task_parts(cfg, stack)
+    make, load, metric = parts.make, parts.load, parts.reward
     trainset = load(cfg.task.trainset, limit=cfg.task.train_limit, offset=cfg.task.train_offset)
     knobs = _tfgrpo_knobs(cfg)
-    turns = cfg.task.max_iters + 1 if cfg.task.program == "react" else 1
+    turns = cfg.task.max_iters + 1 if cfg.task.program == "react" or cfg.task.name == "web" else 1
     optimizer = TrainingFreeGRPO(metric, **knobs)
     learner = cfg.reflection or cfg.policy
     path = optimizer.resolve_learning_path(learner.model)
@@ -204,14 +211,12 @@ def _dry_run(cfg: Config) -> None:
 def compile(config: Path, verbose: bool = typer.Option(False, "--verbose", "-v"),
             dry_run: bool = typer.Option(False, "--dry-run", help="estimate calls and tokens, call nothing")) -> None:
     """Run Training-Free GRPO; writes program.json, library.json, steps.jsonl and learning_curve.png."""
-    from tfgrpo.lms import open_lms
-
     _setup_logging(verbose)
     cfg = _load_config(config)
     if dry_run:
         return _dry_run(cfg)
-    with open_lms(cfg) as (policy, reflection):
-        path = _compile(cfg, policy, reflection)
+    with _session(cfg) as (policy, reflection, parts):
+        path = _compile(cfg, parts, policy, reflection)
     console.print(f"artifacts in {path.parent}")
 
 
@@ -219,25 +224,21 @@ def compile(config: Path, verbose: bool = typer.Option(False, "--verbose", "-v")
 def evaluate(config: Path, program: Path = typer.Option(..., "--program", help="a compiled program.json"),
              verbose: bool = typer.Option(False, "--verbose", "-v")) -> None:
     """Evaluate the uncompiled baseline and a compiled program on the same held-out problems."""
-    from tfgrpo.lms import open_lms
-
     _setup_logging(verbose)
     cfg = _load_config(config)
-    with open_lms(cfg) as (policy, _):
-        _evaluate(cfg, policy, program)
+    with _session(cfg) as (policy, _, parts):
+        _evaluate(cfg, parts, policy, program)
 
 
 @app.command()
 def run(config: Path, verbose: bool = typer.Option(False, "--verbose", "-v")) -> None:
     """compile, then evaluate the result against the baseline (the README's main job)."""
-    from tfgrpo.lms import open_lms
-
     _setup_logging(verbose)
     cfg = _load_config(config)
     started = time.time()
-    with open_lms(cfg) as (policy, reflection):
-        path = _compile(cfg, policy, reflection)
-        _evaluate(cfg, policy, path)
+    with _session(cfg) as (policy, reflection, parts):
+        path = _compile(cfg, parts, policy, reflection)
+        _evaluate(cfg, parts, policy, path)
     console.print(f"done in {(time.time() - started) / 60:.1f} min; artifacts in {path.parent}: program.json, "
                   "library.json, steps.jsonl, learning_curve.png, eval/")
 

@@ -46,7 +46,7 @@ class LMConfig(_Strict):
 
 
 class TaskConfig(_Strict):
-    name: Literal["math", "game24"] = "math"  # game24: the Game of 24, solved by a program the model writes
+    name: Literal["math", "game24", "web"] = "math"  # game24: a program the model writes; web: a search agent ([web])
     program: Literal["cot", "react"] = "cot"  # math only. cot: direct chain of thought; react: ReAct with a Python tool
     train_reward: Literal["partial", "strict"] = "partial"  # game24 only: partial credit while learning (see game24_reward)
     trainset: str = "gsm8k_train"  # builtin name, JSONL path or hub id (see tfgrpo.tasks.math.datasets, tasks.game24)
@@ -57,7 +57,22 @@ class TaskConfig(_Strict):
     evalset: str = "gsm8k_test"
     eval_limit: int | None = None
     eval_offset: int = 0
-    max_iters: int = Field(4, ge=1)  # react only: tool turns per problem
+    max_iters: int = Field(4, ge=1)  # react and web: tool turns per problem
+
+
+class WebConfig(_Strict):
+    """The web task's tools and reward (used when task.name = "web")."""
+
+    agent: Literal["step", "react"] = "step"  # step: one action + one string argument per turn (small models); react: dspy.ReAct
+    search: Literal["local", "serper", "tavily", "brave"] = "local"  # local: the offline site over `corpus`
+    api_key_env: str | None = None  # online backends: NAME of the key's variable (default SERPER_/TAVILY_/BRAVE_API_KEY)
+    corpus: str = "hotpotqa"  # local only: builtin corpus name or a JSONL file of {title, text} rows
+    site_url: str | None = None  # local only: a site already running (python -m tfgrpo.tasks.web.site); None: start one
+    top_k: int = Field(5, ge=1, le=20)  # results per search
+    snippet_chars: int = Field(300, ge=40)  # what the agent sees of each result
+    page_chars: int = Field(3000, ge=200)  # what the agent sees of an opened page
+    page_passages: bool = False  # with a goal, the policy LM keeps only a page's passages that serve it (the paper's page tool)
+    reward: Literal["judge", "f1", "em"] = "judge"  # learning reward; evaluation reports all three
 
 
 class OptimizerConfig(_Strict):
@@ -107,7 +122,9 @@ class EvaluateConfig(_Strict):
 class Config(_Strict):
     policy: LMConfig = LMConfig()
     reflection: LMConfig | None = None  # None: the policy LM also makes the learning calls
+    judge: LMConfig | None = None  # the web task's LLM judge; None: the reflection LM (else the policy LM)
     task: TaskConfig = TaskConfig()
+    web: WebConfig = WebConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
     run_dir: str = "runs/default"  # compiled program, library, stats, plots and evaluations go here

@@ -23,9 +23,11 @@ from tfgrpo.optimizers.usage import metered, stage_usage
 
 def evaluate_program(program: dspy.Module, examples: list, metric: Callable, *, lm: dspy.BaseLM, num_runs: int = 1,
                      num_threads: int = 4, name: str = "program",
-                     progress: Callable[[str, int, int], None] | None = None) -> list[dict]:
+                     progress: Callable[[str, int, int], None] | None = None,
+                     extra_metrics: dict[str, Callable] | None = None) -> list[dict]:
     """One row per (problem, run): score, tool calls, the extracted answer, and the program's error if it raised
-    (scored 0). A metric that fails stops the evaluation with a `MetricError`."""
+    (scored 0); `extra_metrics` (name -> metric) are scored too, under `metrics`. A metric that fails stops the
+    evaluation with a `MetricError`."""
     program = program.deepcopy()
     program.set_lm(lm)
     candidates, copies = [], []
@@ -39,9 +41,13 @@ def evaluate_program(program: dspy.Module, examples: list, metric: Callable, *, 
         i, r = job
         prediction, rec = run_program(candidates[r], examples[i])
         score, feedback = call_metric(metric, examples[i], prediction) if prediction is not None else (0.0, "")
-        return {"program": name, "problem": i, "run": r, "score": score, "feedback": feedback,
-                "answer": str((rec["outputs"] or {}).get("answer", "")), "tool_calls": rec["tool_calls"],
-                "error": rec["error"]}
+        row = {"program": name, "problem": i, "run": r, "score": score, "feedback": feedback,
+               "answer": str((rec["outputs"] or {}).get("answer", "")), "tool_calls": rec["tool_calls"],
+               "error": rec["error"]}
+        if extra_metrics:
+            row["metrics"] = {k: call_metric(m, examples[i], prediction)[0] if prediction is not None else 0.0
+                              for k, m in extra_metrics.items()}
+        return row
 
     with metered() as used:
         rows = run_parallel(run, jobs, num_threads=num_threads, stage=f"evaluate {name}", progress=progress)
@@ -51,11 +57,12 @@ def evaluate_program(program: dspy.Module, examples: list, metric: Callable, *, 
     return rows
 
 
-def per_problem(rows: list[dict]) -> dict[int, list[float]]:
-    """Scores grouped by problem: {problem: [score of run 0, run 1, ...]}."""
+def per_problem(rows: list[dict], key: str = "score") -> dict[int, list[float]]:
+    """Scores grouped by problem: {problem: [score of run 0, run 1, ...]}; `key` other than "score" names one of
+    the rows' extra metrics."""
     scores: dict[int, list[float]] = {}
     for row in rows:
-        scores.setdefault(row["problem"], []).append(row["score"])
+        scores.setdefault(row["problem"], []).append(row["score"] if key == "score" else row["metrics"][key])
     return scores
 
 
@@ -79,13 +86,16 @@ def summarize(rows: list[dict]) -> dict:
         "tool_calls_per_problem": statistics.fmean(r.get("tool_calls", 0) for r in rows) if rows else 0.0,
         "errors": sum(1 for r in rows if r.get("error")),
         "prompt_tokens": usage.get("prompt_tokens", 0), "completion_tokens": usage.get("completion_tokens", 0),
+        "metrics": {k: statistics.fmean(statistics.fmean(v) for v in per_problem(rows, k).values())
+                    for k in (rows[0].get("metrics") or {})} if rows else {},
     }
 
 
-def paired_difference(base: list[dict], other: list[dict], *, seed: int = 0, resamples: int = 10_000) -> dict:
-    """Mean per-problem difference (other - base) with a 95% bootstrap CI over problems."""
-    a = {p: statistics.fmean(v) for p, v in per_problem(base).items()}
-    b = {p: statistics.fmean(v) for p, v in per_problem(other).items()}
+def paired_difference(base: list[dict], other: list[dict], *, seed: int = 0, resamples: int = 10_000,
+                      key: str = "score") -> dict:
+    """Mean per-problem difference (other - base) of `key` with a 95% bootstrap CI over problems."""
+    a = {p: statistics.fmean(v) for p, v in per_problem(base, key).items()}
+    b = {p: statistics.fmean(v) for p, v in per_problem(other, key).items()}
     shared = sorted(set(a) & set(b))
     if not shared:
         raise ValueError("the two evaluations share no problem")

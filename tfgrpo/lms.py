@@ -15,12 +15,15 @@ logger = logging.getLogger(__name__)
 
 @contextlib.contextmanager
 def open_lms(config: Config):
-    """Yield `(policy_lm, reflection_lm)`; local servers started here are stopped on exit, errors and Ctrl-C."""
+    """Yield `(policy_lm, reflection_lm, judge_lm)`; local servers started here are stopped on exit, errors and
+    Ctrl-C. Without a [reflection] section the policy LM reflects; without a [judge] section the reflection LM
+    judges (the web task's reward)."""
     with contextlib.ExitStack() as stack:
-        started: dict[tuple, str] = {}  # one server per local model, shared by policy and reflection
+        started: dict[tuple, str] = {}  # one server per local model, shared by policy, reflection and judge
         policy = _build(config.policy, stack, started)
         reflection = _build(config.reflection, stack, started) if config.reflection else policy
-        yield policy, reflection
+        judge = _build(config.judge, stack, started) if config.judge else reflection
+        yield policy, reflection, judge
 
 
 def local_dspy_lm(model: str, api_base: str, *, max_tokens: int, **kwargs) -> dspy.LM:

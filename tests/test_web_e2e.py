@@ -156,3 +156,6 @@ def test_cli_runs_the_web_task_and_reports_all_three_scores(tmp_path):
     assert all(r["tool_calls"] == 1 and not r["error"] for r in rows)
     cached = (tmp_path / "run" / "judge_cache.jsonl").read_text().splitlines()
     assert summary["judge_calls"] == len(cached) >= 1  # baseline and compiled share the verdicts of equal answers
+    report = CliRunner().invoke(app, ["report", str(tmp_path / "run"), "--out", str(tmp_path / "rep")])
+    assert report.exit_code == 0, report.output
+    assert re.search(r"\| judge [01]\.\d{3}, em [01]\.\d{3} \| 1\.00 \|", (tmp_path / "rep" / "report.md").read_text())

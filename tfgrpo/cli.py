@@ -58,6 +58,15 @@ class _StageBars:
             console.print(f"{time.strftime('%H:%M:%S')} {stage}: {done}/{total}")
 
 
+def _load(load, name: str, **kwargs) -> list:
+    """A dataset, or a clear message and exit code 2 (unknown name, bad file, hub unreachable)."""
+    try:
+        return load(name, **kwargs)
+    except ValueError as exc:
+        console.print(f"[red]{exc}")
+        raise typer.Exit(2) from None
+
+
 @contextlib.contextmanager
 def _session(cfg: Config):
     """(policy LM, reflection LM, task parts), with everything started for them stopped on exit."""
@@ -77,8 +86,8 @@ def _compile(config: Config, parts, policy, reflection) -> Path:
 
     make, load, reward = parts.make, parts.load, parts.reward
     t, o, run_dir = config.task, config.optimizer, Path(config.run_dir)
-    trainset = load(t.trainset, limit=t.train_limit, offset=t.train_offset)
-    valset = load(t.valset, limit=t.val_limit) if t.valset else None
+    trainset = _load(load, t.trainset, limit=t.train_limit, offset=t.train_offset)
+    valset = _load(load, t.valset, limit=t.val_limit) if t.valset else None
     console.print(f"[bold]compile[/] {len(trainset)} training problems, G={o.num_generations}, "
                   f"{o.num_train_epochs} epoch(s), batch {o.batch_size} -> {run_dir}")
     dspy.configure(lm=policy)
@@ -119,7 +128,7 @@ def _evaluate(config: Config, parts, policy, program_path: Path) -> dict:
 
     make, metric, load = parts.make, parts.metric, parts.load
     t, e, out = config.task, config.evaluate, Path(config.run_dir) / "eval"
-    examples = load(t.evalset, limit=t.eval_limit, offset=t.eval_offset)
+    examples = _load(load, t.evalset, limit=t.eval_limit, offset=t.eval_offset)
     programs = {"baseline": make(), "compiled": load_program(make(), program_path)}
     console.print(f"[bold]evaluate[/] {len(examples)} problems x {e.num_runs} run(s), baseline and {program_path}")
     rows, seconds = {}, {}
@@ -189,7 +198,7 @@ def _dry_run(cfg: Config) -> None:
     with contextlib.ExitStack() as stack:
         parts = task_parts(cfg, stack)
     make, load, metric = parts.make, parts.load, parts.reward
-    trainset = load(cfg.task.trainset, limit=cfg.task.train_limit, offset=cfg.task.train_offset)
+    trainset = _load(load, cfg.task.trainset, limit=cfg.task.train_limit, offset=cfg.task.train_offset)
     knobs = _tfgrpo_knobs(cfg)
     turns = cfg.task.max_iters + 1 if cfg.task.program == "react" or cfg.task.name == "web" else 1
     optimizer = TrainingFreeGRPO(metric, **knobs)

@@ -42,8 +42,8 @@ def load_run(run_dir: Path) -> dict:
 
 
 def markdown(runs: list[dict]) -> str:
-    lines = ["| run | program | problems x k | Mean@k [95% CI] | Pass@k | tool calls | vs baseline [95% CI] "
-             "| experiences | learning tokens in/out |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | program | problems x k | Mean@k [95% CI] | Pass@k | other metrics | tool calls "
+             "| vs baseline [95% CI] | experiences | learning tokens in/out |", "|---|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
         base = run["evals"].get("baseline")
         prompt, completion = _learning_cost(run["steps"])
@@ -55,8 +55,9 @@ def markdown(runs: list[dict]) -> str:
                 p = paired_difference(base, rows)
                 diff = f"{p['difference']:+.3f} [{p['ci95'][0]:+.3f}, {p['ci95'][1]:+.3f}]"
             learned = name != "baseline"
+            others = ", ".join(f"{k} {v:.3f}" for k, v in s["metrics"].items()) or "-"  # web: judge / EM / F1
             lines.append(f"| {run['name']} | {name} | {s['problems']} x {s['k']} | {mean:.3f} [{lo:.3f}, {hi:.3f}] "
-                         f"| {s['pass_at_k']:.3f} | {s['tool_calls_per_problem']:.2f} | {diff} "
+                         f"| {s['pass_at_k']:.3f} | {others} | {s['tool_calls_per_problem']:.2f} | {diff} "
                          f"| {run['library_size'] if learned and run['library_size'] is not None else '-'} "
                          f"| {f'{prompt}/{completion}' if learned and run['steps'] else '-'} |")
     return "\n".join(lines) + "\n"

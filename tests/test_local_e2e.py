@@ -130,3 +130,24 @@ def test_game24_compiles_on_the_contrast_path(local_lm, tmp_path):
     assert step["operations_applied"]["add"] == len(compiled.experience_library), why
     reloaded = load_program(Game24Solver(), save_program(compiled, tmp_path / "game24.json"))
     assert reloaded.experience_library.texts() == compiled.experience_library.texts()
+
+
+@pytest.mark.local_model
+def test_web_step_agent_and_judge_on_the_real_model(local_lm):
+    """The offline web task on the real model: every step is decoded under its JSON schema (llama.cpp's
+    json_object form), so each turn is a legal action whatever the model writes, and the run ends in an answer
+    within max_iters tool calls; the judge's verdict is read under its schema too."""
+    from tfgrpo.tasks.web import LLMJudge, PageFetcher, StepAgent, WebTools
+    from tfgrpo.tasks.web.search import make_backend
+    from tfgrpo.tasks.web.site import running_site
+
+    dspy.configure(lm=local_lm)
+    question = "What government position was held by the woman who portrayed Corliss Archer in the film Kiss and Tell?"
+    with running_site() as base:
+        tools = WebTools(make_backend("local", base_url=base), fetcher=PageFetcher(allowed_origins=[base]), top_k=3)
+        pred = StepAgent(tools, max_iters=2, constrained="json_object")(question=question)
+    names = [v for k, v in pred.trajectory.items() if k.startswith("tool_name_")]
+    assert names[-1] == "finish" and set(names[:-1]) <= {"search", "open_page"} and len(names) <= 3
+    assert isinstance(pred.answer, str)
+    correct, reason = LLMJudge(local_lm, constrained="json_object")(question, "Chief of Protocol", pred.answer or "none")
+    assert isinstance(correct, bool) and isinstance(reason, str)

@@ -159,3 +159,22 @@ def test_cli_runs_the_web_task_and_reports_all_three_scores(tmp_path):
     report = CliRunner().invoke(app, ["report", str(tmp_path / "run"), "--out", str(tmp_path / "rep")])
     assert report.exit_code == 0, report.output
     assert re.search(r"\| judge [01]\.\d{3}, em [01]\.\d{3} \| 1\.00 \|", (tmp_path / "rep" / "report.md").read_text())
+
+
+def test_tools_turn_failures_into_messages_and_keep_goal_passages(site):
+    from tfgrpo.tasks.web import open_page
+
+    assert open_page(f"{site}/wiki/Shirley_Temple").startswith("refused: 127.0.0.1 is a loopback")  # safe as imported
+    tools = tools_for(site)
+    assert tools.open_page("http://169.254.169.254/latest/meta-data/").startswith("refused: 169.254.169.254 is a cloud metadata")
+    assert tools.open_page(f"{site}/wiki/No_such_page").startswith("HTTP 404")
+    dead = WebTools(make_backend("local", base_url="http://127.0.0.1:9"), top_k=3)  # nothing listens there
+    assert dead.search("anything").startswith("search failed: ")
+    page_lm = ScriptedLM(lambda m, k: {"passages": "she served as Chief of Protocol"})
+    reader = WebTools(make_backend("local", base_url=site), fetcher=PageFetcher(allowed_origins=[site]), page_lm=page_lm)
+    url = f"{site}/wiki/Shirley_Temple"
+    assert reader.open_page(url, goal="her government position") == "she served as Chief of Protocol"
+    assert "Chief of Protocol" in page_lm.calls[0]["messages"][-1]["content"]  # the page text went to the page LM
+    assert reader.open_page(url).startswith("Shirley Temple")  # without a goal: the page's main text
+    long = WebTools(make_backend("local", base_url=site), fetcher=PageFetcher(allowed_origins=[site]), page_chars=200)
+    assert long.open_page(url).endswith("[... page cut ...]") and len(long.open_page(url)) < 230

@@ -3,7 +3,9 @@
 Per group with reward contrast, the best attempts are paired with the worst ones (at most
 `max_operations_per_group` pairs); each pair is one `ContrastLearner` call that proposes at most one
 operation. The batch's proposals are folded in code instead of by a consolidation call: a proposal that
-says what an existing experience (or an earlier proposal) already says is dropped as redundant.
+says what an existing experience (or an earlier proposal) already says is dropped as redundant. Attempts that
+used tools are shown as their actions, without what the tools returned, and a rule may not repeat the names in
+those returns either: a 1.5B reflector otherwise writes the facts it was shown as "rules".
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import dspy
 from tfgrpo.optimizers.parallel import Failed
 from tfgrpo.optimizers.paths import LearningPath
 from tfgrpo.optimizers.render import clip, format_fields, outcome, query_key
-from tfgrpo.optimizers.rollout import tool_observations
+from tfgrpo.optimizers.rollout import tool_actions, tool_observations
 from tfgrpo.programs.contrast_learner import ContrastLearner
 from tfgrpo.signatures.operations import Operation
 
@@ -101,7 +103,10 @@ class ContrastPath(LearningPath):
         self.allowed = " ".join(p.signature.instructions for _, p in self.program.named_predictors())
 
     def _shown(self, record: dict) -> str:
-        return f"{clip(record['attempt'], 2000)}\nresult: {outcome(record)}"
+        """A tool-using attempt is shown as its actions (a small model copies the facts its tools returned into
+        its "rules"); any other attempt as recorded."""
+        actions = tool_actions(record)
+        return f"{clip(chr(10).join(actions) if actions else record['attempt'], 2000)}\nresult: {outcome(record)}"
 
     def learn(self, qi):
         pairs = contrast_pairs([self.records[(qi, g)]["reward"] for g in range(self.G)],

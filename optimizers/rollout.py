@@ -12,7 +12,7 @@ from typing import Any
 import dspy
 
 from tfgrpo.optimizers.checkpoint import jsonable
-from tfgrpo.optimizers.render import as_text, clip
+from tfgrpo.optimizers.render import as_text, clip, format_fields
 
 MAX_VALUE_CHARS = 2000  # one recorded input or output value of a trace (head and tail kept)
 
@@ -62,6 +62,31 @@ def tool_observations(record: dict) -> list[str]:
     if not isinstance(trajectory, dict):
         return []
     return [as_text(v) for k, v in trajectory.items() if k.startswith("observation_")]
+
+
+FAILED_TOOL = ("Execution error", "refused", "search failed", "HTTP ", "could not open", "timed out")  # failures stay visible
+
+
+def tool_actions(record: dict) -> list[str]:
+    """A tool-using attempt as what it did: each call with its arguments, then its answer. What a tool returned is
+    left out (only its size, or a failure's message), so a learner sees the strategy, not the facts it found."""
+    outputs = record.get("outputs") or {}
+    trajectory = outputs.get("trajectory")
+    if not isinstance(trajectory, dict):
+        return []
+    lines, i = [], 0
+    while f"tool_name_{i}" in trajectory:
+        name, args = trajectory[f"tool_name_{i}"], trajectory.get(f"tool_args_{i}") or {}
+        if name == "finish":
+            break
+        shown = ", ".join(f"{clip(as_text(v), 300)}" for v in args.values()) if isinstance(args, dict) else as_text(args)
+        seen = as_text(trajectory.get(f"observation_{i}", ""))
+        result = clip(seen, 160) if seen.startswith(FAILED_TOOL) else f"({len(seen)} characters returned)"
+        lines.append(f"{i + 1}. {name}({shown}) -> {result}")
+        i += 1
+    answer = {k: v for k, v in outputs.items() if k not in ("trajectory", "reasoning")}
+    lines.append(f"{i + 1}. final: {format_fields(answer)}" if answer else f"{i + 1}. no final answer")
+    return lines
 
 
 def _record_trace(trace: list, program: dspy.Module) -> list[dict]:

@@ -91,6 +91,9 @@ def test_compile_learns_the_rule_then_saves_and_loads(site, tmp_path):
     assert RULE not in student.step.signature.instructions  # the student is never changed
     steps = compiled.detailed_results["steps"]
     assert steps[0]["tool_calls_mean"] > 1.0 and 0 < steps[0]["mean_reward"] < 1
+    learner_saw = next(c for c in lm.calls if "difference" in output_fields(c["messages"]))["messages"][-1]["content"]
+    assert "open_page(http://127.0.0.1:" in learner_saw and "characters returned)" in learner_saw  # the actions...
+    assert "ambassador to Ghana" not in learner_saw  # ...not the page they read (a small model copies facts)
 
     path = save_program(compiled, tmp_path / "program.json")
     loaded = load_program(StepAgent(tools_for(site), max_iters=3), path)

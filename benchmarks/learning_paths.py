@@ -14,6 +14,7 @@ written to the run. Prints, per path: LM calls, seconds, operations proposed, ho
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -24,9 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import tfgrpo  # noqa: E402,F401
 import dspy  # noqa: E402
 
-from tfgrpo.cli import _task_parts, _tfgrpo_knobs  # noqa: E402
+from tfgrpo.cli import _tfgrpo_knobs  # noqa: E402
 from tfgrpo.config import Config  # noqa: E402
 from tfgrpo.lms import open_lms  # noqa: E402
+from tfgrpo.task import task_parts  # noqa: E402
 from tfgrpo.optimizers import TrainingFreeGRPO  # noqa: E402
 from tfgrpo.optimizers.checkpoint import Checkpoint  # noqa: E402
 from tfgrpo.optimizers.contrast import ContrastPath  # noqa: E402
@@ -56,6 +58,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("config")
     ap.add_argument("--step", type=int, default=0)
+    ap.add_argument("--paths", default="paper,contrast", help="which learning paths to run, comma-separated")
     args = ap.parse_args()
     cfg = Config.load(args.config)
     ckpt_dir = Path(cfg.run_dir) / "checkpoint"
@@ -63,7 +66,9 @@ def main() -> None:
     records = _records(step_dir)
     if not records:
         sys.exit(f"no rollouts in {step_dir}: run `tfgrpo compile {args.config}` first")
-    make, _, load, reward = _task_parts(cfg)
+    stack = contextlib.ExitStack()  # the web task's local site, for as long as the programs are used
+    parts = task_parts(cfg, stack)
+    make, load, reward = parts.make, parts.load, parts.reward
     trainset = load(cfg.task.trainset, limit=cfg.task.train_limit, offset=cfg.task.train_offset)
     G = cfg.optimizer.num_generations
     batch = sorted({qi for qi, _ in records})
@@ -75,9 +80,9 @@ def main() -> None:
     queries = {query_key(trainset[qi], qi): str(trainset[qi].inputs().toDict()) for qi in batch}
     allowed = " ".join(p.signature.instructions for _, p in make().named_predictors())
     lines = []
-    with open_lms(cfg) as (policy, reflection, _):
+    with stack, open_lms(cfg) as (policy, reflection, _):
         dspy.configure(lm=policy)
-        for path in ("paper", "contrast"):
+        for path in args.paths.split(","):
             knobs = {**_tfgrpo_knobs(cfg), "learning_path": path}
             opt = TrainingFreeGRPO(reward, reflection_lm=reflection, **knobs)
             library, stats = ExperienceLibrary.from_state(start.dump_state()), {"usage": {}, "step": args.step}

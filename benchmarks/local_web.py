@@ -22,13 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import dspy  # noqa: E402
 
 from tfgrpo.lms import local_dspy_lm  # noqa: E402
+from tfgrpo.optimizers.rollout import FAILED_TOOL  # noqa: E402
 from tfgrpo.local_model import ensure_server  # noqa: E402
 from tfgrpo.tasks.web import PageFetcher, StepAgent, WebTools, load_web, react_agent, token_f1  # noqa: E402
 from tfgrpo.tasks.web.search import make_backend  # noqa: E402
 from tfgrpo.tasks.web.site import running_site  # noqa: E402
-
-FAILED = ("Execution error", "refused", "search failed", "HTTP ", "could not open", "timed out")
-
 
 def run(agent, examples) -> dict:
     seconds, calls, failed, f1 = [], [], [], []
@@ -43,7 +41,7 @@ def run(agent, examples) -> dict:
         seconds.append(time.time() - started)
         names = [k for k, v in trajectory.items() if k.startswith("tool_name_") and v != "finish"]
         calls.append(len(names))
-        failed.append(sum(str(trajectory.get(k.replace("tool_name", "observation"), "")).startswith(FAILED) for k in names))
+        failed.append(sum(str(trajectory.get(k.replace("tool_name", "observation"), "")).startswith(FAILED_TOOL) for k in names))
         f1.append(token_f1(answer, ex.answer))
         print(f"  {seconds[-1]:5.1f} s, {calls[-1]} calls ({failed[-1]} failed), F1 {f1[-1]:.2f}: {answer[:60]!r}")
     return {"s": statistics.fmean(seconds), "calls": statistics.fmean(calls), "failed": statistics.fmean(failed),

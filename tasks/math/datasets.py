@@ -82,7 +82,7 @@ def _line_number(path: Path, row_index: int) -> int:
     return row_index + 1  # not found (e.g. a JSON array file): fall back to the record number
 
 
-def _read_jsonl_plain(path: Path) -> list[tuple[int, dict]]:
+def read_jsonl_rows(path: Path) -> list[tuple[int, dict]]:
     """Parse a JSONL file with the json module: (1-based line, row) pairs, blank lines skipped."""
     rows = []
     with path.open(encoding="utf-8") as handle:
@@ -197,7 +197,7 @@ def load_math(
             raise ValueError(f"could not load math dataset {source!r}: {exc}") from exc
         # Arrow is strict (one type per column, no stray text): re-read the file line by line,
         # which either succeeds or names the exact line that is not a JSON object.
-        rows = _read_jsonl_plain(Path(source))
+        rows = read_jsonl_rows(Path(source))
     else:
         rows = None
 

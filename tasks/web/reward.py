@@ -27,8 +27,11 @@ from tfgrpo.programs.learning import LearningCallError, call_with_one_retry, sin
 logger = logging.getLogger(__name__)
 
 
+PUNCTUATION = frozenset(string.punctuation)
+
+
 def normalize_answer(text: str) -> str:
-    text = "".join(ch for ch in str(text).lower() if ch not in set(string.punctuation))
+    text = "".join(ch for ch in str(text).lower() if ch not in PUNCTUATION)
     text = re.sub(r"\b(a|an|the)\b", " ", text)
     return " ".join(text.split())
 

@@ -27,6 +27,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
+from tfgrpo.tasks.math.datasets import read_jsonl_rows
+
 DATA_DIR = Path(__file__).resolve().parent / "data"
 BUILTIN_CORPORA = {"hotpotqa": DATA_DIR / "hotpotqa" / "corpus.jsonl"}
 MAX_K = 20  # results per search request, at most
@@ -45,21 +47,14 @@ def corpus_path(name_or_path: str | Path) -> Path:
 def read_corpus(path: Path) -> list[dict]:
     """The corpus rows; a row without a title or text, or a repeated title, is an error naming its line."""
     docs, seen = [], set()
-    with Path(path).open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}, line {number}: not valid JSON ({exc.msg})") from None
-            title, text = (str(row.get(k) or "").strip() if isinstance(row, dict) else "" for k in ("title", "text"))
-            if not title or not text:
-                raise ValueError(f"{path}, line {number}: a document needs a non-empty 'title' and 'text'")
-            if title in seen:
-                raise ValueError(f"{path}, line {number}: the title {title!r} appears twice")
-            seen.add(title)
-            docs.append({"title": title, "text": text})
+    for number, row in read_jsonl_rows(Path(path)):  # the math sets' reader: bad JSON names its line
+        title, text = (str(row.get(k) or "").strip() for k in ("title", "text"))
+        if not title or not text:
+            raise ValueError(f"{path}, line {number}: a document needs a non-empty 'title' and 'text'")
+        if title in seen:
+            raise ValueError(f"{path}, line {number}: the title {title!r} appears twice")
+        seen.add(title)
+        docs.append({"title": title, "text": text})
     if not docs:
         raise ValueError(f"{path}: no documents")
     return docs

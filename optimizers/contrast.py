@@ -20,7 +20,7 @@ from tfgrpo.optimizers.paths import LearningPath
 from tfgrpo.optimizers.render import clip, format_fields, outcome, query_key
 from tfgrpo.optimizers.rollout import tool_actions, tool_observations
 from tfgrpo.programs.contrast_learner import ContrastLearner
-from tfgrpo.signatures.operations import Operation
+from tfgrpo.signatures.operations import ExcerptOperation, Operation
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,8 @@ class ContrastPath(LearningPath):
         super().__init__(*args)
         self.lms = {"contrast": self.reflection_lm.copy()}
         self.learner = ContrastLearner(max_words=self.opt.max_words_per_experience,
-                                       constrained=constrained_mode(self.opt.constrained_decoding, self.reflection_lm))
+                                       constrained=constrained_mode(self.opt.constrained_decoding, self.reflection_lm),
+                                       max_excerpt_lines=self.opt.max_excerpt_lines)
         self.allowed = " ".join(p.signature.instructions for _, p in self.program.named_predictors())
 
     def _shown(self, record: dict) -> str:
@@ -121,7 +122,7 @@ class ContrastPath(LearningPath):
                 with dspy.context(lm=self.lms["contrast"]):
                     return self.learner(task=task, better_attempt=self._shown(self.records[(qi, b)]),
                                         worse_attempt=self._shown(self.records[(qi, w)]), library=self.library,
-                                        allowed=self.allowed, seen=seen)
+                                        allowed=self.allowed, seen=seen, better_code=self.records[(qi, b)]["attempt"])
 
             return self._call(f"{self.key}/contrasts/{qi}_{b}_{w}", call)
 
@@ -146,7 +147,7 @@ class ContrastPath(LearningPath):
             if rec["refused"]:
                 logger.warning("Refused a rule from query %s: %s (%r)", qi, rec["refused"], rec["rule"][:80])
             if rec["operation"]:
-                proposals.append((query_key(self.trainset[qi], qi), Operation.model_validate(rec["operation"])))
+                proposals.append((query_key(self.trainset[qi], qi), ExcerptOperation.model_validate(rec["operation"])))
         plan, counts["redundant"] = fold(self.library.texts(), [op for _, op in proposals])
         stats["consolidation"] = f"folded in code: {len(plan)} of {len(proposals)} kept"
         return plan, proposals, counts

@@ -18,17 +18,27 @@ import statistics
 import dspy
 
 
-def demo_candidates(records: dict, kept: list[int], num_generations: int, step: int, keys: dict[int, str]) -> list[dict]:
-    """Per query with reward contrast: its best attempt, if it fully succeeded, with its group advantage."""
+def demo_candidates(records: dict, kept: list[int], num_generations: int, step: int, keys: dict[int, str], *,
+                    min_reward: float = 1.0) -> list[dict]:
+    """Per query with reward contrast: its best attempt, if its reward reaches `min_reward` (1: it fully succeeded;
+    a probe judges candidates by what they do elsewhere, so it takes any that ran), with its group advantage."""
     found = []
     for qi in kept:
         rewards = [records[(qi, g)]["reward"] for g in range(num_generations)]
         best = max(range(num_generations), key=lambda g: (rewards[g], -g))
         record = records[(qi, best)]
-        if rewards[best] >= 1 and not record["error"] and record["trace"]:
-            found.append({"query": keys[qi], "step": step, "advantage": rewards[best] - statistics.fmean(rewards),
-                          "trace": record["trace"]})
+        if rewards[best] >= min_reward and rewards[best] > 0 and not record["error"] and record["trace"]:
+            found.append({"query": keys[qi], "step": step, "reward": rewards[best],
+                          "advantage": rewards[best] - statistics.fmean(rewards), "trace": record["trace"]})
     return found
+
+
+def keep_best(demos: list[dict], n: int) -> list[dict]:
+    """The `n` probed demos with the highest gain on the probe (the earlier step first on ties), one per query."""
+    best_per_query: dict[str, dict] = {}
+    for demo in sorted(demos, key=lambda d: (-d.get("gain", 0.0), d["step"], d["query"])):
+        best_per_query.setdefault(demo["query"], demo)
+    return list(best_per_query.values())[: max(n, 0)]
 
 
 def select_demos(pool: list[dict], new: list[dict], max_demos: int) -> list[dict]:

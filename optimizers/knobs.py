@@ -61,6 +61,9 @@ KNOBS: dict[str, Knob] = {
                                         all(isinstance(n, str) for n in v)),
                               "None or a non-empty list of predictor names"),
     "max_demos": Knob(_int(0), "an integer >= 0", fingerprinted=True),
+    "max_excerpt_lines": Knob(_int(0), "an integer >= 0", fingerprinted=True),
+    "probe_size": Knob(_int(0), "an integer >= 0", fingerprinted=True),
+    "max_probed_edits": Knob(_int(1), "an integer >= 1", fingerprinted=True),
     # execution
     "num_threads": Knob(_int(1), "an integer >= 1"),
     "max_failure_rate": Knob(_number(0, 1), "a number in [0, 1]"),

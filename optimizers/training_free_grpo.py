@@ -29,14 +29,15 @@ from dspy.teleprompt.teleprompt import Teleprompter
 
 from tfgrpo.optimizers.checkpoint import Checkpoint, digest
 from tfgrpo.optimizers.contrast import SMALL_REFLECTOR_B, ContrastPath, model_size_b
-from tfgrpo.optimizers.demos import apply_demos, demo_candidates, select_demos
+from tfgrpo.optimizers.demos import apply_demos, demo_candidates, keep_best, select_demos
 from tfgrpo.optimizers.knobs import KNOBS, check_knob, fingerprinted_knobs
 from tfgrpo.optimizers.parallel import StageBars, TooManyFailuresError, WaitFor, run_flows, run_parallel
 from tfgrpo.optimizers.paths import PaperPath
+from tfgrpo.optimizers.probe import Candidate, probe_queries, run_probe
 from tfgrpo.optimizers.render import format_attempt, query_key
 from tfgrpo.optimizers.rewards import call_metric, reference_example, score_attempt
 from tfgrpo.optimizers.rollout import run_program, with_own_lms
-from tfgrpo.optimizers.usage import add_usage, history_kept, metered_stages, over_budget, stage_usage
+from tfgrpo.optimizers.usage import add_usage, history_kept, metered, metered_stages, over_budget, stage_usage
 from tfgrpo.programs.inject import LIBRARY_KEY, apply_library, resolve_targets
 from tfgrpo.programs.library import ExperienceLibrary
 
@@ -80,6 +81,17 @@ class TrainingFreeGRPO(Teleprompter):
             query's best attempt that fully succeeded (reward >= 1) while its groupmates did worse, ranked by
             group advantage, one per query (see optimizers/demos.py). An extension of the paper for small
             policy models, which copy a working example far better than they follow advice. Default 0 (off).
+        max_excerpt_lines: Contrast path: a rule the reflection LM adds carries up to this many lines copied from
+            the better attempt (code, a formula, a tool-call pattern), picked by the LM and checked in code to be
+            copied, not invented (programs/excerpt.py). An extension for small reflection LMs, which select code
+            far better than they describe it. Default 0 (off).
+        probe_size: Each step's candidate edits (library operations, demos) are tried on this many training
+            queries outside the step's batch, one attempt each, against the current program on the same queries:
+            an operation is kept only if it does not lower the mean reward, a demo only if it raises it, and demos
+            are ranked by that gain (optimizers/probe.py). Needs use_ground_truth. Default 0 (off: every valid
+            operation is applied, as in the paper).
+        max_probed_edits: Most candidate edits probed per step (half of them demos, when max_demos > 0); edits
+            beyond it are dropped. Default 3.
         num_threads: Concurrent LM calls of a step (all stages share them). Default 8.
         max_failure_rate: When more than this share of a step's attempts, summaries or group advantages
             fail, the run stops with `TooManyFailuresError` and the step is not done; a resume redoes the
@@ -116,6 +128,9 @@ class TrainingFreeGRPO(Teleprompter):
         max_words_per_experience: int = 32,  # longer experiences are refused
         target_predictors: list[str] | None = None,  # predictor names that get the library; None: all
         max_demos: int = 0,  # keep this many winning attempts as few-shot demos (an extension; 0: the paper's method)
+        max_excerpt_lines: int = 0,  # contrast path: rules carry this many lines copied from the better attempt
+        probe_size: int = 0,  # try each edit on this many other training queries before keeping it (0: off)
+        max_probed_edits: int = 3,  # most candidate edits probed per step
         # execution
         num_threads: int = 8,  # concurrent LM calls of a step (rollouts and learning calls share them)
         max_failure_rate: float = 0.5,  # stop when more of a stage's units than this fail (the checkpoint stays)
@@ -129,6 +144,9 @@ class TrainingFreeGRPO(Teleprompter):
         self.metric = metric
         for name in KNOBS:  # every knob is checked (knobs.py) and kept under its own name
             setattr(self, name, check_knob(name, locals()[name]))
+        if probe_size and not use_ground_truth:
+            raise ValueError("probe_size needs use_ground_truth=True: a probe scores single attempts, which have no "
+                             "group to take a majority answer from")
 
     # -- the outer loop -------------------------------------------------------------------------------------
     def compile(self, student: dspy.Module, *, trainset: list, teacher=None, valset: list | None = None) -> dspy.Module:
@@ -163,7 +181,7 @@ class TrainingFreeGRPO(Teleprompter):
                 steps.append(stats)
                 step += 1
                 for stage, usage in stats["usage"].items():
-                    add_usage(totals["policy" if stage == "rollout" else "reflection"], usage)
+                    add_usage(totals["policy" if stage in ("rollout", "probe") else "reflection"], usage)
                 stopped = over_budget(totals, max_total_tokens=self.max_total_tokens, max_cost=self.max_cost)
             if stopped:
                 logger.warning("Stopping early: %s", stopped)
@@ -268,10 +286,14 @@ class TrainingFreeGRPO(Teleprompter):
         plan, proposals, learned = path.finish(kept)  # failure checks of the learning calls, then the plan
         finished_at["learning"] = time.time() - t0
 
-        # 7. the plan is validated and applied in code, all or nothing
-        if self.max_demos:  # winning attempts as demos (optimizers/demos.py)
-            keys = {qi: query_key(trainset[qi], qi) for qi in kept}
+        # 7. (probe_size) each edit tried on other training queries first; 8. the plan applied in code, all or nothing
+        keys = {qi: query_key(trainset[qi], qi) for qi in kept}
+        if self.probe_size:
+            plan, demos = self._probe(program, targets, library, demos, plan, records, kept, keys, trainset, batch,
+                                      step, key, ckpt, stats)
+        elif self.max_demos:  # winning attempts as demos (optimizers/demos.py)
             demos = select_demos(demos, demo_candidates(records, kept, G, step, keys), self.max_demos)
+        if self.max_demos:
             stats["demos"] = [d["query"] for d in demos]
         sources = sorted({q for q, _ in proposals})
         report = library.apply(plan, step=step, sources=sources)
@@ -282,6 +304,55 @@ class TrainingFreeGRPO(Teleprompter):
                     step, stats["operations_proposed"], report.applied, len(report.rejected), len(library))
         ckpt.put(f"{key}/done", {"library": library.dump_state(), "demos": demos, "stats": stats})
         return library, demos, stats
+
+    def _probe(self, program, targets, library, demos, plan, records, kept, keys, trainset, batch, step, key, ckpt,
+               stats):
+        """The plan's operations and the step's demo candidates, each tried against the current program on the same
+        training queries outside the batch (optimizers/probe.py); returns the kept plan and the demos."""
+        found = demo_candidates(records, kept, self.num_generations, step, keys, min_reward=0.0) if self.max_demos else []
+        found = sorted(found, key=lambda d: (-d["reward"], -d["advantage"], d["query"]))[: (self.max_probed_edits + 1) // 2]
+        candidates = [Candidate(label=f"demo from {d['query']} (reward {d['reward']:.2f})", demo=d) for d in found]
+        for op in plan:
+            if len(candidates) >= self.max_probed_edits:
+                break
+            trial = ExperienceLibrary.from_state(library.dump_state())
+            if trial.apply([op], step=step).num_applied:  # an operation the library refuses is not worth a probe
+                candidates.append(Candidate(label=f"{op.action} {op.ids or ''} {op.text[:60]!r}", operations=(op,)))
+        stats["probe"] = {"candidates": [], "unprobed": len(plan) + len(found) - len(candidates)}
+        if not candidates:
+            return [], demos
+        programs = [self._with_learned(program, targets, library, demos)]
+        for c in candidates:
+            if c.demo is not None:
+                programs.append(self._with_learned(program, targets, library, keep_best(demos, self.max_demos - 1) + [c.demo]))
+            else:
+                trial = ExperienceLibrary.from_state(library.dump_state())
+                trial.apply(list(c.operations), step=step)
+                programs.append(self._with_learned(program, targets, trial, demos))
+        rollout_id = int(digest([self.seed, step, "probe"]), 16) % 2**31
+        lms, runnable = [], []
+        for p in programs:
+            cand, copies = with_own_lms(p, rollout_id=rollout_id, temperature=self.temperature)
+            runnable.append(cand)
+            lms += copies
+
+        def run_units(fn, jobs):
+            def unit(job):
+                rec = fn(job)
+                ckpt.put(f"{key}/probes/{job[0]}_{job[1]}", rec)
+                return rec
+            return self._parallel(unit, jobs, "probe")
+
+        queries = probe_queries(len(trainset), batch, self.probe_size, seed=self.seed, step=step)
+        with metered() as used:
+            result = run_probe(runnable, candidates, queries=queries, trainset=trainset, metric=self.metric,
+                               unit_of=lambda p, qi: f"{key}/probes/{p}_{qi}", cached=ckpt.get, run_units=run_units)
+        stats["usage"]["probe"] = stage_usage(used, lms)
+        stats["probe"].update(result.to_dict(candidates))
+        kept_ops = [op for c, k in zip(candidates, result.kept) if k for op in c.operations]
+        gained = [dict(c.demo, gain=m - result.base) for c, m, k in zip(candidates, result.means, result.kept)
+                  if k and c.demo is not None]
+        return kept_ops, keep_best(demos + gained, self.max_demos)
 
     # -- pieces ---------------------------------------------------------------------------------------------
     def resolve_learning_path(self, reflection_model: str) -> str:

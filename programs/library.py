@@ -34,6 +34,7 @@ class Edit(BaseModel):
 class Experience(BaseModel):
     id: str
     text: str
+    excerpt: str = ""  # lines copied from a winning attempt that show the advice carried out (optional)
     created_step: int
     sources: list[str] = Field(default_factory=list)  # keys of the training queries it was learned from
     history: list[Edit] = Field(default_factory=list)
@@ -49,6 +50,13 @@ class ApplyReport:
     @property
     def num_applied(self) -> int:
         return sum(self.applied.values())
+
+
+MAX_EXCERPT_LINES = 40  # an excerpt longer than this is refused: it is a whole program, not an excerpt
+
+
+def _fenced(excerpt: str) -> str:
+    return "\n" + "\n".join("    " + line for line in ["```", *excerpt.splitlines(), "```"])
 
 
 def _words(text: str) -> int:
@@ -84,8 +92,9 @@ class ExperienceLibrary(Parameter):
         return [e.text for e in self.active.values()]
 
     def render(self) -> str:
-        """The library as the numbered lines that go into prompts: `[E3] When ..., ...`."""
-        return "\n".join(f"[{e.id}] {e.text}" for e in self.active.values())
+        """The library as the numbered lines that go into prompts: `[E3] When ..., ...`, each followed by its
+        excerpt, if it has one, as an indented fenced block."""
+        return "\n".join(f"[{e.id}] {e.text}" + (_fenced(e.excerpt) if e.excerpt else "") for e in self.active.values())
 
     # -- writing -------------------------------------------------------------------------------------------
     def apply(self, operations: list[Operation], *, step: int, sources: list[str] | None = None) -> ApplyReport:
@@ -116,17 +125,21 @@ class ExperienceLibrary(Parameter):
         for i in op.ids:
             if i not in self.active:
                 return f"unknown ID {i}" if i not in self.retired else f"ID {i} was already retired"
+        excerpt = getattr(op, "excerpt", "")
         if op.action != "delete":
             problem = self._check_text(op.text, ignore=op.ids)
             if problem:
                 return problem
+            if len(excerpt.splitlines()) > MAX_EXCERPT_LINES:
+                return f"an excerpt of {len(excerpt.splitlines())} lines, over the limit of {MAX_EXCERPT_LINES}"
         if op.action == "add":
             if self.max_experiences is not None and len(self.active) >= self.max_experiences:
                 return f"library is full ({self.max_experiences} experiences)"
-            self._add(op.text, step=step, sources=sources, history=Edit(step=step, action="add", text=op.text))
+            self._add(op.text, step=step, sources=sources, history=Edit(step=step, action="add", text=op.text),
+                      excerpt=excerpt)
         elif op.action == "modify":
             exp = self.active[op.ids[0]]
-            exp.text = op.text
+            exp.text, exp.excerpt = op.text, excerpt or exp.excerpt
             exp.sources = list(dict.fromkeys(exp.sources + sources))
             exp.history.append(Edit(step=step, action="modify", text=op.text))
         elif op.action == "delete":
@@ -156,8 +169,9 @@ class ExperienceLibrary(Parameter):
                 return f"duplicate of {e.id}"
         return None
 
-    def _add(self, text: str, *, step: int, sources: list[str], history: Edit) -> Experience:
-        exp = Experience(id=f"E{self.next_id}", text=text, created_step=step, sources=list(sources), history=[history])
+    def _add(self, text: str, *, step: int, sources: list[str], history: Edit, excerpt: str = "") -> Experience:
+        exp = Experience(id=f"E{self.next_id}", text=text, excerpt=excerpt, created_step=step, sources=list(sources),
+                         history=[history])
         self.next_id += 1
         self.active[exp.id] = exp
         return exp

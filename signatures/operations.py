@@ -53,6 +53,14 @@ class Operation(BaseModel):
         return "" if value is None else str(value).strip()
 
 
+class ExcerptOperation(Operation):
+    """An operation whose experience carries an excerpt copied from a winning attempt (code, a formula, a tool-call
+    pattern). Built in code from a checked excerpt, never asked of an LM as a whole, so `Operation`'s schema, which
+    the paper's learning calls fill, stays as it is."""
+
+    excerpt: str = ""
+
+
 def normalize_id(raw) -> str:
     """Accept the spellings a model uses for an ID ("E3", "[e3]", "3", 3) and return the canonical "E3"."""
     text = str(raw).strip().strip("[]()<>{}\"'`").strip().upper()

@@ -1,0 +1,236 @@
+"""tfgrpo against DSPy's own optimizers: one split, one model, one budget, paired, several seeds.
+
+    .venv/bin/python benchmarks/peers.py --task game24 --arms baseline,simba,tfgrpo-probed+demos --seeds 0,1,2
+    .venv/bin/python benchmarks/peers.py --task game24 --report            # the table and the plot from what is saved
+
+Every arm compiles the same student on the same training examples with the embedded model as policy (and as
+reflection LM where the optimizer has one), then is evaluated on the same held-out examples with the same sampling
+run as the baseline of its seed (rollout_id = seed, temperature 0.3): differences are taken per problem (the mean
+over the seeds both arms have) with a 95% bootstrap CI over problems. Budgets are matched on attempts: tfgrpo makes
+train x G rollouts; BootstrapFewShot gets as many attempts (max_rounds = G), SIMBA a batch of the whole trainset
+with G candidates, GEPA `max_metric_calls` of the same size plus one evaluation of the trainset, MIPROv2 a light
+search. Each arm's compile is metered (LM calls and tokens of every model call, cache off) and timed.
+
+Everything lands in --out/<task>/<arm>/seed<s>/ as it finishes (program.json, compile.json, eval.jsonl; tfgrpo
+arms also checkpoint every unit), so an interrupted run resumes where it stopped. Last lines, one per arm:
+  peers: task=game24 optimizer=NAME seeds=N problems=M calls=C score=0.xxx lift=+0.xxx ci_low=+0.xxx vs_best_other=+0.xxx ci_low_vs_best=+0.xxx
+and a plot, --out/<task>/peers.png: held-out score against compile calls, one point per arm with its 95% CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import tfgrpo  # noqa: E402,F401
+import dspy  # noqa: E402
+
+from tfgrpo.evaluate import bootstrap_ci, evaluate_program, paired_difference, per_problem, read_rows, write_rows  # noqa: E402
+from tfgrpo.lms import local_dspy_lm  # noqa: E402
+from tfgrpo.optimizers import TrainingFreeGRPO  # noqa: E402
+from tfgrpo.optimizers.usage import metered, stage_usage  # noqa: E402
+from tfgrpo.programs import save_program  # noqa: E402
+
+TFGRPO_ARMS = {  # arm -> knobs on top of the shared ones; every arm that keeps demos has "demos" in its name
+    "tfgrpo-rules": {},
+    "tfgrpo-rules+demos": {"max_demos": 2},
+    "tfgrpo-probed+demos": {"max_demos": 2, "probe_size": 4},
+    "tfgrpo-excerpts": {"max_excerpt_lines": 12, "probe_size": 4},
+    "tfgrpo-excerpts+demos": {"max_excerpt_lines": 12, "probe_size": 4, "max_demos": 2},
+}
+PEER_ARMS = ("baseline", "bootstrap", "simba", "gepa", "mipro")
+
+
+def task_parts(task: str):
+    """(student factory, training reward, held-out metric, train loader, held-out loader) of a task."""
+    if task == "game24":
+        from tfgrpo.tasks.game24 import Game24Solver, game24_metric, game24_reward, load_game24
+
+        return (Game24Solver, game24_reward, game24_metric,
+                lambda n, off: load_game24("game24_train", limit=n, offset=off),
+                lambda n, off: load_game24("game24_test", limit=n, offset=off))
+    if task == "gsm8k":
+        from tfgrpo.tasks.math.datasets import load_math
+        from tfgrpo.tasks.math.metric import math_metric
+        from tfgrpo.tasks.math.programs import direct_program
+
+        return (direct_program, math_metric, math_metric, lambda n, off: load_math("gsm8k_train", limit=n, offset=off),
+                lambda n, off: load_math("gsm8k_test", limit=n, offset=off))
+    raise SystemExit(f"unknown task {task!r}: game24 or gsm8k")
+
+
+def scalar(metric):
+    """The metric as a plain float, as DSPy's optimizers want it."""
+    return lambda example, pred, trace=None, *_: float(getattr(m := metric(example, pred, trace), "score", m))
+
+
+def compile_arm(arm: str, student, reward, trainset: list, lm: dspy.LM, seed: int, args, where: Path) -> dspy.Module:
+    G, threads = args.generations, args.threads
+    if arm in TFGRPO_ARMS:
+        opt = TrainingFreeGRPO(reward, num_generations=G, num_train_epochs=1, batch_size=args.batch, seed=seed,
+                               learning_path="contrast", constrained_decoding="json_object", max_operations_per_group=1,
+                               num_threads=threads, log_dir=str(where / "checkpoint"), **TFGRPO_ARMS[arm])
+        return opt.compile(student, trainset=trainset)
+    metric = scalar(reward)
+    if arm == "bootstrap":  # the student's own traces that pass, as demos; G rounds over the trainset at most
+        opt = dspy.BootstrapFewShot(metric=metric, metric_threshold=1.0, max_bootstrapped_demos=2, max_labeled_demos=0,
+                                    max_rounds=G)
+        return opt.compile(student, trainset=trainset)
+    if arm == "simba":
+        opt = dspy.SIMBA(metric=metric, bsize=len(trainset), num_candidates=G, max_steps=1, max_demos=2,
+                         num_threads=threads)
+        return opt.compile(student, trainset=trainset, seed=seed)
+    if arm == "gepa":
+        def feedback_metric(gold, pred, trace=None, pred_name=None, pred_trace=None):
+            result = reward(gold, pred, trace)
+            return dspy.Prediction(score=float(getattr(result, "score", result)),
+                                   feedback=str(getattr(result, "feedback", "") or ""))
+
+        opt = dspy.GEPA(metric=feedback_metric, reflection_lm=lm.copy(max_tokens=1024, extra_body={"max_tokens": 1024}),
+                        max_metric_calls=len(trainset) * (G + 1), num_threads=threads, seed=seed,
+                        log_dir=str(where / "gepa"))
+        return opt.compile(student, trainset=trainset, valset=trainset)
+    if arm == "mipro":
+        opt = dspy.MIPROv2(metric=metric, auto=None, num_candidates=3, max_bootstrapped_demos=2, max_labeled_demos=0,
+                           num_threads=threads, seed=seed, verbose=False)
+        return opt.compile(student, trainset=trainset, valset=trainset, num_trials=G, minibatch=False,
+                           requires_permission_to_run=False)
+    raise SystemExit(f"unknown arm {arm!r}: one of {', '.join(PEER_ARMS + tuple(TFGRPO_ARMS))}")
+
+
+def run_arm(arm: str, seed: int, args, lm: dspy.LM) -> None:
+    """Compile (unless saved) and evaluate (unless saved) one arm for one seed."""
+    make_student, reward, metric, load_train, load_eval = task_parts(args.task)
+    where = Path(args.out) / args.task / arm / f"seed{seed}"
+    where.mkdir(parents=True, exist_ok=True)
+    if (where / "eval.jsonl").exists():
+        return
+    program = make_student()
+    if arm != "baseline":
+        if not (where / "program.json").exists():
+            trainset = load_train(args.train, args.train_offset)
+            t0 = time.time()
+            with metered() as used:
+                compiled = compile_arm(arm, make_student(), reward, trainset, lm, seed, args, where)
+            usage = stage_usage(used, [])
+            save_program(compiled, where / "program.json")
+            (where / "compile.json").write_text(json.dumps({"wall_s": round(time.time() - t0, 1), **usage}))
+            print(json.dumps({"arm": arm, "seed": seed, "compile_s": round(time.time() - t0), **usage}), flush=True)
+        program.load(str(where / "program.json"))
+    t0 = time.time()
+    rows = evaluate_program(program, load_eval(args.eval, args.eval_offset), metric, lm=lm.copy(rollout_id=seed),
+                            num_threads=args.threads, name=arm)
+    rows[0]["wall_s"] = round(time.time() - t0, 1)
+    write_rows(rows, where / "eval.jsonl")
+    print(json.dumps({"arm": arm, "seed": seed, "eval_s": round(time.time() - t0),
+                      "score": statistics.fmean(r["score"] for r in rows)}), flush=True)
+
+
+def load_results(out: Path, task: str) -> dict[str, dict[int, dict]]:
+    """arm -> seed -> {"rows", "compile"} for every evaluation saved under out/task."""
+    found: dict[str, dict[int, dict]] = {}
+    for path in sorted((out / task).glob("*/seed*/eval.jsonl")):
+        arm, seed = path.parent.parent.name, int(path.parent.name[4:])
+        info = path.parent / "compile.json"
+        found.setdefault(arm, {})[seed] = {"rows": read_rows(path),
+                                           "compile": json.loads(info.read_text()) if info.exists() else {}}
+    return found
+
+
+def paired(results, a: str, b: str) -> dict:
+    """Paired difference a - b over the seeds both arms have (per problem: the mean over those seeds)."""
+    seeds = sorted(set(results[a]) & set(results[b]))
+    rows_a = [dict(r, run=s) for s in seeds for r in results[a][s]["rows"]]
+    rows_b = [dict(r, run=s) for s in seeds for r in results[b][s]["rows"]]
+    return paired_difference(rows_b, rows_a)
+
+
+def report(args) -> None:
+    results = load_results(Path(args.out), args.task)
+    if "baseline" not in results:
+        raise SystemExit(f"no baseline evaluation under {args.out}/{args.task}: run --arms baseline first")
+    score = {arm: statistics.fmean(r["score"] for s in seeds.values() for r in s["rows"]) for arm, seeds in results.items()}
+    points = []
+    for arm in sorted(results, key=lambda a: (a != "baseline", a)):
+        seeds = results[arm]
+        calls = statistics.fmean(s["compile"].get("calls", 0) for s in seeds.values())
+        lift = paired(results, arm, "baseline")
+        others = [o for o in results if o != arm]
+        best = max(others, key=lambda o: score[o]) if others else None
+        vs = paired(results, arm, best) if best else {"difference": 0.0, "ci95": (0.0, 0.0)}
+        means = list(per_problem([r for s in seeds.values() for r in s["rows"]]).values())
+        lo, hi = bootstrap_ci([statistics.fmean(m) for m in means])
+        points.append((arm, calls, score[arm], lo, hi))
+        wall = statistics.fmean(s["compile"].get("wall_s", 0) for s in seeds.values())
+        tokens = statistics.fmean(s["compile"].get("prompt_tokens", 0) + s["compile"].get("completion_tokens", 0)
+                                  for s in seeds.values())
+        print(f"# {arm}: seeds {sorted(seeds)}, compile {wall:.0f} s and {tokens:.0f} tokens per seed, best other arm "
+              f"{best} ({vs['difference']:+.3f}, CI {vs['ci95'][0]:+.3f} .. {vs['ci95'][1]:+.3f})")
+        print(f"peers: task={args.task} optimizer={arm} seeds={len(seeds)} problems={lift['problems']} calls={calls:.0f} "
+              f"score={score[arm]:.3f} lift={lift['difference']:+.3f} ci_low={lift['ci95'][0]:+.3f} "
+              f"vs_best_other={vs['difference']:+.3f} ci_low_vs_best={vs['ci95'][0]:+.3f}", flush=True)
+    plot(points, Path(args.out) / args.task / "peers.png", args.task)
+
+
+def plot(points, path: Path, task: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for arm, calls, mean, lo, hi in points:
+        color = "tab:red" if arm.startswith("tfgrpo") else "tab:gray" if arm == "baseline" else "tab:blue"
+        ax.errorbar([calls], [mean], yerr=[[mean - lo], [hi - mean]], fmt="o", color=color, capsize=4)
+        ax.annotate(arm, (calls, mean), textcoords="offset points", xytext=(6, 4), fontsize=8)
+    ax.set_xlabel("LM calls to compile (mean per seed)")
+    ax.set_ylabel("held-out score (95% CI over problems)")
+    ax.set_title(f"{task}: held-out score against compile cost")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--task", default="game24", choices=["game24", "gsm8k"])
+    ap.add_argument("--arms", default="baseline,bootstrap,simba,tfgrpo-rules,tfgrpo-rules+demos,tfgrpo-probed+demos")
+    ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--train", type=int, default=12, help="training examples (the main job's 12 puzzles)")
+    ap.add_argument("--train-offset", type=int, default=100)
+    ap.add_argument("--eval", type=int, default=48, help="held-out examples")
+    ap.add_argument("--eval-offset", type=int, default=52, help="game24 test ranks 953-1000: used by no other benchmark")
+    ap.add_argument("--generations", type=int, default=4, help="G, and the matched attempts of the other arms")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=512)
+    ap.add_argument("--out", default="runs/bench-peers")
+    ap.add_argument("--report", action="store_true", help="only print the lines and the plot from saved results")
+    args = ap.parse_args()
+    if not args.report:
+        from tfgrpo.local_model import ensure_server
+
+        api_base, server = ensure_server(args.model, n_ctx=8192)
+        try:
+            lm = local_dspy_lm(args.model, api_base, temperature=0.3, max_tokens=args.max_tokens, timeout=300,
+                               num_retries=2, cache=False)
+            dspy.configure(lm=lm)
+            for seed in [int(s) for s in args.seeds.split(",")]:
+                for arm in args.arms.split(","):
+                    run_arm(arm.strip(), seed, args, lm)
+        finally:
+            if server is not None:
+                server.stop()
+    report(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Edits that earn their place: a paired probe on other training queries before an edit is kept.
+
+A group's winning attempt is not yet a good lesson: on the Game of 24 a program that only sums wins on 3 7 7 7,
+and a small policy model copies it faithfully everywhere. So with `probe_size > 0`, each step's candidate edits
+(every library operation of the plan, each candidate demo) are tried before they are kept, the way GEPA keeps a
+candidate only when it scores better on the minibatch that produced it: the program as it is and the program with
+one candidate edit each make one attempt on the same `probe_size` training queries outside the step's batch (never
+a held-out one), at the learning temperature. A library operation is kept when its mean reward is not below the
+current program's; a demo when it is above (a demo that only ties adds prompt tokens and teaches nothing known).
+Demos are then ranked by that gain, not by the reward of the attempt they came from.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import statistics
+from dataclasses import dataclass, field
+
+import dspy
+
+from tfgrpo.optimizers.checkpoint import digest
+from tfgrpo.optimizers.rewards import score_attempt
+from tfgrpo.optimizers.rollout import run_program
+from tfgrpo.signatures.operations import Operation
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One edit to probe: library operations, or a demo (a winning attempt's trace)."""
+
+    label: str  # how logs and the step record name it
+    operations: tuple[Operation, ...] = ()
+    demo: dict | None = None
+
+
+@dataclass
+class ProbeResult:
+    """What the probe saw: the queries, the current program's mean reward and each candidate's."""
+
+    queries: list[int]
+    base: float
+    means: list[float]
+    kept: list[bool] = field(default_factory=list)
+
+    def to_dict(self, candidates: list[Candidate]) -> dict:
+        return {"queries": self.queries, "base_mean": self.base,
+                "candidates": [{"edit": c.label, "mean": m, "kept": k}
+                               for c, m, k in zip(candidates, self.means, self.kept)]}
+
+
+def probe_queries(trainset_size: int, batch: list[int], size: int, *, seed: int, step: int) -> list[int]:
+    """`size` training queries outside the step's batch (all of the trainset when the batch covers it), drawn
+    the same way on a resume."""
+    pool = [i for i in range(trainset_size) if i not in set(batch)] or list(range(trainset_size))
+    return sorted(random.Random(int(digest([seed, step, "probe"]), 16)).sample(pool, min(size, len(pool))))
+
+
+def run_probe(programs: list[dspy.Module], candidates: list[Candidate], *, queries: list[int], trainset: list,
+              metric, unit_of, cached, run_units) -> ProbeResult:
+    """Mean reward of `programs[0]` (the current program) and of `programs[1 + c]` (with candidate c) over `queries`.
+
+    `unit_of(p, qi)` names a checkpoint unit, `cached(unit)` reads one, `run_units(fn, jobs)` runs the attempts on
+    the step's threads (with its meter and progress) and stores them."""
+
+    def attempt(job):
+        p, qi = job
+        _, rec = run_program(programs[p], trainset[qi])  # a failed attempt scores 0, as in the rollouts
+        return {"reward": score_attempt(metric, trainset[qi], rec)["reward"], "error": rec["error"]}
+
+    jobs = [(p, qi) for p in range(len(programs)) for qi in queries]
+    found = {job: cached(unit_of(*job)) for job in jobs}
+    todo = [job for job in jobs if found[job] is None]
+    found.update(zip(todo, run_units(attempt, todo)))
+    means = [statistics.fmean(found[(p, qi)]["reward"] for qi in queries) for p in range(len(programs))]
+    result = ProbeResult(queries=queries, base=means[0], means=means[1:])
+    result.kept = [m > result.base if c.demo is not None else m >= result.base for c, m in zip(candidates, result.means)]
+    for c, m, k in zip(candidates, result.means, result.kept):
+        logger.info("Probe: %s: %.3f vs %.3f now -> %s", c.label, m, result.base, "kept" if k else "dropped")
+    return result

@@ -1,0 +1,110 @@
+"""Edits that earn their place: the probe (probe_size) keeps what helps on other training queries, and excerpts
+(max_excerpt_lines) are copied from the attempt, never invented."""
+
+import dspy
+
+from scripted_lm import ScriptedLM, kind_of
+from test_optimizer import LESSON, compile_with, make_trainset, student_answer
+from tfgrpo.optimizers.checkpoint import digest
+from tfgrpo.optimizers.probe import probe_queries
+from tfgrpo.programs.excerpt import checked_excerpt
+from tfgrpo.programs.library import ExperienceLibrary
+from tfgrpo.signatures.operations import ExcerptOperation
+
+BAD = "Always answer minus one when the sum looks large."
+
+
+def _seed_with_even_probe_run(step=0):
+    """A seed whose probe attempts of `step` run with an even rollout_id: the scripted student is right there."""
+    return next(s for s in range(100) if int(digest([s, step, "probe"]), 16) % 2**31 % 2 == 0)
+
+
+def _learner_with_a_bad_rule():
+    def respond(messages, kwargs):
+        kind = kind_of(messages)
+        if kind == "student":
+            values = student_answer(messages, kwargs)
+            if BAD in messages[0]["content"]:
+                values["answer"] = "-1"  # the bad rule makes every attempt wrong
+            return values
+        if kind == "summary":
+            return {"summary": "1. Added the numbers."}
+        ops = [{"action": "add", "ids": [], "text": LESSON}, {"action": "add", "ids": [], "text": BAD}]
+        return {"operations": ops} if kind == "advantage" else {"plan": ops}
+    return respond
+
+
+def test_probe_keeps_the_rule_that_helps_and_drops_the_one_that_hurts(tmp_path):
+    lm = ScriptedLM(_learner_with_a_bad_rule())
+    compiled = compile_with(lm, dspy.Predict("question -> answer"), trainset=make_trainset(8), batch_size=4,
+                            learning_path="paper", probe_size=3, seed=_seed_with_even_probe_run(),
+                            log_dir=str(tmp_path / "ckpt"))
+    step = compiled.detailed_results["steps"][0]
+    probe = step["probe"]
+    assert [c["kept"] for c in probe["candidates"]] == [True, False]
+    assert probe["base_mean"] == 1.0 and [c["mean"] for c in probe["candidates"]] == [1.0, 0.0]
+    assert len(probe["queries"]) == 3 and step["usage"]["probe"]["calls"] == 9  # (1 + 2 candidates) x 3 queries
+    assert compiled.experience_library.texts()[:1] == [LESSON] and BAD not in compiled.experience_library.texts()
+    # a resume reuses every probe attempt
+    calls = len(lm.calls)
+    compile_with(lm, dspy.Predict("question -> answer"), trainset=make_trainset(8), batch_size=4, learning_path="paper",
+                 probe_size=3, seed=_seed_with_even_probe_run(), log_dir=str(tmp_path / "ckpt"))
+    assert len(lm.calls) == calls
+
+
+def test_probe_queries_are_outside_the_batch_and_stable():
+    q = probe_queries(12, [0, 1, 2, 3], 4, seed=0, step=1)
+    assert len(q) == 4 and not set(q) & {0, 1, 2, 3} and q == probe_queries(12, [0, 1, 2, 3], 4, seed=0, step=1)
+    assert probe_queries(4, [0, 1, 2, 3], 3, seed=0, step=0)  # a batch that covers the trainset probes on it
+
+
+def test_probe_needs_ground_truth():
+    import pytest
+
+    from tfgrpo.optimizers import TrainingFreeGRPO
+
+    with pytest.raises(ValueError, match="use_ground_truth"):
+        TrainingFreeGRPO(lambda e, p, t=None: 1.0, probe_size=2, use_ground_truth=False)
+
+
+ATTEMPT = """code: ```python
+from itertools import permutations, product
+nums = [3, 7, 7, 7]
+for a, b, c, d in permutations(nums):
+    for o1, o2, o3 in product('+-*/', repeat=3):
+        expr = f'(({a}{o1}{b}){o2}{c}){o3}{d}'
+        if abs(eval(expr) - 24) < 1e-9:
+            print(expr)
+```
+output: ((3+7)*7)-7"""
+
+
+def test_an_excerpt_is_copied_and_loses_the_querys_own_values():
+    picked = "```python\nnums = [3, 7, 7, 7]\nfor a, b, c, d in permutations(nums):\n    for o1, o2, o3 in product('+-*/', repeat=3):\n```"
+    excerpt, why = checked_excerpt(picked, ATTEMPT, "numbers: [3, 7, 7, 7]", max_lines=8)
+    assert why is None
+    assert excerpt == "for a, b, c, d in permutations(nums):\n    for o1, o2, o3 in product('+-*/', repeat=3):"
+
+
+def test_an_invented_or_long_excerpt_is_refused():
+    invented = "def solve(xs):\n    return search_all(xs)\nprint(solve(xs))"
+    assert checked_excerpt(invented, ATTEMPT, "numbers: [3, 7, 7, 7]", max_lines=8)[1].endswith("not copied")
+    whole = ATTEMPT.split("```python\n")[1].split("```")[0]
+    assert "over max_excerpt_lines" in checked_excerpt(whole, ATTEMPT, "numbers: [1, 2]", max_lines=3)[1]
+    assert checked_excerpt("", ATTEMPT, "numbers: [1, 2]", max_lines=3) == ("", "empty excerpt")
+
+
+def test_the_library_renders_saves_and_loads_an_excerpt():
+    lib = ExperienceLibrary()
+    op = ExcerptOperation(action="add", text="Search every order and operator with eval.",
+                          excerpt="for p in permutations(nums):\n    pass")
+    assert lib.apply([op], step=0).num_applied == 1
+    assert lib.render() == ("[E1] Search every order and operator with eval.\n    ```\n"
+                            "    for p in permutations(nums):\n        pass\n    ```")
+    again = ExperienceLibrary.from_state(lib.dump_state())
+    assert again.render() == lib.render()
+    state = lib.dump_state()
+    del state["experiences"][0]["excerpt"]  # a library saved before excerpts existed
+    assert ExperienceLibrary.from_state(state).render() == "[E1] Search every order and operator with eval."
+    too_long = ExcerptOperation(action="add", text="Another rule entirely.", excerpt="x = 1\n" * 41)
+    assert "over the limit" in lib.apply([too_long], step=1).rejected[0][1]

@@ -134,7 +134,8 @@ class ContrastPath(LearningPath):
         errors = [r.error for _, r in results if isinstance(r, Failed)]
         self.opt._stop_if_failing(stats["step"], "contrast calls", errors, len(results))
         proposals, counts = [], {"learning_failures": 0, "operations_proposed": 0, "refused_specific": 0,
-                                 "rewritten_specific": 0, "redundant": 0, "said_none": 0}
+                                 "rewritten_specific": 0, "redundant": 0, "said_none": 0, "excerpts": 0,
+                                 "excerpts_refused": 0}
         for qi, rec in results:
             if isinstance(rec, Failed):
                 counts["learning_failures"] += 1
@@ -144,6 +145,8 @@ class ContrastPath(LearningPath):
             counts["operations_proposed"] += rec["action"] != "none"
             counts["rewritten_specific"] += rec["rewritten"] and rec["refused"] is None
             counts["refused_specific"] += bool(rec["refused"])
+            counts["excerpts"] += bool(rec.get("excerpt"))
+            counts["excerpts_refused"] += bool(rec.get("excerpt_refused"))
             if rec["refused"]:
                 logger.warning("Refused a rule from query %s: %s (%r)", qi, rec["refused"], rec["rule"][:80])
             if rec["operation"]:

@@ -212,6 +212,9 @@ class TrainingFreeGRPO(Teleprompter):
         candidates, rollout_lms = self._candidates(program, targets, library, demos, step)
         reflection_lm = self._reflection_lm(program)
         contrast = self.resolve_learning_path(getattr(reflection_lm, "model", "")) == "contrast"
+        if contrast and G == 1:
+            raise ValueError("the contrast learning path compares attempts of one query and learns nothing from "
+                             "num_generations=1: use learning_path='paper' (the paper's G = 1 ablation) or G >= 2")
         records: dict[tuple[int, int], dict] = {}
         path = (ContrastPath if contrast else PaperPath)(self, program, reflection_lm, library, trainset, records,
                                                           key, ckpt, stats)
@@ -235,8 +238,8 @@ class TrainingFreeGRPO(Teleprompter):
                 ckpt.put(unit, rec)
             return rec
 
-        def has_contrast(qi):  # only a group whose rewards differ carries a direction
-            return len({records[(qi, g)]["reward"] for g in range(G)}) > 1
+        def has_contrast(qi):  # a group whose rewards differ carries a direction; G = 1 learns from every attempt
+            return G == 1 or len({records[(qi, g)]["reward"] for g in range(G)}) > 1
 
         def group(qi):
             """One query's way through the step: it learns as soon as its own attempts are scored."""

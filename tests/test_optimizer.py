@@ -164,10 +164,19 @@ def test_groups_with_equal_rewards_make_no_learning_call():
     assert len(lm.calls) == 16 and len(compiled.experience_library) == 0
 
 
-def test_group_size_one_learns_nothing_and_calls_nothing_else():
+def test_group_size_one_learns_from_each_attempt_against_the_ground_truth():
+    """The paper's G = 1 ablation (its Table 3) still learns: every single attempt is summarized and judged."""
     lm = ScriptedLM(learner())
     compiled = compile_with(lm, dspy.Predict("question -> answer"), num_generations=1)
-    assert count(lm, "student") == 4 and len(lm.calls) == 4 and len(compiled.experience_library) == 0
+    assert count(lm, "student") == 4 and count(lm, "summary") == 4 and count(lm, "advantage") == 4
+    assert compiled.experience_library.texts() == [LESSON]
+    assert compiled.detailed_results["steps"][0]["groups_kept"] == 4
+
+
+def test_group_size_one_on_the_contrast_path_is_refused():
+    with pytest.raises(ValueError, match="num_generations=1"):
+        compile_with(ScriptedLM(learner()), dspy.Predict("question -> answer"), num_generations=1,
+                     learning_path="contrast")
 
 
 def test_garbage_from_the_learning_lm_stops_the_run_unless_tolerated_and_never_edits_the_library():

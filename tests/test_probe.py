@@ -108,3 +108,39 @@ def test_the_library_renders_saves_and_loads_an_excerpt():
     assert ExperienceLibrary.from_state(state).render() == "[E1] Search every order and operator with eval."
     too_long = ExcerptOperation(action="add", text="Another rule entirely.", excerpt="x = 1\n" * 41)
     assert "over the limit" in lib.apply([too_long], step=1).rejected[0][1]
+
+
+def _contrast_learner_with_excerpt(invent=False):
+    from test_contrast import contrast_learner
+
+    base = contrast_learner()
+
+    def respond(messages, kwargs):
+        if "excerpt" in __import__("scripted_lm").output_fields(messages):
+            attempt = messages[-1]["content"].split("[[ ## attempt ## ]]")[1]
+            copied = next(line for line in attempt.splitlines() if line.startswith("answer:"))
+            return {"excerpt": "answer = search(all_orders)" if invent else copied}
+        return base(messages, kwargs)
+    return respond
+
+
+def test_contrast_rules_carry_an_excerpt_copied_from_the_better_attempt():
+    from test_contrast import compile_contrast
+
+    compiled = compile_contrast(ScriptedLM(_contrast_learner_with_excerpt()), max_excerpt_lines=4)
+    (exp,) = compiled.experience_library
+    assert exp.text == LESSON and exp.excerpt.startswith("answer: ")
+    step = compiled.detailed_results["steps"][0]
+    # "What is 0 + 10?" is answered "answer: 10", a line holding the query's own number: dropped, nothing left
+    assert step["excerpts"] == 3 and step["excerpts_refused"] == 1
+    assert exp.excerpt in compiled.signature.instructions  # the policy sees the lines
+
+
+def test_an_invented_excerpt_leaves_the_rule_without_one():
+    from test_contrast import compile_contrast
+
+    compiled = compile_contrast(ScriptedLM(_contrast_learner_with_excerpt(invent=True)), max_excerpt_lines=4)
+    (exp,) = compiled.experience_library
+    assert exp.text == LESSON and exp.excerpt == ""
+    step = compiled.detailed_results["steps"][0]
+    assert step["excerpts"] == 0 and step["excerpts_refused"] == 4

@@ -30,22 +30,24 @@ from tfgrpo.config import Config  # noqa: E402
 from tfgrpo.lms import open_lms  # noqa: E402
 from tfgrpo.task import task_parts  # noqa: E402
 from tfgrpo.optimizers import TrainingFreeGRPO  # noqa: E402
-from tfgrpo.optimizers.checkpoint import Checkpoint  # noqa: E402
-from tfgrpo.optimizers.contrast import ContrastPath  # noqa: E402
+from tfgrpo.optimizers.attempts import Attempt, Group, Scored  # noqa: E402
+from tfgrpo.optimizers.learning_paths import run_path  # noqa: E402
 from tfgrpo.optimizers.render import query_key  # noqa: E402
-from tfgrpo.optimizers.paths import PaperPath  # noqa: E402
+from tfgrpo.optimizers.step import path_settings  # noqa: E402
 from tfgrpo.programs import ExperienceLibrary  # noqa: E402
 from tfgrpo.programs.generality import parroted_phrases, specific_terms  # noqa: E402
 
 
-def _records(step_dir: Path) -> dict:
-    records = {}
+def _groups(step_dir: Path, trainset: list) -> list[Group]:
+    """The step's scored attempts, read back from its checkpoint, as the groups the learning paths read."""
+    attempts: dict[int, dict[int, Scored]] = {}
     for f in sorted((step_dir / "rollouts").glob("*.json")):
         qi, g = (int(x) for x in f.stem.split("_"))
-        rec = json.loads(f.read_text())
-        rec.update(json.loads((step_dir / "rewards" / f.name).read_text()))
-        records[(qi, g)] = rec
-    return records
+        score = json.loads((step_dir / "rewards" / f.name).read_text())
+        attempts.setdefault(qi, {})[g] = Scored(Attempt.from_record(json.loads(f.read_text())), score["reward"],
+                                                score.get("feedback", ""))
+    return [Group(index=qi, key=query_key(trainset[qi], qi), example=trainset[qi],
+                  attempts=tuple(by_g[g] for g in sorted(by_g))) for qi, by_g in sorted(attempts.items())]
 
 
 def _valid(start: ExperienceLibrary, op, query: str, allowed: str) -> bool:
@@ -63,21 +65,19 @@ def main() -> None:
     cfg = Config.load(args.config)
     ckpt_dir = Path(cfg.run_dir) / "checkpoint"
     step_dir = ckpt_dir / "steps" / f"{args.step:04d}"
-    records = _records(step_dir)
-    if not records:
-        sys.exit(f"no rollouts in {step_dir}: run `tfgrpo compile {args.config}` first")
     stack = contextlib.ExitStack()  # the web task's local site, for as long as the programs are used
     parts = task_parts(cfg, stack)
     make, load, reward = parts.make, parts.load, parts.reward
     trainset = load(cfg.task.trainset, limit=cfg.task.train_limit, offset=cfg.task.train_offset)
-    G = cfg.optimizer.num_generations
-    batch = sorted({qi for qi, _ in records})
-    kept = [qi for qi in batch if len({records[(qi, g)]["reward"] for g in range(G)}) > 1]
+    groups = _groups(step_dir, trainset)
+    if not groups:
+        sys.exit(f"no rollouts in {step_dir}: run `tfgrpo compile {args.config}` first")
+    kept = [g for g in groups if g.informative]
     prev = ckpt_dir / "steps" / f"{args.step - 1:04d}" / "done.json"
     start = ExperienceLibrary.from_state(json.loads(prev.read_text())["library"]) if prev.exists() else \
         ExperienceLibrary(max_words=cfg.optimizer.max_words_per_experience)
-    print(f"step {args.step}: {len(batch)} queries, {len(kept)} with reward contrast, library of {len(start)}")
-    queries = {query_key(trainset[qi], qi): str(trainset[qi].inputs().toDict()) for qi in batch}
+    print(f"step {args.step}: {len(groups)} queries, {len(kept)} with reward contrast, library of {len(start)}")
+    queries = {g.key: str(g.example.inputs().toDict()) for g in groups}
     allowed = " ".join(p.signature.instructions for _, p in make().named_predictors())
     lines = []
     with stack, open_lms(cfg) as (policy, reflection, _):
@@ -85,16 +85,16 @@ def main() -> None:
         for path in args.paths.split(","):
             knobs = {**_tfgrpo_knobs(cfg), "learning_path": path}
             opt = TrainingFreeGRPO(reward, reflection_lm=reflection, **knobs)
-            library, stats = ExperienceLibrary.from_state(start.dump_state()), {"usage": {}, "step": args.step}
-            program, t0 = make(), time.time()
-            learner = (PaperPath if path == "paper" else ContrastPath)(opt, program, reflection, library, trainset,
-                                                                       dict(records), "x", Checkpoint(None), stats)
-            plan, proposals, learned = learner.run(kept)
+            library, t0 = ExperienceLibrary.from_state(start.dump_state()), time.time()
+            learned, usage = run_path(opt.resolve_path(reflection)[0], kept, settings=path_settings(opt),
+                                      reflection_lm=reflection, library=library, trainset=trainset,
+                                      instructions=allowed, num_threads=opt.num_threads, step=args.step)
+            plan, proposals = learned.plan, learned.proposals
             seconds = time.time() - t0
             report = library.apply(plan, step=args.step)
-            calls = sum(u.get("calls", 0) for u in stats["usage"].values())
+            calls = sum(u.get("calls", 0) for u in usage.values())
             # the same test for both paths: each proposal alone against the starting library, plus generality
-            proposed = learned.get("operations_proposed", len(proposals))  # contrast: includes refused rules
+            proposed = learned.counts.get("operations_proposed", len(proposals))  # contrast: includes refused rules
             valid = sum(_valid(start, op, queries[key], allowed) for key, op in proposals)
             print(f"\n{path}: {calls} calls in {seconds:.0f} s; {proposed} proposed, {valid} valid, plan of "
                   f"{len(plan)}, {len(report.rejected)} refused when applied; library:")

@@ -120,7 +120,7 @@ def main() -> None:
             save_program(compiled, d / "program.json")
             for s in compiled.detailed_results["steps"]:
                 proposed += s.get("operations_proposed", 0)
-                valid += s.get("operations_proposed", 0) - s.get("refused_specific", 0) - s.get("operations_rejected", 0)
+                valid += s.get("operations_proposed", 0) - s["details"].get("refused_specific", 0) - s.get("operations_rejected", 0)
             texts = compiled.experience_library.texts()
             libraries.append(len(texts))
             specific += sum(bool(specific_terms(t, ex.numbers)) for t in texts for ex in trainset)

@@ -15,9 +15,10 @@ import re
 
 import dspy
 
+from tfgrpo.optimizers.attempts import Scored
+from tfgrpo.optimizers.learning_paths import Learned, LearningPath
 from tfgrpo.optimizers.parallel import Failed
-from tfgrpo.optimizers.paths import LearningPath
-from tfgrpo.optimizers.render import clip, format_fields, outcome, query_key
+from tfgrpo.optimizers.render import clip, format_fields, outcome
 from tfgrpo.optimizers.rollout import tool_actions, tool_observations
 from tfgrpo.programs.contrast_learner import ContrastLearner
 from tfgrpo.signatures.operations import ExcerptOperation, Operation
@@ -95,62 +96,56 @@ class ContrastPath(LearningPath):
 
     stages = ("contrast",)
 
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.lms = {"contrast": self.reflection_lm.copy()}
-        self.learner = ContrastLearner(max_words=self.opt.max_words_per_experience,
-                                       constrained=constrained_mode(self.opt.constrained_decoding, self.reflection_lm),
-                                       max_excerpt_lines=self.opt.max_excerpt_lines)
-        self.allowed = " ".join(p.signature.instructions for _, p in self.program.named_predictors())
-
-    def _shown(self, record: dict) -> str:
+    @staticmethod
+    def _shown(attempt: Scored) -> str:
         """A tool-using attempt is shown as its actions (a small model copies the facts its tools returned into
         its "rules"); any other attempt as recorded."""
-        actions = tool_actions(record)
-        return f"{clip(chr(10).join(actions) if actions else record['attempt'], 2000)}\nresult: {outcome(record)}"
+        actions = tool_actions(attempt.outputs)
+        return f"{clip(chr(10).join(actions) if actions else attempt.text, 2000)}\nresult: {outcome(attempt)}"
 
-    def learn(self, qi):
-        pairs = contrast_pairs([self.records[(qi, g)]["reward"] for g in range(self.G)],
-                               self.opt.max_operations_per_group)
-        task = format_fields(self.trainset[qi].inputs())
+    def learn(self, ctx, group):
+        settings = ctx.settings
+        learner = ContrastLearner(max_words=settings.max_words_per_experience,
+                                  constrained=constrained_mode(settings.constrained_decoding, ctx.reflection_lm),
+                                  max_excerpt_lines=settings.max_excerpt_lines)
+        pairs = contrast_pairs(group.rewards, settings.max_operations_per_group)
+        task = format_fields(group.example.inputs())
 
         def contrast(pair):
-            b, w = pair
-            seen = "\n".join(o for g in pair for o in tool_observations(self.records[(qi, g)]))
+            better, worse = (group.attempts[g] for g in pair)
+            seen = "\n".join(o for a in (better, worse) for o in tool_observations(a.outputs))
 
             def call():
-                with dspy.context(lm=self.lms["contrast"]):
-                    return self.learner(task=task, better_attempt=self._shown(self.records[(qi, b)]),
-                                        worse_attempt=self._shown(self.records[(qi, w)]), library=self.library,
-                                        allowed=self.allowed, seen=seen, better_code=self.records[(qi, b)]["attempt"])
+                with dspy.context(lm=ctx.lm("contrast")):
+                    return learner(task=task, better_attempt=self._shown(better), worse_attempt=self._shown(worse),
+                                   library=ctx.library, allowed=ctx.instructions, seen=seen, better_code=better.text)
 
-            return self._call(f"{self.key}/contrasts/{qi}_{b}_{w}", call)
+            return ctx.call(f"contrasts/{group.index}_{pair[0]}_{pair[1]}", call)
 
-        self.results[qi] = (yield [("contrast", contrast, pair) for pair in pairs])
+        replies = yield [("contrast", contrast, pair) for pair in pairs]
+        ctx.count_failures("contrast", [r.error for r in replies if isinstance(r, Failed)], len(replies))
+        return replies
 
-    def finish(self, kept):
-        stats = self.stats
-        results = [(qi, rec) for qi in kept for rec in self.results[qi]]
-        errors = [r.error for _, r in results if isinstance(r, Failed)]
-        self.opt._stop_if_failing(stats["step"], "contrast calls", errors, len(results))
+    def finish(self, ctx, results):
         proposals, counts = [], {"learning_failures": 0, "operations_proposed": 0, "refused_specific": 0,
                                  "rewritten_specific": 0, "redundant": 0, "said_none": 0, "excerpts": 0,
                                  "excerpts_refused": 0}
-        for qi, rec in results:
-            if isinstance(rec, Failed):
-                counts["learning_failures"] += 1
-                logger.warning("Contrast call on query %s failed (%s); it proposes nothing", qi, rec.error)
-                continue
-            counts["said_none"] += rec["action"] == "none"
-            counts["operations_proposed"] += rec["action"] != "none"
-            counts["rewritten_specific"] += rec["rewritten"] and rec["refused"] is None
-            counts["refused_specific"] += bool(rec["refused"])
-            counts["excerpts"] += bool(rec.get("excerpt"))
-            counts["excerpts_refused"] += bool(rec.get("excerpt_refused"))
-            if rec["refused"]:
-                logger.warning("Refused a rule from query %s: %s (%r)", qi, rec["refused"], rec["rule"][:80])
-            if rec["operation"]:
-                proposals.append((query_key(self.trainset[qi], qi), ExcerptOperation.model_validate(rec["operation"])))
-        plan, counts["redundant"] = fold(self.library.texts(), [op for _, op in proposals])
-        stats["consolidation"] = f"folded in code: {len(plan)} of {len(proposals)} kept"
-        return plan, proposals, counts
+        for group, replies in results:
+            for rec in replies:
+                if isinstance(rec, Failed):
+                    counts["learning_failures"] += 1
+                    logger.warning("Contrast call on query %s failed (%s); it proposes nothing", group.index, rec.error)
+                    continue
+                counts["said_none"] += rec["action"] == "none"
+                counts["operations_proposed"] += rec["action"] != "none"
+                counts["rewritten_specific"] += rec["rewritten"] and rec["refused"] is None
+                counts["refused_specific"] += bool(rec["refused"])
+                counts["excerpts"] += bool(rec.get("excerpt"))
+                counts["excerpts_refused"] += bool(rec.get("excerpt_refused"))
+                if rec["refused"]:
+                    logger.warning("Refused a rule from query %s: %s (%r)", group.index, rec["refused"], rec["rule"][:80])
+                if rec["operation"]:
+                    proposals.append((group.key, ExcerptOperation.model_validate(rec["operation"])))
+        plan, counts["redundant"] = fold(ctx.library.texts(), [op for _, op in proposals])
+        return Learned(plan=plan, proposals=proposals, counts=counts,
+                       consolidation=f"folded in code: {len(plan)} of {len(proposals)} kept")

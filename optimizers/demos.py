@@ -13,23 +13,22 @@ teaches its mistakes too.
 
 from __future__ import annotations
 
-import statistics
-
 import dspy
 
+from tfgrpo.optimizers.attempts import Group
+from tfgrpo.programs.inject import apply_library
 
-def demo_candidates(records: dict, kept: list[int], num_generations: int, step: int, keys: dict[int, str], *,
-                    min_reward: float = 1.0) -> list[dict]:
-    """Per query with reward contrast: its best attempt, if its reward reaches `min_reward` (1: it fully succeeded;
-    a probe judges candidates by what they do elsewhere, so it takes any that ran), with its group advantage."""
+
+def demo_candidates(groups: list[Group], step: int, *, min_reward: float = 1.0) -> list[dict]:
+    """Per informative group: its best attempt, if its reward reaches `min_reward` (1: it fully succeeded; a probe
+    judges candidates by what they do elsewhere, so it takes any that scored), with its group advantage."""
     found = []
-    for qi in kept:
-        rewards = [records[(qi, g)]["reward"] for g in range(num_generations)]
-        best = max(range(num_generations), key=lambda g: (rewards[g], -g))
-        record = records[(qi, best)]
-        if rewards[best] >= min_reward and rewards[best] > 0 and not record["error"] and record["trace"]:
-            found.append({"query": keys[qi], "step": step, "reward": rewards[best],
-                          "advantage": rewards[best] - statistics.fmean(rewards), "trace": record["trace"]})
+    for group in groups:
+        best = max(range(len(group.attempts)), key=lambda g: (group.rewards[g], -g))
+        attempt = group.attempts[best]
+        if attempt.reward >= min_reward and attempt.reward > 0 and not attempt.error and attempt.trace:
+            found.append({"query": group.key, "step": step, "reward": attempt.reward,
+                          "advantage": attempt.reward - group.mean_reward, "trace": attempt.trace})
     return found
 
 
@@ -60,3 +59,8 @@ def apply_demos(program: dspy.Module, demos: list[dict], targets: list[str]) -> 
             predictor.demos = [dspy.Example(**call["inputs"], **call["outputs"])
                                for demo in demos for call in demo["trace"] if call["predictor"] == name]
     return program
+
+
+def with_learned(program: dspy.Module, targets: list[str], library, demos: list[dict]) -> dspy.Module:
+    """A copy of `program` carrying what was learned: the library in the targets' instructions, and the demos."""
+    return apply_demos(apply_library(program.deepcopy(), library, targets), demos, targets)

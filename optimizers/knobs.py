@@ -34,6 +34,12 @@ def _number(low: float, high: float | None = None, *, open_low: bool = False) ->
     return valid
 
 
+def _is_path(v: Any) -> bool:
+    from tfgrpo.optimizers.learning_paths import LearningPath  # the knobs load before the optimizer's parts
+
+    return isinstance(v, LearningPath)
+
+
 def _optional(valid: Callable[[Any], bool]) -> Callable[[Any], bool]:
     return lambda v: v is None or valid(v)
 
@@ -50,8 +56,8 @@ KNOBS: dict[str, Knob] = {
     "reflection_lm": Knob(_optional(lambda v: isinstance(v, dspy.BaseLM)), "None or a dspy.BaseLM"),
     "max_operations_per_group": Knob(_int(1), "an integer >= 1", fingerprinted=True),
     "use_ground_truth": Knob(lambda v: isinstance(v, bool), "True or False", fingerprinted=True),
-    "learning_path": Knob(lambda v: v in ("auto", "paper", "contrast"), "'auto', 'paper' or 'contrast'",
-                          fingerprinted=True),
+    "learning_path": Knob(lambda v: _is_path(v) or (isinstance(v, str) and v in ("auto", "paper", "contrast")),
+                          "'auto', 'paper', 'contrast' or a LearningPath instance", fingerprinted=True),
     "constrained_decoding": Knob(lambda v: v in ("auto", "json_object", "json_schema", "off"),
                                  "'auto', 'json_object', 'json_schema' or 'off'"),
     # the library

@@ -100,7 +100,7 @@ def query_key(example, index: int) -> str:
     return f"train#{index}" + (f":{ident}" if ident is not None else "")
 
 
-def outcome(record: dict) -> str:
-    """How an attempt was judged, as the learning calls read it."""
-    verdict = "judged correct" if record["reward"] >= 1 else "judged wrong" if record["reward"] <= 0 else "partly right"
-    return f"{verdict} (reward {record['reward']:.2f})" + (f"; {record['feedback']}" if record.get("feedback") else "")
+def outcome(attempt) -> str:
+    """How a scored attempt (`attempts.Scored`) was judged, as the learning calls read it."""
+    verdict = "judged correct" if attempt.reward >= 1 else "judged wrong" if attempt.reward <= 0 else "partly right"
+    return f"{verdict} (reward {attempt.reward:.2f})" + (f"; {attempt.feedback}" if attempt.feedback else "")

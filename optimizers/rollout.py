@@ -56,9 +56,9 @@ def count_tool_calls(outputs: dict | None) -> int:
     return sum(1 for k, v in trajectory.items() if k.startswith("tool_name_") and v != "finish")
 
 
-def tool_observations(record: dict) -> list[str]:
-    """What the tools returned during a recorded attempt (a ReAct-style trajectory's observations)."""
-    trajectory = (record.get("outputs") or {}).get("trajectory")
+def tool_observations(outputs: dict | None) -> list[str]:
+    """What the tools returned during an attempt with these outputs (a ReAct-style trajectory's observations)."""
+    trajectory = (outputs or {}).get("trajectory")
     if not isinstance(trajectory, dict):
         return []
     return [as_text(v) for k, v in trajectory.items() if k.startswith("observation_")]
@@ -67,10 +67,11 @@ def tool_observations(record: dict) -> list[str]:
 FAILED_TOOL = ("Execution error", "refused", "search failed", "HTTP ", "could not open", "timed out")  # failures stay visible
 
 
-def tool_actions(record: dict) -> list[str]:
-    """A tool-using attempt as what it did: each call with its arguments, then its answer. What a tool returned is
-    left out (only its size, or a failure's message), so a learner sees the strategy, not the facts it found."""
-    outputs = record.get("outputs") or {}
+def tool_actions(outputs: dict | None) -> list[str]:
+    """A tool-using attempt (by its outputs) as what it did: each call with its arguments, then its answer. What a
+    tool returned is left out (only its size, or a failure's message), so a learner sees the strategy, not the facts
+    it found."""
+    outputs = outputs or {}
     trajectory = outputs.get("trajectory")
     if not isinstance(trajectory, dict):
         return []

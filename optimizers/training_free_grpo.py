@@ -21,24 +21,23 @@ from __future__ import annotations
 import logging
 import random
 import statistics
-import time
-from typing import Any, Callable
+from typing import Callable
 
 import dspy
 from dspy.teleprompt.teleprompt import Teleprompter
 
 from tfgrpo.optimizers.checkpoint import Checkpoint, digest
 from tfgrpo.optimizers.contrast import SMALL_REFLECTOR_B, ContrastPath, model_size_b
-from tfgrpo.optimizers.demos import apply_demos, demo_candidates, keep_best, select_demos
+from tfgrpo.optimizers.demos import with_learned
 from tfgrpo.optimizers.knobs import KNOBS, check_knob, fingerprinted_knobs
-from tfgrpo.optimizers.parallel import StageBars, TooManyFailuresError, WaitFor, run_flows, run_parallel
-from tfgrpo.optimizers.paths import PaperPath
-from tfgrpo.optimizers.probe import Candidate, probe_queries, run_probe
-from tfgrpo.optimizers.render import format_attempt, query_key
-from tfgrpo.optimizers.rewards import call_metric, reference_example, score_attempt
+from tfgrpo.optimizers.learning_paths import LearningPath, PaperPath
+from tfgrpo.optimizers.parallel import run_parallel
+from tfgrpo.optimizers.result import EpochResult, TrainingFreeGRPOResult
+from tfgrpo.optimizers.rewards import call_metric
 from tfgrpo.optimizers.rollout import run_program, with_own_lms
-from tfgrpo.optimizers.usage import add_usage, history_kept, metered, metered_stages, over_budget, stage_usage
-from tfgrpo.programs.inject import LIBRARY_KEY, apply_library, resolve_targets
+from tfgrpo.optimizers.step import run_step
+from tfgrpo.optimizers.usage import add_usage, history_kept, over_budget
+from tfgrpo.programs.inject import LIBRARY_KEY, resolve_targets
 from tfgrpo.programs.library import ExperienceLibrary
 
 logger = logging.getLogger(__name__)
@@ -150,6 +149,9 @@ class TrainingFreeGRPO(Teleprompter):
 
     # -- the outer loop -------------------------------------------------------------------------------------
     def compile(self, student: dspy.Module, *, trainset: list, teacher=None, valset: list | None = None) -> dspy.Module:
+        if teacher is not None:
+            raise ValueError("TrainingFreeGRPO learns from the student's own attempts and takes no teacher; to have "
+                             "a stronger model make the learning calls, pass reflection_lm=")
         if not trainset:
             raise ValueError("trainset is empty")
         program = student.deepcopy()
@@ -166,8 +168,10 @@ class TrainingFreeGRPO(Teleprompter):
         ckpt = Checkpoint(self.log_dir)
         ckpt.start(self._fingerprint(program, targets, trainset, valset, library))
 
+        reflection_lm = self._reflection_lm(program)
+        path, path_name = self.resolve_path(reflection_lm)
         rng, step, steps, epochs, demos = random.Random(self.seed), 0, [], [], []
-        best: tuple[float, dict] | None = None
+        best: tuple[float, dict, list, int] | None = None
         totals, stopped = {"policy": {}, "reflection": {}}, None
         for epoch in range(self.num_train_epochs):
             order = list(range(len(trainset)))
@@ -176,11 +180,11 @@ class TrainingFreeGRPO(Teleprompter):
                 if stopped:
                     break
                 batch = order[at: at + self.batch_size]
-                library, demos, stats = self._step(program, targets, library, demos, trainset, batch, step, epoch,
-                                                   ckpt)
+                library, demos, stats = run_step(self, path, path_name, program, targets, library, demos, trainset,
+                                                 batch, step, epoch, reflection_lm, ckpt)
                 steps.append(stats)
                 step += 1
-                for stage, usage in stats["usage"].items():
+                for stage, usage in stats.usage.items():
                     add_usage(totals["policy" if stage in ("rollout", "probe") else "reflection"], usage)
                 stopped = over_budget(totals, max_total_tokens=self.max_total_tokens, max_cost=self.max_cost)
             if stopped:
@@ -188,188 +192,36 @@ class TrainingFreeGRPO(Teleprompter):
                 break
             if valset:
                 score = self._validate(program, targets, library, demos, valset, epoch, ckpt)
-                epochs.append({"epoch": epoch, "val_score": score, "library_size": len(library)})
+                epochs.append(EpochResult(epoch=epoch, val_score=score, library_size=len(library)))
                 if best is None or score >= best[0]:  # ties go to the later library
-                    best = (score, library.dump_state(), demos)
+                    best = (score, library.dump_state(), demos, epoch)
 
         final, final_demos = (ExperienceLibrary.from_state(best[1]), best[2]) if best else (library, demos)
-        compiled = self._with_learned(student, targets, final, final_demos)
-        compiled.detailed_results = {"steps": steps, "epochs": epochs, "reused_units": ckpt.reused,
-                                     "best_val_score": best[0] if best else None, "usage": totals,
-                                     "stopped_early": stopped}
+        compiled = with_learned(student, targets, final, final_demos)
+        compiled.detailed_results = TrainingFreeGRPOResult(
+            steps=steps, epochs=epochs, best_val_score=best[0] if best else None, best_epoch=best[3] if best else None,
+            usage=totals, reused_units=ckpt.reused, stopped_early=stopped)
         compiled._compiled = True
         return compiled
 
-    # -- one optimization step ------------------------------------------------------------------------------
-    def _step(self, program, targets, library, demos, trainset, batch, step, epoch, ckpt):
-        key = f"steps/{step:04d}"
-        done = ckpt.get(f"{key}/done")
-        if done is not None:
-            logger.info("Step %d: complete in the checkpoint, reused", step)
-            return ExperienceLibrary.from_state(done["library"]), done.get("demos", []), done["stats"]
-        G, t0, finished_at = self.num_generations, time.time(), {}
-        stats: dict[str, Any] = {"step": step, "epoch": epoch, "batch_size": len(batch), "usage": {}}
-        candidates, rollout_lms = self._candidates(program, targets, library, demos, step)
-        reflection_lm = self._reflection_lm(program)
-        contrast = self.resolve_learning_path(getattr(reflection_lm, "model", "")) == "contrast"
-        if contrast and G == 1:
-            raise ValueError("the contrast learning path compares attempts of one query and learns nothing from "
-                             "num_generations=1: use learning_path='paper' (the paper's G = 1 ablation) or G >= 2")
-        records: dict[tuple[int, int], dict] = {}
-        path = (ContrastPath if contrast else PaperPath)(self, program, reflection_lm, library, trainset, records,
-                                                          key, ckpt, stats)
-
-        def rollout(job):  # G distinct samples per query, each candidate with its own LM copies (rollout_id)
-            qi, g = job
-            unit = f"{key}/rollouts/{qi}_{g}"
-            if (rec := ckpt.get(unit)) is not None:
-                return rec
-            _, rec = run_program(candidates[g], trainset[qi])  # a failed attempt is recorded and scored 0
-            rec["attempt"] = format_attempt(dict(trainset[qi].inputs().items()), rec["outputs"], rec["trace"],
-                                            rec["error"])
-            ckpt.put(unit, rec)
-            return rec
-
-        def reward(job):  # against the ground truth, or against the group's majority answer
-            qi, g, reference = job
-            unit = f"{key}/rewards/{qi}_{g}"
-            if (rec := ckpt.get(unit)) is None:
-                rec = score_attempt(self.metric, reference, records[(qi, g)])
-                ckpt.put(unit, rec)
-            return rec
-
-        def has_contrast(qi):  # a group whose rewards differ carries a direction; G = 1 learns from every attempt
-            return G == 1 or len({records[(qi, g)]["reward"] for g in range(G)}) > 1
-
-        def group(qi):
-            """One query's way through the step: it learns as soon as its own attempts are scored."""
-            attempts = yield [("rollout", rollout, (qi, g)) for g in range(G)]
-            records.update({(qi, g): rec for g, rec in enumerate(attempts)})
-            if any(rec["error"] for rec in attempts):
-                yield WaitFor("rollout")  # nothing more is spent on it before the attempts' failure check
-            reference = reference_example(trainset[qi], attempts, self.use_ground_truth)
-            for g, scored in enumerate((yield [("reward", reward, (qi, g, reference)) for g in range(G)])):
-                records[(qi, g)].update(scored)
-            if has_contrast(qi):
-                yield from path.learn(qi)
-
-        def stage_checked(stage):  # a flow waits at this stage's failure check (WaitFor)
-            if stage != "rollout":
-                return path.stage_done(stage)
-            errors = [rec["error"] for rec in records.values() if rec["error"]]
-            if len(errors) > self.max_failure_rate * len(batch) * G:
-                for (qi, g), rec in records.items():  # a resume retries them (the outage may be over), not replays them
-                    if rec["error"]:
-                        ckpt.discard(f"{key}/rollouts/{qi}_{g}")
-            self._stop_if_failing(step, "attempts", errors, len(batch) * G)
-
-        def progress(stage, n, total):
-            finished_at[stage] = time.time() - t0  # stages overlap: when each one's latest unit finished
-            (self.progress or bars)(stage, n, total)
-
-        # 1-6. rollouts -> rewards -> (groups with contrast) -> learning calls, each group at its own pace
-        bars, stages = StageBars(), ("rollout", *path.stages)
-        logger.info("Step %d: %d queries x %d attempts on %d thread(s)", step, len(batch), G, self.num_threads)
-        with metered_stages(stages) as meters:
-            try:
-                run_flows([group(qi) for qi in batch], num_threads=self.num_threads, progress=progress, meters=meters,
-                          on_stage_done=stage_checked)
-            finally:
-                bars.close()
-        stats["usage"]["rollout"] = stage_usage(meters["rollout"], rollout_lms)
-        for stage in path.stages:
-            stats["usage"][stage] = stage_usage(meters[stage], [path.lms[stage]])
-        kept = [qi for qi in batch if has_contrast(qi)]
-        rewards = [r["reward"] for r in records.values()]
-        stats.update(mean_reward=statistics.fmean(rewards), groups=len(batch), groups_kept=len(kept),
-                     frac_skipped_zero_std=1 - len(kept) / len(batch),
-                     rollout_failures=sum(bool(r["error"]) for r in records.values()),
-                     tool_calls_mean=statistics.fmean(r["tool_calls"] for r in records.values()))
-        logger.info("Step %d: mean reward %.3f, %d/%d groups with contrast", step, stats["mean_reward"], len(kept), len(batch))
-        plan, proposals, learned = path.finish(kept)  # failure checks of the learning calls, then the plan
-        finished_at["learning"] = time.time() - t0
-
-        # 7. (probe_size) each edit tried on other training queries first; 8. the plan applied in code, all or nothing
-        keys = {qi: query_key(trainset[qi], qi) for qi in kept}
-        if self.probe_size:
-            plan, demos = self._probe(program, targets, library, demos, plan, records, kept, keys, trainset, batch,
-                                      step, key, ckpt, stats)
-        elif self.max_demos:  # winning attempts as demos (optimizers/demos.py)
-            demos = select_demos(demos, demo_candidates(records, kept, G, step, keys), self.max_demos)
-        if self.max_demos:
-            stats["demos"] = [d["query"] for d in demos]
-        sources = sorted({q for q, _ in proposals})
-        report = library.apply(plan, step=step, sources=sources)
-        stats.update(learned)
-        stats.update(operations_applied=report.applied, operations_rejected=len(report.rejected),
-                     library_size=len(library), seconds=finished_at, wall_s=time.time() - t0)
-        logger.info("Step %d: %d operations proposed, applied %s, %d refused; library has %d experiences",
-                    step, stats["operations_proposed"], report.applied, len(report.rejected), len(library))
-        ckpt.put(f"{key}/done", {"library": library.dump_state(), "demos": demos, "stats": stats})
-        return library, demos, stats
-
-    def _probe(self, program, targets, library, demos, plan, records, kept, keys, trainset, batch, step, key, ckpt,
-               stats):
-        """The plan's operations and the step's demo candidates, each tried against the current program on the same
-        training queries outside the batch (optimizers/probe.py); returns the kept plan and the demos."""
-        found = demo_candidates(records, kept, self.num_generations, step, keys, min_reward=0.0) if self.max_demos else []
-        found = sorted(found, key=lambda d: (-d["reward"], -d["advantage"], d["query"]))[: (self.max_probed_edits + 1) // 2]
-        candidates = [Candidate(label=f"demo from {d['query']} (reward {d['reward']:.2f})", demo=d) for d in found]
-        for op in plan:
-            if len(candidates) >= self.max_probed_edits:
-                break
-            trial = ExperienceLibrary.from_state(library.dump_state())
-            if trial.apply([op], step=step).num_applied:  # an operation the library refuses is not worth a probe
-                candidates.append(Candidate(label=f"{op.action} {op.ids or ''} {op.text[:60]!r}", operations=(op,)))
-        stats["probe"] = {"candidates": [], "unprobed": len(plan) + len(found) - len(candidates)}
-        if not candidates:
-            return [], demos
-        programs = [self._with_learned(program, targets, library, demos)]
-        for c in candidates:
-            if c.demo is not None:
-                programs.append(self._with_learned(program, targets, library, keep_best(demos, self.max_demos - 1) + [c.demo]))
-            else:
-                trial = ExperienceLibrary.from_state(library.dump_state())
-                trial.apply(list(c.operations), step=step)
-                programs.append(self._with_learned(program, targets, trial, demos))
-        rollout_id = int(digest([self.seed, step, "probe"]), 16) % 2**31
-        lms, runnable = [], []
-        for p in programs:
-            cand, copies = with_own_lms(p, rollout_id=rollout_id, temperature=self.temperature)
-            runnable.append(cand)
-            lms += copies
-
-        def run_units(fn, jobs):
-            def unit(job):
-                rec = fn(job)
-                ckpt.put(f"{key}/probes/{job[0]}_{job[1]}", rec)
-                return rec
-            return self._parallel(unit, jobs, "probe")
-
-        queries = probe_queries(len(trainset), batch, self.probe_size, seed=self.seed, step=step)
-        with metered() as used:
-            result = run_probe(runnable, candidates, queries=queries, trainset=trainset, metric=self.metric,
-                               unit_of=lambda p, qi: f"{key}/probes/{p}_{qi}", cached=ckpt.get, run_units=run_units)
-        stats["usage"]["probe"] = stage_usage(used, lms)
-        stats["probe"].update(result.to_dict(candidates))
-        kept_ops = [op for c, k in zip(candidates, result.kept) if k for op in c.operations]
-        gained = [dict(c.demo, gain=m - result.base) for c, m, k in zip(candidates, result.means, result.kept)
-                  if k and c.demo is not None]
-        return kept_ops, keep_best(demos + gained, self.max_demos)
-
     # -- pieces ---------------------------------------------------------------------------------------------
     def resolve_learning_path(self, reflection_model: str) -> str:
-        """The learning path for a reflection LM of this name ("auto": contrast for small models)."""
+        """The name of the learning path for a reflection LM of this name ("auto": contrast for small models)."""
+        if isinstance(self.learning_path, LearningPath):
+            return type(self.learning_path).__name__
         if self.learning_path != "auto":
             return self.learning_path
         return "contrast" if model_size_b(reflection_model) <= SMALL_REFLECTOR_B else "paper"
 
-    def _stop_if_failing(self, step: int, units: str, errors: list[str], total: int) -> None:
-        """Stop the run, leaving the step unfinished, when more than `max_failure_rate` of a stage's units failed:
-        an outage must not pass for "nothing to learn". A resume redoes the failed units."""
-        if len(errors) > self.max_failure_rate * total:
-            raise TooManyFailuresError(f"step {step}: {len(errors)} of {total} {units} failed (first: {errors[0]}); "
-                                       f"finished work is kept in log_dir={self.log_dir!r}")
+    def resolve_path(self, reflection_lm: dspy.BaseLM) -> tuple[LearningPath, str]:
+        """The learning path object and its name; a contrast path with G = 1 is refused (it compares attempts)."""
+        name = self.resolve_learning_path(getattr(reflection_lm, "model", ""))
+        if isinstance(self.learning_path, LearningPath):
+            return self.learning_path, name
+        if name == "contrast" and self.num_generations == 1:
+            raise ValueError("the contrast learning path compares attempts of one query and learns nothing from "
+                             "num_generations=1: use learning_path='paper' (the paper's G = 1 ablation) or G >= 2")
+        return (ContrastPath() if name == "contrast" else PaperPath()), name
 
     def _parallel(self, fn, items, stage):
         if items:
@@ -388,26 +240,10 @@ class TrainingFreeGRPO(Teleprompter):
     def _reflection_lm(self, program) -> dspy.BaseLM:
         return self.reflection_lm or dspy.settings.lm or next(iter(self._policy_lms(program).values()))
 
-    @staticmethod
-    def _with_learned(program, targets, library, demos) -> dspy.Module:
-        """A copy of `program` carrying what was learned: the library in the targets' instructions, and demos."""
-        return apply_demos(apply_library(program.deepcopy(), library, targets), demos, targets)
-
-    def _candidates(self, program, targets, library, demos, step):
-        """G copies of the program with the library (and demos) and private, distinct LM copies."""
-        candidates, lms = [], []
-        for g in range(self.num_generations):
-            rollout_id = int(digest([self.seed, step, g]), 16) % 2**31
-            cand, copies = with_own_lms(self._with_learned(program, targets, library, demos), rollout_id=rollout_id,
-                                        temperature=self.temperature)
-            candidates.append(cand)
-            lms += copies
-        return candidates, lms
-
     def _validate(self, program, targets, library, demos, valset, epoch, ckpt) -> float:
         if (saved := ckpt.get(f"epochs/{epoch}")) is not None:
             return saved["val_score"]
-        cand, _ = with_own_lms(self._with_learned(program, targets, library, demos))
+        cand, _ = with_own_lms(with_learned(program, targets, library, demos))
 
         def score(example):
             prediction, rec = run_program(cand, example)
@@ -419,7 +255,10 @@ class TrainingFreeGRPO(Teleprompter):
         return value
 
     def _fingerprint(self, program, targets, trainset, valset, library) -> dict:
-        return {"knobs": fingerprinted_knobs(self), "targets": targets,
+        knobs = fingerprinted_knobs(self)
+        if isinstance(knobs["learning_path"], LearningPath):  # a plug-in path is known by its class
+            knobs["learning_path"] = f"{type(knobs['learning_path']).__module__}.{type(knobs['learning_path']).__qualname__}"
+        return {"knobs": knobs, "targets": targets,
                 "instructions": digest([p.signature.instructions for _, p in program.named_predictors()]),
                 "trainset": digest([dict(x) for x in trainset]), "valset": digest([dict(x) for x in valset or []]),
                 "initial_library": digest(library.dump_state())}

@@ -132,7 +132,7 @@ def test_contrast_path_learns_with_one_call_per_group():
     compiled = compile_contrast(lm)
     assert compiled.experience_library.texts() == [LESSON]
     step = compiled.detailed_results["steps"][0]
-    assert step["groups_kept"] == 4 and step["operations_proposed"] == 4 and step["redundant"] == 3
+    assert step["groups_kept"] == 4 and step["operations_proposed"] == 4 and step["details"]["redundant"] == 3
     assert step["usage"]["contrast"]["calls"] == 4 and "summary" not in step["usage"]
     assert sum(1 for c in lm.calls if "difference" in output_fields(c["messages"])) == 4
     first = next(c for c in lm.calls if "difference" in output_fields(c["messages"]))
@@ -144,12 +144,12 @@ def test_specific_rules_are_rewritten_once_then_refused():
     compiled = compile_contrast(lm)
     assert compiled.experience_library.texts() == ["When adding, carry the tens."]
     step = compiled.detailed_results["steps"][0]
-    assert step["rewritten_specific"] >= 1 and step["refused_specific"] < step["operations_proposed"]
+    assert step["details"]["rewritten_specific"] >= 1 and step["details"]["refused_specific"] < step["operations_proposed"]
 
     lm = ScriptedLM(contrast_learner(rule="When adding {a} and {b}, carry.", generalized="Still {a} and {b}."))
     compiled = compile_contrast(lm)
     step = compiled.detailed_results["steps"][0]
-    assert len(compiled.experience_library) == 0 and step["refused_specific"] == step["operations_proposed"] == 4
+    assert len(compiled.experience_library) == 0 and step["details"]["refused_specific"] == step["operations_proposed"] == 4
 
 
 def test_invented_ids_cannot_pass_the_typed_reply():

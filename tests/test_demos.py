@@ -5,22 +5,27 @@ import dspy
 
 from scripted_lm import ScriptedLM, kind_of
 from test_optimizer import compile_with, learner, make_trainset
+from tfgrpo.optimizers.attempts import Attempt, Group, Scored
 from tfgrpo.optimizers.demos import demo_candidates, select_demos
 
 
-def _records(rewards_by_query):
-    return {(qi, g): {"reward": r, "error": None,
-                      "trace": [{"predictor": "p", "inputs": {"q": f"q{qi}"}, "outputs": {"a": f"a{qi}.{g}"}}]}
-            for qi, rewards in rewards_by_query.items() for g, r in enumerate(rewards)}
+def _groups(rewards_by_query):
+    def attempt(qi, g, r):
+        trace = [{"predictor": "p", "inputs": {"q": f"q{qi}"}, "outputs": {"a": f"a{qi}.{g}"}}]
+        return Scored(Attempt(outputs={"a": f"a{qi}.{g}"}, error=None, trace=trace, tool_calls=0, text=""), reward=r)
+    return [Group(index=qi, key=f"k{qi}", example=dspy.Example(q=f"q{qi}").with_inputs("q"),
+                  attempts=tuple(attempt(qi, g, r) for g, r in enumerate(rewards)))
+            for qi, rewards in rewards_by_query.items()]
 
 
 def test_only_full_successes_ranked_by_group_advantage():
-    records = _records({0: [1, 0, 0, 0], 1: [0.3, 0, 0, 0], 2: [1, 1, 1, 0], 3: [0, 1, 0, 1]})
-    found = demo_candidates(records, [0, 1, 2, 3], 4, step=0, keys={i: f"k{i}" for i in range(4)})
+    groups = _groups({0: [1, 0, 0, 0], 1: [0.3, 0, 0, 0], 2: [1, 1, 1, 0], 3: [0, 1, 0, 1]})
+    found = demo_candidates(groups, step=0)
     assert [d["query"] for d in found] == ["k0", "k2", "k3"]  # a partial success (k1) teaches its mistakes too
     assert found[2]["trace"][0]["outputs"] == {"a": "a3.1"}  # the first of equally good attempts
     best = select_demos([], found, 2)
     assert [(d["query"], d["advantage"]) for d in best] == [("k0", 0.75), ("k3", 0.5)]
+    assert [d["query"] for d in demo_candidates(groups, step=0, min_reward=0.0)] == ["k0", "k1", "k2", "k3"]
 
 
 def test_one_demo_per_query_and_earlier_steps_win_ties():
@@ -52,7 +57,7 @@ def test_compiled_program_carries_a_winning_attempt_and_the_student_is_untouched
 def test_off_by_default():
     compiled = compile_with(ScriptedLM(learner()), dspy.Predict("question -> answer"))
     assert compiled.demos == []
-    assert "demos" not in compiled.detailed_results["steps"][0]
+    assert compiled.detailed_results["steps"][0]["demos"] == []
 
 
 def test_a_resumed_run_restores_the_demos(tmp_path):

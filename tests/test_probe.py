@@ -132,7 +132,7 @@ def test_contrast_rules_carry_an_excerpt_copied_from_the_better_attempt():
     assert exp.text == LESSON and exp.excerpt.startswith("answer: ")
     step = compiled.detailed_results["steps"][0]
     # "What is 0 + 10?" is answered "answer: 10", a line holding the query's own number: dropped, nothing left
-    assert step["excerpts"] == 3 and step["excerpts_refused"] == 1
+    assert step["details"]["excerpts"] == 3 and step["details"]["excerpts_refused"] == 1
     assert exp.excerpt in compiled.signature.instructions  # the policy sees the lines
 
 
@@ -143,4 +143,4 @@ def test_an_invented_excerpt_leaves_the_rule_without_one():
     (exp,) = compiled.experience_library
     assert exp.text == LESSON and exp.excerpt == ""
     step = compiled.detailed_results["steps"][0]
-    assert step["excerpts"] == 0 and step["excerpts_refused"] == 4
+    assert step["details"]["excerpts"] == 0 and step["details"]["excerpts_refused"] == 4

@@ -112,12 +112,13 @@ def _compile(config: Config, parts, policy, reflection) -> Path:
     demos = sum(len(p.demos) for _, p in compiled.named_predictors())
     console.print(f"compiled in {time.time() - started:.0f} s: {len(compiled.experience_library)} experiences, "
                   f"{demos} demos")
-    for role, u in (compiled.detailed_results.get("usage") or {}).items():
+    results = compiled.detailed_results if o.method != "direct" else None  # a TrainingFreeGRPOResult
+    for role, u in (results["usage"] if results is not None else {}).items():
         cached = f" ({u['cached_tokens']:,} from the server's prompt cache)" if u.get("cached_tokens") else ""
         console.print(f"  {role}: {u.get('calls', 0)} calls, {u.get('prompt_tokens', 0):,} prompt{cached} + "
                       f"{u.get('completion_tokens', 0):,} completion tokens, ${u.get('cost', 0.0):.4f}")
-    if compiled.detailed_results.get("stopped_early"):
-        console.print(f"[yellow]stopped early: {compiled.detailed_results['stopped_early']}")
+    if results is not None and results["stopped_early"]:
+        console.print(f"[yellow]stopped early: {results['stopped_early']}")
     _print_library(compiled.experience_library.dump_state())
     return run_dir / "program.json"
 

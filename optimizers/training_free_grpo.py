@@ -132,6 +132,8 @@ class TrainingFreeGRPO(Teleprompter):
 
     # -- the outer loop -------------------------------------------------------------------------------------
     def compile(self, student: dspy.Module, *, trainset: list, teacher=None, valset: list | None = None) -> dspy.Module:
+        if teacher is not None:
+            raise ValueError("TrainingFreeGRPO takes no teacher (the student's own attempts are what it learns from); pass teacher=None, or set reflection_lm for a stronger LM in the learning calls")
         if not trainset:
             raise ValueError("trainset is empty")
         program = student.deepcopy()

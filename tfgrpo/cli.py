@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from tfgrpo.config import Config, ConfigError
+from tfgrpo.util import write_atomic
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Training-Free GRPO for DSPy programs.")
 lm_app = typer.Typer(no_args_is_help=True, help="Manage the embedded local model server.")
@@ -105,8 +106,8 @@ def _compile(config: Config, parts, policy, reflection) -> Path:
             compiled = optimizer.compile(make(), trainset=trainset, valset=valset)
         steps = compiled.detailed_results["steps"]
     save_program(compiled, run_dir / "program.json")
-    (run_dir / "library.json").write_text(json.dumps(compiled.experience_library.dump_state(), indent=2))
-    (run_dir / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    write_atomic(run_dir / "library.json", json.dumps(compiled.experience_library.dump_state(), indent=2))
+    write_atomic(run_dir / "steps.jsonl", "".join(json.dumps(s) + "\n" for s in steps))
     if steps:
         learning_curve({run_dir.name: steps}, run_dir / "learning_curve.png")
     demos = sum(len(p.demos) for _, p in compiled.named_predictors())
@@ -148,7 +149,7 @@ def _evaluate(config: Config, parts, policy, program_path: Path) -> dict:
     if parts.judge is not None:
         summary["judge_calls"] = parts.judge.calls
     summary["evalset"] = {"name": t.evalset, "offset": t.eval_offset, "limit": t.eval_limit}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_atomic(out / "summary.json", json.dumps(summary, indent=2))
     _print_summary(summary)
     return summary
 

@@ -185,9 +185,10 @@ def _print_library(state: dict) -> None:
 def _tfgrpo_knobs(cfg: Config) -> dict:
     """The [optimizer] section as TrainingFreeGRPO keyword arguments (the direct baseline's keys left out)."""
     knobs = cfg.optimizer.model_dump(exclude={"method", "num_direct_experiences"})
-    learner = cfg.reflection or cfg.policy
-    if knobs["constrained_decoding"] == "auto" and learner.backend == "local":
-        knobs["constrained_decoding"] = "json_object"  # the embedded llama.cpp server's form of JSON-schema decoding
+    if knobs["constrained_decoding"] == "auto":
+        from tfgrpo.lms import backend_constrained_mode
+
+        knobs["constrained_decoding"] = backend_constrained_mode(cfg.reflection or cfg.policy) or "auto"
     return knobs
 
 

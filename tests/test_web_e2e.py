@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
-from pathlib import Path
 
 import dspy
 import pytest
@@ -17,9 +15,7 @@ from tfgrpo.programs import load_program, save_program
 from tfgrpo.tasks.web import PageFetcher, StepAgent, WebTools, f1_metric, react_agent
 from tfgrpo.tasks.web.search import make_backend
 from tfgrpo.tasks.web.site import running_site
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.fake_lm_server import FakeLMServer  # noqa: E402
+from tfgrpo.testing import FakeLMServer
 
 RULE = "Read the page of the top search result before you answer."
 QUESTIONS = [("What government position was held by the actress Shirley Temple?", "Chief of Protocol"),

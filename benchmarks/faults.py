@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.fake_lm_server import FAULTS, KINDS, FakeLMServer
+from tfgrpo.testing import FAULTS, KINDS, FakeLMServer
 
 STOPPED = 3  # exit code of a child stopped by a documented error (TooManyFailuresError, MetricError)
 UNIT_KIND = {"rollouts": "student", "summaries": "summary", "advantages": "advantage", "plan": "consolidation"}

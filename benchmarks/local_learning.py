@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import tfgrpo  # noqa: E402,F401
 import dspy  # noqa: E402
 
+from benchmarks.common import add_endpoint_args, endpoint  # noqa: E402
 from tfgrpo.evaluate import evaluate_program, paired_difference, read_rows, summarize, write_rows  # noqa: E402
 from tfgrpo.lms import local_dspy_lm  # noqa: E402
-from tfgrpo.local_model import ensure_server  # noqa: E402
 from tfgrpo.optimizers import TrainingFreeGRPO  # noqa: E402
 from tfgrpo.programs import load_program, save_program  # noqa: E402
 from tfgrpo.programs.generality import specific_terms  # noqa: E402
@@ -77,7 +77,6 @@ def _line(name, seeds, base_rows, rows, valid_ops, library) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--train", type=int, default=8, help="training puzzles per seed")
     ap.add_argument("--train-offset", type=int, default=200)
@@ -93,13 +92,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--out", default="runs/bench-local-learning")
+    add_endpoint_args(ap)
     args = ap.parse_args()
 
     out = Path(args.out)
     evalset = load_game24("game24_test", limit=args.eval, offset=args.eval_offset)
     started = time.time()
-    api_base, server = ensure_server(args.model, n_ctx=8192)
-    try:
+    with endpoint(args, n_ctx=8192) as api_base:
         lm = local_dspy_lm(args.model, api_base, temperature=0.3, max_tokens=args.max_tokens, timeout=300,
                            num_retries=2, cache=False)
         dspy.configure(lm=lm)
@@ -141,9 +140,6 @@ def main() -> None:
                 rows["simba"] += _evaluate(program, evalset, run_lm, args.threads, d / "simba.jsonl")
                 print(json.dumps({"seed": seed, "simba_added": added,
                                   "simba": summarize(rows["simba"][-len(evalset):])["mean_at_k"]}), flush=True)
-    finally:
-        if server is not None:
-            server.stop()
     print(f"wall time {(time.time() - started) / 60:.1f} min; experiences repeating a training puzzle's numbers: "
           f"{specific}")
     print(_line("tfgrpo", args.seeds, rows["baseline"], rows["tfgrpo"],

@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import tfgrpo  # noqa: E402,F401
 import dspy  # noqa: E402
 
+from benchmarks.common import add_endpoint_args, endpoint  # noqa: E402
 from tfgrpo.evaluate import evaluate_program, paired_difference, read_rows, summarize, write_rows  # noqa: E402
 from tfgrpo.lms import local_dspy_lm  # noqa: E402
-from tfgrpo.local_model import LocalServer  # noqa: E402
 from tfgrpo.optimizers import TrainingFreeGRPO  # noqa: E402
 from tfgrpo.programs import save_program  # noqa: E402
 from tfgrpo.tasks.math.datasets import load_math  # noqa: E402
@@ -45,7 +45,6 @@ def _evaluate(program, evalset, lm, args, path: Path, seed: int) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--train", type=int, default=8, help="GSM8K train problems per compile")
     ap.add_argument("--eval", type=int, default=50, help="GSM8K test problems (held out)")
     ap.add_argument("--eval-offset", type=int, default=100, help="skip the first test problems (the main job uses them)")
@@ -54,14 +53,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=400)
     ap.add_argument("--out", default="runs/bench-local-math")
+    add_endpoint_args(ap)
     args = ap.parse_args()
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     evalset = load_math("gsm8k_test", limit=args.eval, offset=args.eval_offset)
     started = time.time()
-    with LocalServer(args.model, n_ctx=8192) as server:
-        lm = local_dspy_lm(server.model_alias, server.api_base, temperature=0.3, max_tokens=args.max_tokens,
+    with endpoint(args, n_ctx=8192) as api_base:
+        lm = local_dspy_lm(args.model, api_base, temperature=0.3, max_tokens=args.max_tokens,
                            timeout=300, num_retries=2, cache=False)
         dspy.configure(lm=lm)
         base_rows, comp_rows, per_seed = [], [], []

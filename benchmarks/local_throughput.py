@@ -3,13 +3,15 @@ and (with --main-job) the README's main job end to end.
 
     .venv/bin/python benchmarks/local_throughput.py               # ~8 min on 2 cores
     .venv/bin/python benchmarks/local_throughput.py --main-job    # + the main job in a fresh DSPy cache (~10-20 min)
+    .venv/bin/python benchmarks/local_throughput.py --model qwen2.5-coder-0.5b --parallel 1 --rounds 1 --tokens 8 \
+        --step-batch 1 --step-generations 2                       # the smallest run (CI: tests/test_benchmarks.py)
 
 1. Decode throughput. For each N of --parallel, a llama-server with N slots gets --rounds x N requests from N
    client threads at once; each request has its own prompt (no cache hit) and decodes exactly --tokens tokens
    (ignore_eos). Rate = completion tokens / wall seconds. single_tok_s is N=1 on the same binary; the ratio is
    taken at the best N. With --engines both, llama-cpp-python's server (one request at a time) is timed too.
 2. Prefix reuse. One optimization step of the main job (configs/local.toml: Game24, batch 4, G=4, contrast
-   path) against a fresh server with the chosen N, DSPy's cache off; prefix_saved = prompt tokens the server
+   path; --step-batch and --step-generations shrink it) against a fresh server with the chosen N, DSPy's cache off; prefix_saved = prompt tokens the server
    took from a slot's KV cache / all prompt tokens, read from its own /metrics counters.
 3. With --main-job: `tfgrpo run configs/local.toml` as a subprocess in a temp run dir and an empty DSPy cache.
 
@@ -19,6 +21,7 @@ Last line: local_throughput: model=... single_tok_s=X parallel=N parallel_tok_s=
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -74,20 +77,24 @@ def metrics(api_base: str) -> dict[str, float]:
 
 def one_step_prefix_saved(args, parallel: int) -> tuple[float, float]:
     """(prefix_saved, seconds) of one optimization step of the main job's task on a fresh server."""
-    from tfgrpo.cli import _task_parts, _tfgrpo_knobs
+    from tfgrpo.cli import _tfgrpo_knobs
     from tfgrpo.optimizers import TrainingFreeGRPO
+    from tfgrpo.task import task_parts
 
     config = Config.load(ROOT / "configs" / "local.toml")
-    make, _, load, reward = _task_parts(config)
     t = config.task
     knobs = {**_tfgrpo_knobs(config), "num_train_epochs": 1, "num_threads": max(parallel, 2)}
-    trainset = load(t.trainset, limit=knobs["batch_size"], offset=t.train_offset)
-    with LocalServer(args.model, n_ctx=config.policy.n_ctx, parallel=parallel, engine="llama-server") as server:
+    knobs["batch_size"] = args.step_batch or knobs["batch_size"]
+    knobs["num_generations"] = args.step_generations or knobs["num_generations"]
+    with contextlib.ExitStack() as stack, \
+            LocalServer(args.model, n_ctx=config.policy.n_ctx, parallel=parallel, engine="llama-server") as server:
+        parts = task_parts(config, stack)
+        trainset = parts.load(t.trainset, limit=knobs["batch_size"], offset=t.train_offset)
         lm = local_dspy_lm(server.model_alias, server.api_base, max_tokens=config.policy.max_tokens,
                            temperature=config.policy.temperature, cache=False, timeout=600)
         before, t0 = metrics(server.api_base), time.perf_counter()
         with dspy.context(lm=lm):
-            TrainingFreeGRPO(reward, progress=lambda *_: None, **knobs).compile(make(), trainset=trainset)
+            TrainingFreeGRPO(parts.reward, progress=lambda *_: None, **knobs).compile(parts.make(), trainset=trainset)
         seconds, after = time.perf_counter() - t0, metrics(server.api_base)
     cached = after["prompt_tokens_cached_total"] - before.get("prompt_tokens_cached_total", 0)
     processed = after["prompt_tokens_total"] - before.get("prompt_tokens_total", 0)
@@ -119,6 +126,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="requests per client thread")
     ap.add_argument("--tokens", type=int, default=96, help="completion tokens per request")
     ap.add_argument("--engines", choices=["llama-server", "both"], default="llama-server")
+    ap.add_argument("--step-batch", type=int, default=None, help="queries in the prefix-reuse step (default: the config's)")
+    ap.add_argument("--step-generations", type=int, default=None, help="G of the prefix-reuse step (default: the config's)")
     ap.add_argument("--main-job", action="store_true", help="also time README command 1 (fresh DSPy cache)")
     args = ap.parse_args()
 

@@ -3,8 +3,9 @@
     .venv/bin/python benchmarks/local_web.py --questions 4 --offset 250
 
 Runs each agent over the same HotpotQA dev questions (offset 250+: outside the 50 the local-web config
-evaluates), one at a time, on the embedded 1.5B (started if no `tfgrpo lm start` server runs) with the local
-site in this process, DSPy's cache off. A failed call is a tool call whose observation is an error. Last lines:
+evaluates), one at a time, on the embedded 1.5B (started if no `tfgrpo lm start` server runs; `--api-base`:
+another OpenAI-compatible endpoint) with the local site in this process, DSPy's cache off. A failed call is a
+tool call whose observation is an error. Last lines:
   local_web: agent=react questions=N s_per_question=S tool_calls=T failed_calls=F f1=X
   local_web: agent=step ...
 """
@@ -19,14 +20,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import tfgrpo  # noqa: E402,F401  (first, before dspy: keeps litellm from fetching its cost map over the network)
 import dspy  # noqa: E402
 
+from benchmarks.common import add_endpoint_args, endpoint  # noqa: E402
 from tfgrpo.lms import local_dspy_lm  # noqa: E402
 from tfgrpo.optimizers.rollout import FAILED_TOOL  # noqa: E402
-from tfgrpo.local_model import ensure_server  # noqa: E402
 from tfgrpo.tasks.web import PageFetcher, StepAgent, WebTools, load_web, react_agent, token_f1  # noqa: E402
 from tfgrpo.tasks.web.search import make_backend  # noqa: E402
 from tfgrpo.tasks.web.site import running_site  # noqa: E402
+
 
 def run(agent, examples) -> dict:
     seconds, calls, failed, f1 = [], [], [], []
@@ -54,12 +57,12 @@ def main() -> None:
     ap.add_argument("--offset", type=int, default=250)
     ap.add_argument("--max-iters", type=int, default=3)
     ap.add_argument("--agents", default="react,step")
+    add_endpoint_args(ap)
     args = ap.parse_args()
     examples = load_web("hotpotqa_dev", limit=args.questions, offset=args.offset)
-    api_base, server = ensure_server("qwen2.5-coder-1.5b")
     lines = []
-    try:
-        dspy.configure(lm=local_dspy_lm("qwen2.5-coder-1.5b", api_base, max_tokens=256, temperature=0.3, cache=False,
+    with endpoint(args) as api_base:
+        dspy.configure(lm=local_dspy_lm(args.model, api_base, max_tokens=256, temperature=0.3, cache=False,
                                         timeout=300))
         with running_site() as base:
             tools = WebTools(make_backend("local", base_url=base), fetcher=PageFetcher(allowed_origins=[base]), top_k=3,
@@ -71,9 +74,6 @@ def main() -> None:
                 r = run(agent, examples)
                 lines.append(f"local_web: agent={name} questions={len(examples)} s_per_question={r['s']:.1f} "
                              f"tool_calls={r['calls']:.2f} failed_calls={r['failed']:.2f} f1={r['f1']:.3f}")
-    finally:
-        if server is not None:
-            server.stop()
     print("\n".join(lines))
 
 

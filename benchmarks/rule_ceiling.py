@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tfgrpo  # noqa: E402,F401
 
+from benchmarks.common import add_endpoint_args, endpoint  # noqa: E402
 from tfgrpo.evaluate import evaluate_program, paired_difference  # noqa: E402
 from tfgrpo.lms import local_dspy_lm  # noqa: E402
-from tfgrpo.local_model import ensure_server  # noqa: E402
 from tfgrpo.programs import ExperienceLibrary, load_program  # noqa: E402
 from tfgrpo.programs.inject import apply_library  # noqa: E402
 from tfgrpo.signatures.operations import Operation  # noqa: E402
@@ -63,21 +63,20 @@ def _learned(path: Path):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--problems", type=int, default=8)
     ap.add_argument("--offset", type=int, default=300, help="first training puzzle (rank - 1)")
     ap.add_argument("--runs", type=int, default=2, help="sampling runs per puzzle")
     ap.add_argument("--learned", action="append", default=[], help="a library.json or program.json of a run")
     ap.add_argument("--no-oracle", action="store_true", help="skip the hand-written reference rules")
     ap.add_argument("--threads", type=int, default=2)
+    add_endpoint_args(ap)
     args = ap.parse_args()
 
     puzzles = load_game24("game24_train", limit=args.problems, offset=args.offset)
     arms = {f"learned:{Path(p).parent.name}/{Path(p).name}": _learned(Path(p)) for p in args.learned}
     if not args.no_oracle:
         arms.update({name: _oracle(text) for name, text in ORACLE.items()})
-    api_base, server = ensure_server(args.model, n_ctx=8192)
-    try:
+    with endpoint(args, n_ctx=8192) as api_base:
         lm = local_dspy_lm(args.model, api_base, temperature=0.3, max_tokens=512, timeout=300, num_retries=2,
                            cache=False)
         base = evaluate_program(Game24Solver(), puzzles, game24_metric, lm=lm, num_runs=args.runs,
@@ -86,9 +85,6 @@ def main() -> None:
         for name, program in arms.items():
             results[name] = evaluate_program(program, puzzles, game24_metric, lm=lm, num_runs=args.runs,
                                              num_threads=args.threads, name=name)
-    finally:
-        if server is not None:
-            server.stop()
     for name, rows in results.items():
         solved = sum(r["score"] >= 1 for r in rows)
         paired = paired_difference(base, rows)

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tfgrpo  # noqa: F401  (first, before dspy: keeps litellm from fetching its cost map over the network)
 import dspy
 from tfgrpo.optimizers import TrainingFreeGRPO
-from benchmarks.fake_lm_server import FakeLMServer
+from tfgrpo.testing import FakeLMServer
 # isort: on
 
 STAGE_KIND = {"rollout": "student", "summary": "summary", "advantage": "advantage", "consolidation": "consolidation"}

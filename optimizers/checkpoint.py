@@ -10,7 +10,7 @@ Layout:
     steps/0003/done.json          library after the step and the step's stats: the step is complete
     epochs/0.json                 validation score of the library after epoch 0
 
-Files are written to a temporary name and renamed, so a kill at any moment leaves either the old state or
+Files are written atomically (`tfgrpo.util.write_atomic`), so a kill at any moment leaves either the old state or
 the new one, never a torn file. A file that does not parse (written by something else) is treated as absent.
 """
 
@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any
+
+from tfgrpo.util import write_atomic
 
 
 class RunMismatchError(ValueError):
@@ -82,17 +82,7 @@ class Checkpoint:
 
     @staticmethod
     def _write(path: Path, value: Any) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(value, f, ensure_ascii=False)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomic(path, json.dumps(value, ensure_ascii=False))
 
 
 def digest(value: Any) -> str:

@@ -32,10 +32,11 @@ import dspy
 from tfgrpo.optimizers.attempts import Group
 from tfgrpo.optimizers.checkpoint import Checkpoint
 from tfgrpo.optimizers.parallel import Failed, StageBar, TooManyFailuresError, WaitFor
-from tfgrpo.optimizers.render import clip, format_fields, outcome
+from tfgrpo.optimizers.render import format_fields, outcome
 from tfgrpo.programs.learning import AdvantageExtractor, Consolidator, Summarizer
 from tfgrpo.programs.library import ExperienceLibrary
 from tfgrpo.signatures.operations import Operation
+from tfgrpo.util import clip
 
 logger = logging.getLogger(__name__)
 

@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 from tfgrpo.optimizers.checkpoint import jsonable
+from tfgrpo.util import clip
 
 MAX_ATTEMPT_CHARS = 6000  # an attempt shown to a learning call is cut to this size (head and tail kept)
 
@@ -31,7 +32,7 @@ def format_prediction(pred: Any) -> str:
     elif trajectory is not None:
         parts.append(f"trajectory: {as_text(trajectory)}")
     parts.append(format_fields(values))
-    return clip("\n".join(p for p in parts if p))
+    return clip("\n".join(p for p in parts if p), MAX_ATTEMPT_CHARS)
 
 
 def format_attempt(task_inputs: dict, outputs: dict | None, steps: list[dict], error: str | None) -> str:
@@ -47,7 +48,7 @@ def format_attempt(task_inputs: dict, outputs: dict | None, steps: list[dict], e
         text = _format_steps(task_inputs, outputs or {}, steps)
     if error:
         text = f"{text}\n(the program failed: {error})" if text else f"(the program failed: {error})"
-    return clip(text)
+    return clip(text, MAX_ATTEMPT_CHARS)
 
 
 def _format_steps(task_inputs: dict, outputs: dict, steps: list[dict]) -> str:
@@ -76,13 +77,6 @@ def _format_steps(task_inputs: dict, outputs: dict, steps: list[dict]) -> str:
     if final:  # the program changed or added outputs after its last predictor call: what the metric judged
         lines.append("final output:\n" + format_fields(final))
     return "\n".join(lines)
-
-
-def clip(text: str, limit: int = MAX_ATTEMPT_CHARS) -> str:
-    if len(text) <= limit:
-        return text
-    half = limit // 2
-    return f"{text[:half]}\n[... {len(text) - limit} characters cut ...]\n{text[-half:]}"
 
 
 def as_text(value: Any) -> str:

@@ -8,7 +8,8 @@ from typing import Any, Callable
 
 import dspy
 
-from tfgrpo.optimizers.render import clip, format_fields
+from tfgrpo.optimizers.render import format_fields
+from tfgrpo.util import clip
 
 
 def metric_result(result: Any) -> tuple[float, str]:

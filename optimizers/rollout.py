@@ -12,7 +12,8 @@ from typing import Any
 import dspy
 
 from tfgrpo.optimizers.checkpoint import jsonable
-from tfgrpo.optimizers.render import as_text, clip, format_fields
+from tfgrpo.optimizers.render import as_text, format_fields
+from tfgrpo.util import clip
 
 MAX_VALUE_CHARS = 2000  # one recorded input or output value of a trace (head and tail kept)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import dspy
 
 from tfgrpo.programs.library import ExperienceLibrary
+from tfgrpo.util import write_atomic
 
 OPEN_TAG, CLOSE_TAG = "<experiences>", "</experiences>"
 PREAMBLE = "Lessons learned from earlier attempts at this task; apply the ones that fit the problem at hand."
@@ -73,10 +74,7 @@ def save_program(program: dspy.Module, path: str | Path) -> Path:
         if isinstance(value, dict) and "lm" in value:
             value["lm"] = None
     state["metadata"] = {"dependency_versions": _versions(), "saved_by": "tfgrpo"}
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(state, indent=2, ensure_ascii=False))
-    tmp.replace(path)
-    return path
+    return write_atomic(path, json.dumps(state, indent=2, ensure_ascii=False))
 
 
 def load_program(program: dspy.Module, path: str | Path, target_predictors: list[str] | None = None) -> dspy.Module:

@@ -24,6 +24,7 @@ from dspy.utils.exceptions import AdapterParseError
 
 from tfgrpo.signatures.learning import ConsolidateOperations, ExtractGroupAdvantage, SummarizeRollout
 from tfgrpo.signatures.operations import Operation
+from tfgrpo.util import clip
 
 logger = logging.getLogger(__name__)
 
@@ -69,18 +70,17 @@ def call_with_one_retry(predict: dspy.Predict, inputs: dict, *, caller: str) -> 
         return predict(**inputs)
     except PARSE_ERRORS as first:
         retry = dspy.Predict(predict.signature.with_instructions(
-            f"{predict.signature.instructions}\n\nA previous reply could not be used ({_short(first)}). "
+            f"{predict.signature.instructions}\n\nA previous reply could not be used ({_one_line(first)}). "
             "Reply again and follow the output format exactly."))
         retry.lm = predict.lm  # the changed instructions make a new prompt: no cached reply comes back
         try:
             return retry(**inputs)
         except PARSE_ERRORS as second:
-            raise LearningCallError(f"{caller}: unusable reply twice ({_short(second)})") from second
+            raise LearningCallError(f"{caller}: unusable reply twice ({_one_line(second)})") from second
 
 
-def _short(exc: Exception, limit: int = 300) -> str:
-    text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+def _one_line(exc: Exception) -> str:
+    return clip(f"{type(exc).__name__}: {exc}".replace("\n", " "), 300)
 
 
 class Summarizer(_ValidatedCall):

@@ -3,13 +3,14 @@ temperature), never of call order, so tests stay deterministic under threads."""
 
 from __future__ import annotations
 
-import re
 import threading
 from typing import Callable
 
 from dspy.clients.engines.dummy_engine import AsyncDummyEngine, DummyEngine
 from dspy.lm15 import Message, Response, TextPart, Usage
 from dspy.utils.dummies import DummyLM
+
+from tfgrpo.testing import prompts
 
 # respond(messages, kwargs) -> {field: value} (formatted in DSPy's chat format) or a raw string reply
 Responder = Callable[[list[dict], dict], "dict | str"]
@@ -52,18 +53,10 @@ def system_text(messages: list[dict]) -> str:
 
 def output_fields(messages: list[dict]) -> list[str]:
     """The output field names DSPy's chat adapter asks for in the system message."""
-    system = system_text(messages)
-    section = system.split("Your output fields are:", 1)[-1].split("All interactions", 1)[0]
-    return re.findall(r"^\d+\. `(\w+)`", section, flags=re.M)
+    return prompts.output_fields(system_text(messages))
 
 
 def kind_of(messages: list[dict]) -> str:
-    """Which call this is: 'summary', 'advantage', 'consolidation' or 'student'."""
-    fields = output_fields(messages)
-    if fields == ["summary"]:
-        return "summary"
-    if fields == ["operations"]:
-        return "advantage"
-    if fields == ["plan"]:
-        return "consolidation"
-    return "student"
+    """Which call this is ('student', 'summary', 'advantage', 'consolidation', 'contrast', ...), by the rules
+    every fake LM of the project uses (tfgrpo.testing.prompts)."""
+    return prompts.kind_of(output_fields(messages))

@@ -2,17 +2,14 @@
 dry run; plus the evaluation statistics on hand-made rows."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the benchmarks package
-
-from benchmarks.fake_lm_server import FakeLMServer  # noqa: E402
-from tfgrpo.cli import app  # noqa: E402
-from tfgrpo.evaluate import paired_difference, summarize  # noqa: E402
+from tfgrpo.cli import app
+from tfgrpo.evaluate import paired_difference, summarize
+from tfgrpo.testing import FakeLMServer
 
 runner = CliRunner()
 

@@ -17,7 +17,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import faults as F
-from benchmarks.fake_lm_server import FAULTS, KINDS, FakeLMServer
+from tfgrpo.testing import FAULTS, KINDS, FakeLMServer
 
 FAST = dict(queries=6, num_generations=4, num_train_epochs=2, batch_size=6, num_threads=8, max_experiences=5,
             lm_timeout=5.0, num_retries=3)

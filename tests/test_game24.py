@@ -7,8 +7,8 @@ import dspy
 import pytest
 
 from scripted_lm import ScriptedLM, output_fields
-from tfgrpo.tasks.game24 import (Game24Solver, check, evaluate, extract_expression, game24_metric, game24_reward,
-                                 load_game24, puzzle_numbers)
+from tfgrpo.tasks.game24 import (Game24Solver, check, evaluate_expression, extract_expression, game24_metric,
+                                 game24_reward, load_game24, puzzle_numbers)
 
 
 def ex(numbers):
@@ -26,7 +26,7 @@ def test_solved_answers(answer):
 
 def test_exact_fractions():
     assert check([3, 3, 8, 8], "8 / (3 - 8 / 3)")[0]
-    assert evaluate("8 / (3 - 8 / 3)")[0] == Fraction(24)
+    assert evaluate_expression("8 / (3 - 8 / 3)")[0] == Fraction(24)
     assert not check([1, 1, 1, 1], "(1 + 1) / 3 * 36")[0]  # other numbers
 
 
@@ -77,7 +77,7 @@ def _solve(numbers):
             for shape in shapes:
                 expr = shape.format(a=a, b=b, c=c, d=d, o=o, p=p, q=q)
                 try:
-                    if evaluate(expr)[0] == 24:
+                    if evaluate_expression(expr)[0] == 24:
                         return expr
                 except ValueError:
                     continue

@@ -130,7 +130,7 @@ def test_invalid_json_names_file_and_line(tmp_path):
 
 @pytest.mark.parametrize("name", ["no_such_set", "missing_file.jsonl", "./nope", "a/b/c"])
 def test_unknown_source_is_a_clear_error(name):
-    with pytest.raises(ValueError, match="unknown math dataset"):
+    with pytest.raises(ValueError, match="unknown question set"):
         load_math(name)
 
 
@@ -171,4 +171,4 @@ def test_loading_works_offline_and_hub_failures_are_clear():
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.strip().splitlines()
     assert lines[0] == "30"
-    assert lines[1].startswith("ValueError: could not load math dataset 'HuggingFaceH4/aime_2024'")
+    assert lines[1].startswith("ValueError: could not load question set 'HuggingFaceH4/aime_2024'")

@@ -271,6 +271,11 @@ def test_clear_errors_for_bad_setup():
         TrainingFreeGRPO(metric).compile(dspy.Predict("q -> a"), trainset=[])
     with pytest.raises(ValueError):
         TrainingFreeGRPO(metric, num_generations=0)
+    lm = ScriptedLM(learner())
+    dspy.configure(lm=lm)
+    with pytest.raises(ValueError, match="takes no teacher"):  # refused, not silently ignored
+        TrainingFreeGRPO(metric).compile(dspy.Predict("q -> a"), trainset=make_trainset(), teacher=dspy.Predict("q -> a"))
+    assert lm.calls == []
 
 
 def test_target_predictors_limits_where_experiences_go():

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
-from pathlib import Path
 
 import dspy
 import pytest
@@ -17,9 +15,7 @@ from tfgrpo.programs import load_program, save_program
 from tfgrpo.tasks.web import PageFetcher, StepAgent, WebTools, f1_metric, react_agent
 from tfgrpo.tasks.web.search import make_backend
 from tfgrpo.tasks.web.site import running_site
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.fake_lm_server import FakeLMServer  # noqa: E402
+from tfgrpo.testing import FakeLMServer
 
 RULE = "Read the page of the top search result before you answer."
 QUESTIONS = [("What government position was held by the actress Shirley Temple?", "Chief of Protocol"),
@@ -180,4 +176,5 @@ def test_tools_turn_failures_into_messages_and_keep_goal_passages(site):
     assert "Chief of Protocol" in page_lm.calls[0]["messages"][-1]["content"]  # the page text went to the page LM
     assert reader.open_page(url).startswith("Shirley Temple")  # without a goal: the page's main text
     long = WebTools(make_backend("local", base_url=site), fetcher=PageFetcher(allowed_origins=[site]), page_chars=200)
-    assert long.open_page(url).endswith("[... page cut ...]") and len(long.open_page(url)) < 230
+    page = long.open_page(url)
+    assert re.fullmatch(r"Shirley Temple.{0,190}\S \[\.\.\. \d+ characters cut \.\.\.\]", page, flags=re.S)

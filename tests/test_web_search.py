@@ -245,10 +245,10 @@ def test_format_results_numbered_list():
     ]
     assert format_results(results, snippet_chars=10) == (
         "1. Tavily answer\n"
-        "   Lionel Me…\n"
+        "   Lionel [... 34 characters cut ...]\n"
         "2. Lionel Messi Facts | Britannica\n"
         "   https://www.britannica.com/facts/Lionel-Messi\n"
-        "   xxxxxxxxx…\n"
+        "   xxxxxxxxxx [... 10 characters cut ...]\n"
         "3. (untitled)\n"
         "   https://example.org/"
     )

@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from tfgrpo.config import Config, ConfigError
+from tfgrpo.util import write_atomic
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Training-Free GRPO for DSPy programs.")
 lm_app = typer.Typer(no_args_is_help=True, help="Manage the embedded local model server.")
@@ -105,8 +106,8 @@ def _compile(config: Config, parts, policy, reflection) -> Path:
             compiled = optimizer.compile(make(), trainset=trainset, valset=valset)
         steps = compiled.detailed_results["steps"]
     save_program(compiled, run_dir / "program.json")
-    (run_dir / "library.json").write_text(json.dumps(compiled.experience_library.dump_state(), indent=2))
-    (run_dir / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    write_atomic(run_dir / "library.json", json.dumps(compiled.experience_library.dump_state(), indent=2))
+    write_atomic(run_dir / "steps.jsonl", "".join(json.dumps(s) + "\n" for s in steps))
     if steps:
         learning_curve({run_dir.name: steps}, run_dir / "learning_curve.png")
     demos = sum(len(p.demos) for _, p in compiled.named_predictors())
@@ -149,7 +150,7 @@ def _evaluate(config: Config, parts, policy, program_path: Path) -> dict:
     if parts.judge is not None:
         summary["judge_calls"] = parts.judge.calls
     summary["evalset"] = {"name": t.evalset, "offset": t.eval_offset, "limit": t.eval_limit}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_atomic(out / "summary.json", json.dumps(summary, indent=2))
     _print_summary(summary)
     return summary
 
@@ -185,9 +186,10 @@ def _print_library(state: dict) -> None:
 def _tfgrpo_knobs(cfg: Config) -> dict:
     """The [optimizer] section as TrainingFreeGRPO keyword arguments (the direct baseline's keys left out)."""
     knobs = cfg.optimizer.model_dump(exclude={"method", "num_direct_experiences"})
-    learner = cfg.reflection or cfg.policy
-    if knobs["constrained_decoding"] == "auto" and learner.backend == "local":
-        knobs["constrained_decoding"] = "json_object"  # the embedded llama.cpp server's form of JSON-schema decoding
+    if knobs["constrained_decoding"] == "auto":
+        from tfgrpo.lms import backend_constrained_mode
+
+        knobs["constrained_decoding"] = backend_constrained_mode(cfg.reflection or cfg.policy) or "auto"
     return knobs
 
 

@@ -19,6 +19,7 @@ from tfgrpo.optimizers.parallel import run_parallel
 from tfgrpo.optimizers.rewards import call_metric
 from tfgrpo.optimizers.rollout import run_program, with_own_lms
 from tfgrpo.optimizers.usage import metered, stage_usage
+from tfgrpo.util import write_atomic
 
 
 def evaluate_program(program: dspy.Module, examples: list, metric: Callable, *, lm: dspy.BaseLM, num_runs: int = 1,
@@ -106,10 +107,7 @@ def paired_difference(base: list[dict], other: list[dict], *, seed: int = 0, res
 
 
 def write_rows(rows: list[dict], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    tmp.replace(path)
+    write_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
 
 def read_rows(path: Path) -> list[dict]:

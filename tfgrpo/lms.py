@@ -26,6 +26,13 @@ def open_lms(config: Config):
         yield policy, reflection, judge
 
 
+def backend_constrained_mode(cfg: LMConfig) -> str | None:
+    """How to ask this backend for JSON-schema constrained decoding, where the project knows it: the embedded
+    llama.cpp server takes the schema in `{"type": "json_object", "schema": ...}` ("json_object"). None for other
+    backends (the optimizer's `constrained_decoding="auto"` then asks LiteLLM)."""
+    return "json_object" if cfg.backend == "local" else None
+
+
 def local_dspy_lm(model: str, api_base: str, *, max_tokens: int, **kwargs) -> dspy.LM:
     """A `dspy.LM` for the embedded llama.cpp server.
 

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tfgrpo.local_weights import DEFAULT_MODEL, default_cache_dir, ensure_model, get_spec
+from tfgrpo.util import write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -177,10 +178,6 @@ class ServerInfo:
     started_at: float
     engine: str = "llama-cpp-python"  # state files written before llama-server was an engine lack these two
     parallel: int = 1
-
-    @property
-    def dspy_model(self) -> str:
-        return f"openai/{self.model_alias}"
 
 
 class LocalServer:
@@ -367,9 +364,7 @@ def start_detached(model: str = DEFAULT_MODEL, **kw) -> ServerInfo:
     info = server.info()
     server.proc = None  # forget the child, so nothing here ever stops it
     path = _state_path(cache_dir)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(asdict(info), indent=2) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(asdict(info), indent=2) + "\n")
     return info
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Callable
 
 from tfgrpo.config import Config
+from tfgrpo.lms import backend_constrained_mode
 
 ONLINE_KEYS = {"serper": "SERPER_API_KEY", "tavily": "TAVILY_API_KEY", "brave": "BRAVE_API_KEY"}
 
@@ -55,15 +56,15 @@ def _web_parts(config: Config, stack: contextlib.ExitStack, policy, judge_lm) ->
     tools = WebTools(backend, fetcher=PageFetcher(allowed_origins=allowed), top_k=w.top_k, snippet_chars=w.snippet_chars,
                      page_chars=w.page_chars, page_lm=policy if w.page_passages else None)
     judge_cfg = config.judge or config.reflection or config.policy
-    judge = LLMJudge(judge_lm, constrained="json_object" if judge_cfg.backend == "local" else None,
+    judge = LLMJudge(judge_lm, constrained=backend_constrained_mode(judge_cfg),
                      cache_path=Path(config.run_dir) / "judge_cache.jsonl")
     metrics = {"judge": judge_metric(judge), "f1": f1_metric, "em": em_metric}
     reward = metrics[w.reward]
-    iters, local = config.task.max_iters, config.policy.backend == "local"
+    iters, step_mode = config.task.max_iters, backend_constrained_mode(config.policy)
 
     def make():
         if w.agent == "react":
             return react_agent(tools, max_iters=iters)
-        return StepAgent(tools, max_iters=iters, constrained="json_object" if local else None)
+        return StepAgent(tools, max_iters=iters, constrained=step_mode)
 
     return TaskParts(make, load_web, reward, reward, {k: m for k, m in metrics.items() if k != w.reward}, judge)

@@ -2,7 +2,8 @@
 
 from tfgrpo.tasks.game24.datasets import SPLITS, load_game24
 from tfgrpo.tasks.game24.program import Game24Solver
-from tfgrpo.tasks.game24.verify import check, evaluate, extract_expression, game24_metric, game24_reward, puzzle_numbers
+from tfgrpo.tasks.game24.verify import (check, evaluate_expression, extract_expression, game24_metric, game24_reward,
+                                        puzzle_numbers)
 
-__all__ = ["SPLITS", "Game24Solver", "check", "evaluate", "extract_expression", "game24_metric", "game24_reward", "load_game24",
-           "puzzle_numbers"]
+__all__ = ["SPLITS", "Game24Solver", "check", "evaluate_expression", "extract_expression", "game24_metric",
+           "game24_reward", "load_game24", "puzzle_numbers"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import dspy
 
-from tfgrpo.tasks.math.datasets import load_math
+from tfgrpo.tasks.math.datasets import load_questions
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 SPLITS = {"game24_train": DATA_DIR / "train.jsonl", "game24_test": DATA_DIR / "test.jsonl"}
@@ -22,5 +22,5 @@ def load_game24(name_or_path: str = "game24_train", *, limit: int | None = None,
     path = SPLITS.get(name_or_path, name_or_path)
     if not Path(path).is_file():
         raise ValueError(f"unknown Game of 24 set {name_or_path!r}: use {sorted(SPLITS)} or a JSONL path")
-    rows = load_math(str(path), limit=limit, offset=offset)  # the same JSONL reader and checks as the math sets
+    rows = load_questions(str(path), limit=limit, offset=offset)  # the same JSONL reader and checks as every set
     return [dspy.Example(numbers=r.question, id=r.get("id"), rank=r.get("rank")).with_inputs("numbers") for r in rows]

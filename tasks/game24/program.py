@@ -9,6 +9,7 @@ import re
 import dspy
 
 from tfgrpo.tasks.sandbox import run_python
+from tfgrpo.util import clip
 
 OUTPUT_CHARS = 600  # what is kept of the program's output (head and tail) for the learning calls
 
@@ -51,7 +52,5 @@ class Game24Solver(dspy.Module):
             output += "\n[stderr] " + result.stderr.strip()[-300:]
         if result.reason:
             output += f"\n[stopped: {result.reason}]"
-        if len(output) > OUTPUT_CHARS:
-            output = output[: OUTPUT_CHARS // 2] + "\n[...]\n" + output[-OUTPUT_CHARS // 2:]
-        return dspy.Prediction(code=code, output=output or "(nothing printed)", answer=last_line(result.stdout),
+        return dspy.Prediction(code=code, output=clip(output, OUTPUT_CHARS) or "(nothing printed)", answer=last_line(result.stdout),
                                ran=result.ok)

@@ -28,7 +28,7 @@ def puzzle_numbers(text: str) -> list[int]:
     return [int(n) for n in re.findall(r"\d+", str(text))]
 
 
-def evaluate(expression: str) -> tuple[Fraction, list[int]]:
+def evaluate_expression(expression: str) -> tuple[Fraction, list[int]]:
     """Value and numbers of `expression`; ValueError (with the reason) if it is not a legal expression."""
     expression = expression.strip()
     if not expression or len(expression) > MAX_EXPRESSION_CHARS:
@@ -72,7 +72,7 @@ def _judge(numbers: list[int], answer: str) -> tuple[bool, str, list[int] | None
     if expression is None:
         return False, "no arithmetic expression found in the answer", None
     try:
-        value, used = evaluate(expression)
+        value, used = evaluate_expression(expression)
     except ValueError as exc:
         return False, f"{expression}: {exc}", None
     if Counter(used) != Counter(numbers):

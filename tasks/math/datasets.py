@@ -1,9 +1,11 @@
-"""Loading math problem sets as lists of ``dspy.Example``.
+"""Question sets as lists of ``dspy.Example``: the math sets (``load_math``), and the reader every task's
+loader shares (``load_questions``: the math sets, Game of 24 puzzles, web questions).
 
 Every example carries ``question`` (the only input field) and ``answer`` (a string), plus whatever
 other fields the source row had (id, solution, level, ...). Three kinds of source are understood:
 
-* a builtin name from :data:`BUILTIN` -- JSONL files shipped in ``data/`` next to this module;
+* a shipped set's name (for the math sets, a key of :data:`BUILTIN`: JSONL files in ``data/`` next to
+  this module);
 * a path to the user's own JSON Lines file whose rows have ``question`` and ``answer``;
 * a Hugging Face hub id such as ``HuggingFaceH4/aime_2024`` (needs network); the usual hub schemas
   (``problem``, ``solution``, GSM8K's ``#### 42`` answers, DAPO's chat prompts) are mapped.
@@ -154,47 +156,56 @@ def _to_example(row: dict, *, hub: bool) -> dspy.Example:
     return dspy.Example(question=question, answer=answer, **fields).with_inputs("question")
 
 
-def _resolve(name_or_path: str, split: str) -> tuple[str, bool]:
+def _resolve(name_or_path: str, shipped: dict[str, Path]) -> tuple[str, bool]:
     """Turn the user's argument into (path or hub id, is_local)."""
-    if name_or_path in BUILTIN:
-        return str(BUILTIN[name_or_path]), True
-    if name_or_path == "gsm8k":  # convenience: pick the split by the ``split`` argument
-        return str(BUILTIN["gsm8k_test" if split == "test" else "gsm8k_train"]), True
+    if name_or_path in shipped:
+        return str(shipped[name_or_path]), True
     path = Path(name_or_path).expanduser()
     if path.is_file():
         return str(path), True
     looks_local = path.suffix in (".jsonl", ".json") or name_or_path.startswith((".", "/", "~"))
     if looks_local or name_or_path.count("/") != 1:
-        known = ", ".join(sorted(BUILTIN))
+        known = f"a shipped set ({', '.join(sorted(shipped))}), " if shipped else ""
         raise ValueError(
-            f"unknown math dataset {name_or_path!r}: not a builtin name ({known}), "
-            "not an existing file, and not a hub id of the form 'owner/name'"
+            f"unknown question set {name_or_path!r}: not {known}not an existing file, and not a hub id of the "
+            "form 'owner/name'"
         )
     return name_or_path, False
 
 
-def load_math(
+def load_math(name_or_path: str, *, limit: int | None = None, offset: int = 0,
+              split: str = "train") -> list[dspy.Example]:
+    """A math set: a key of :data:`BUILTIN` (``"gsm8k"`` picks its split by ``split``), a JSONL file or a
+    hub id, read by ``load_questions``."""
+    if name_or_path == "gsm8k":
+        name_or_path = "gsm8k_test" if split == "test" else "gsm8k_train"
+    return load_questions(name_or_path, shipped=BUILTIN, limit=limit, offset=offset, split=split)
+
+
+def load_questions(
     name_or_path: str,
     *,
+    shipped: dict[str, Path] | None = None,
     limit: int | None = None,
     offset: int = 0,
     split: str = "train",
 ) -> list[dspy.Example]:
-    """Load a math set as ``dspy.Example`` objects with ``question`` as their only input.
+    """Load question/answer rows as ``dspy.Example`` objects with ``question`` as their only input.
 
-    ``name_or_path`` is a key of :data:`BUILTIN`, a JSONL file with ``question``/``answer`` fields,
-    or a hub id (``split`` chooses the hub split; local files have a single one). ``offset`` skips
-    that many rows and ``limit`` caps how many are returned. Only the returned rows are checked: a
-    missing or empty ``question``/``answer`` raises ``ValueError`` naming the file and 1-based line.
+    ``name_or_path`` is a key of ``shipped`` (the calling task's shipped sets), a JSONL file with
+    ``question``/``answer`` fields, or a hub id (``split`` chooses the hub split; local files have a single
+    one). ``offset`` skips that many rows and ``limit`` caps how many are returned. Only the returned rows
+    are checked: a missing or empty ``question``/``answer`` raises ``ValueError`` naming the file and
+    1-based line.
     """
     if offset < 0 or (limit is not None and limit < 0):
         raise ValueError("offset and limit must not be negative")
-    source, local = _resolve(str(name_or_path), split)
+    source, local = _resolve(str(name_or_path), shipped or {})
     try:
         table = _load_rows(source, local=local, split=split)
     except Exception as exc:
         if not local:  # unreachable hub, unknown id, ... -> one clear error type
-            raise ValueError(f"could not load math dataset {source!r}: {exc}") from exc
+            raise ValueError(f"could not load question set {source!r}: {exc}") from exc
         # Arrow is strict (one type per column, no stray text): re-read the file line by line,
         # which either succeeds or names the exact line that is not a JSON object.
         rows = read_jsonl_rows(Path(source))

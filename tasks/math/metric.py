@@ -23,10 +23,13 @@ from typing import Any
 
 import dspy
 
+from tfgrpo.util import clip
+
 DEFAULT_TIMEOUT_S = 5.0  # per comparison, parsing included; read at call time
 MAX_TEXT_CHARS = 20_000  # extraction only looks at this much of the end of a text
 MAX_ANSWER_CHARS = 400  # longer answers are only compared as normalized strings
 MAX_RESULT_BITS = 1_000_000  # refuse values that could need more bits than this
+FEEDBACK_CHARS = 200  # an extracted or expected answer is shown this long in the feedback
 
 
 class _Abandon(BaseException):
@@ -313,10 +316,6 @@ def _prediction_texts(prediction: Any) -> list[str]:
     return [fields[k] for k in keys if isinstance(fields.get(k), str) and fields[k].strip()]
 
 
-def _short(text: str, limit: int = 200) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def math_metric(example: Any, prediction: Any, trace: Any = None) -> dspy.Prediction:
     """DSPy metric: score 1.0 when the prediction's final answer equals ``example.answer``, else 0.0.
 
@@ -331,13 +330,13 @@ def math_metric(example: Any, prediction: Any, trace: Any = None) -> dspy.Predic
             feedback = "the example has no gold answer"
         elif extracted is None:
             found = "no final answer found in the prediction" if texts else "the prediction is empty"
-            feedback = f"{found}, expected {_short(gold)}"
+            feedback = f"{found}, expected {clip(gold, FEEDBACK_CHARS)}"
         else:
             same, problem = _check(extracted, gold)
-            feedback = f"extracted {_short(extracted)}, expected {_short(gold)}"
+            feedback = f"extracted {clip(extracted, FEEDBACK_CHARS)}, expected {clip(gold, FEEDBACK_CHARS)}"
             if problem:
                 feedback += f" ({problem}; counted as wrong)"
             return dspy.Prediction(score=1.0 if same else 0.0, feedback=feedback)
         return dspy.Prediction(score=0.0, feedback=feedback)
     except Exception as exc:  # noqa: BLE001 - a reward must not crash its caller
-        return dspy.Prediction(score=0.0, feedback=_short(f"could not score the prediction: {exc!r}"))
+        return dspy.Prediction(score=0.0, feedback=clip(f"could not score the prediction: {exc!r}", FEEDBACK_CHARS))

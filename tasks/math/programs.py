@@ -5,6 +5,7 @@ from __future__ import annotations
 import dspy
 
 from tfgrpo.tasks.sandbox import run_python
+from tfgrpo.util import clip
 
 TOOL_OUTPUT_CHARS = 2000  # what the agent sees of one tool call's output
 
@@ -24,7 +25,7 @@ def python(code: str) -> str:
     out = (result.stdout + ("\n" + result.stderr if result.stderr else "")).strip() or "(nothing printed)"
     if result.reason:
         out += f"\n[stopped: {result.reason}]"
-    return out if len(out) <= TOOL_OUTPUT_CHARS else out[: TOOL_OUTPUT_CHARS - 20] + "\n[... output cut ...]"
+    return clip(out, TOOL_OUTPUT_CHARS)
 
 
 def direct_program() -> dspy.Module:

@@ -15,7 +15,8 @@ from typing import Literal
 import dspy
 
 from tfgrpo.programs.constrained import ConstrainedJSONAdapter, Mode
-from tfgrpo.tasks.web.tools import WebTools, clip_text
+from tfgrpo.tasks.web.tools import WebTools
+from tfgrpo.util import clip
 
 
 class AnswerQuestion(dspy.Signature):
@@ -75,7 +76,7 @@ class StepAgent(dspy.Module):
                 done[(action, argument)] = turn + 1
             trajectory[f"tool_name_{turn}"], trajectory[f"tool_args_{turn}"] = action, {"argument": argument}
             trajectory[f"observation_{turn}"] = observation
-            history.append(f"[turn {turn + 1}] {action}: {argument}\n{clip_text(observation, OBSERVATION_CHARS)}")
+            history.append(f"[turn {turn + 1}] {action}: {argument}\n{clip(observation, OBSERVATION_CHARS, keep_tail=False)}")
         raise AssertionError("unreachable: the last turn can only answer")
 
     def _call(self, question: str, history: str, signature) -> dspy.Prediction:

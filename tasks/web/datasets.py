@@ -13,7 +13,7 @@ from pathlib import Path
 
 import dspy
 
-from tfgrpo.tasks.math.datasets import load_math
+from tfgrpo.tasks.math.datasets import load_questions
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 BUILTIN: dict[str, Path] = {
@@ -38,7 +38,7 @@ def load_web(name_or_path: str, *, limit: int | None = None, offset: int = 0,
         raise ValueError(f"{name_or_path!r} is on the Hugging Face hub only, and the hub is switched off here "
                          "(HF_HUB_OFFLINE); offline, use the shipped sets: " + ", ".join(BUILTIN))
     try:
-        rows = load_math(source, limit=limit, offset=offset, split=split or HUB_SPLITS.get(name_or_path, "train"))
+        rows = load_questions(source, limit=limit, offset=offset, split=split or HUB_SPLITS.get(name_or_path, "train"))
     except ValueError as exc:
         if hub:
             raise ValueError(f"could not load {name_or_path!r} from the Hugging Face hub (it needs network access; "

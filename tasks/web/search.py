@@ -21,6 +21,8 @@ from typing import Any
 import httpx
 import lxml.html
 
+from tfgrpo.util import clip
+
 _RETRYABLE = frozenset({429, *range(500, 600)})  # HTTP statuses worth one more try
 
 
@@ -238,7 +240,7 @@ def format_results(results: list[SearchResult], *, snippet_chars: int = 300) -> 
         if result.url:
             lines.append(f"   {result.url}")
         if result.snippet:
-            lines.append(f"   {_clip(result.snippet, snippet_chars)}")
+            lines.append(f"   {clip(result.snippet, snippet_chars, keep_tail=False)}")
         blocks.append("\n".join(lines))
     return "\n".join(blocks)
 
@@ -261,6 +263,3 @@ def _plain(html: Any) -> Any:
         return html
     return lxml.html.fragment_fromstring(html, create_parent="div").text_content()
 
-
-def _clip(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: max(limit - 1, 0)].rstrip() + "…"

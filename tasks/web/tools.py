@@ -12,6 +12,7 @@ import dspy
 
 from tfgrpo.tasks.web.fetch import PageFetcher, Refused
 from tfgrpo.tasks.web.search import SearchError, format_results
+from tfgrpo.util import clip
 
 
 class PagePassages(dspy.Signature):
@@ -52,15 +53,10 @@ class WebTools:
         text = page.text.strip() or "(the page has no readable text)"
         if goal and self.page_lm is not None:
             with dspy.context(lm=self.page_lm):
-                text = str(dspy.Predict(PagePassages)(goal=goal, page=clip_text(text, 4 * self.page_chars)).passages)
-        return clip_text(text, self.page_chars)
+                text = str(dspy.Predict(PagePassages)(goal=goal, page=clip(text, 4 * self.page_chars, keep_tail=False)).passages)
+        return clip(text, self.page_chars, keep_tail=False)
 
     def tools(self) -> list:
         return [self.search, self.open_page]
 
 
-def clip_text(text: str, limit: int) -> str:
-    """`text` cut to `limit` characters at a word boundary, saying that it was cut."""
-    if len(text) <= limit:
-        return text
-    return text[:limit].rsplit(" ", 1)[0] + " [... page cut ...]"

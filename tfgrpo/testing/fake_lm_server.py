@@ -9,9 +9,8 @@ reproducible under any thread schedule:
   of one query differ only in their `rollout_id`, which never reaches the wire) are told apart by how often
   the server has seen that request (`vary_identical=True`); turn it off when every request is unique.
   ReAct-style calls use `tool_turns` tool calls before `finish`.
-* learning calls, told apart by the output field they ask for (`summary`, `operations`, `plan`; any other
-  output field gets filler text): a short summary; 1-2 add/modify operations on IDs listed in the prompt;
-  a plan echoing the proposals (with a merge once the library is large).
+* learning calls, told apart by the output field they ask for (`tfgrpo.testing.prompts`, the rules the
+  tests' scripted LM uses too): see `responder.py`.
 
 Faults are injected by name at a rate, decided by hashes: reply faults (`malformed`, `truncated`, `empty`,
 `invented_ids`) by the request alone, transient ones (`http429`, `http500`, `hang`) also by the request's
@@ -37,118 +36,12 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from statistics import NormalDist
 
-KINDS = ("student", "summary", "advantage", "consolidation")
+from tfgrpo.testing.prompts import KINDS, kind_of, output_fields
+from tfgrpo.testing.responder import Responder, hash_unit
+
 REPLY_FAULTS = ("malformed", "truncated", "empty", "invented_ids")
 TRANSIENT_FAULTS = ("http429", "http500", "hang")
 FAULTS = REPLY_FAULTS + TRANSIENT_FAULTS
-_HINTS = ["add the ones digits first and carry", "estimate the size of the sum before adding",
-          "check the result by subtracting one term", "write both numbers aligned by place value",
-          "recount the tens after carrying", "restate the question before answering",
-          "answer with the number only", "verify the last digit of the sum"]
-_FIELD = re.compile(r"\[\[ ## (\w+) ## \]\]\n?")
-
-
-def _unit(*parts) -> float:
-    """A number in [0, 1) fixed by `parts`."""
-    raw = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).digest()
-    return int.from_bytes(raw[:8], "big") / 2**64
-
-
-def output_fields(system: str) -> list[str]:
-    section = system.split("Your output fields are:", 1)[-1].split("All interactions", 1)[0]
-    return re.findall(r"^\d+\. `(\w+)`", section, flags=re.MULTILINE)
-
-
-def kind_of(fields: list[str]) -> str:
-    """Which call a request is, from the output fields it asks for (extra text fields are allowed)."""
-    if "operations" in fields:
-        return "advantage"
-    if "plan" in fields:
-        return "consolidation"
-    return "summary" if "summary" in fields and "answer" not in fields else "student"
-
-
-def field_values(text: str) -> dict[str, str]:
-    """`[[ ## name ## ]]` sections of a user message, by name."""
-    parts = _FIELD.split(text)
-    return {parts[i]: parts[i + 1].strip() for i in range(1, len(parts) - 1, 2)}
-
-
-class Responder:
-    """The deterministic "model": the reply values for one request."""
-
-    def __init__(self, seed=0, correct_rate=0.5, tool_turns=0, vary_identical=True, merge_at=6):
-        self.seed, self.correct_rate, self.tool_turns = seed, correct_rate, tool_turns
-        self.vary_identical, self.merge_at = vary_identical, merge_at
-
-    def values(self, kind, fields, system, user, digest, seen, invent=False):
-        if kind == "student":
-            return self._student(fields, system, user, digest, seen)
-        inputs = field_values(user)
-        values = {f: "The better attempts checked the carry; the worse ones skipped it." for f in fields}
-        if kind == "summary":
-            good = "judged correct" in inputs.get("outcome", "")
-            values["summary"] = "1. Read the question. 2. Added the two numbers. 3. " + (
-                "Checked the sum and answered." if good else "Dropped a carry and answered wrongly.")
-            return values
-        ids = re.findall(r"^\[(E\d+)\]", inputs.get("experiences", ""), flags=re.MULTILINE)
-        ops = self._advantage(inputs, ids) if kind == "advantage" else self._plan(inputs, ids)
-        if invent:  # IDs that were never issued
-            ops = [{"action": "modify", "ids": ["E999"], "text": "When unsure, guess a round number."},
-                   {"action": "delete", "ids": ["E777"]}, {"action": "merge", "ids": ["E1", "E888"], "text": "When adding, be careful."}]
-        values["operations" if kind == "advantage" else "plan"] = ops
-        return values
-
-    def _student(self, fields, system, user, digest, seen):
-        nums = re.findall(r"What is (-?\d+) \+ (-?\d+)\?", user)
-        total = int(nums[-1][0]) + int(nums[-1][1]) if nums else 0
-        right = _unit(self.seed, "right", digest, seen if self.vary_identical else 0) < self.correct_rate
-        values = {f: "Adding the two numbers step by step." for f in fields}
-        if "answer" in values:
-            values["answer"] = str(total if right else total + 1)
-        if "next_tool_name" in values:  # ReAct: `tool_turns` tool calls, then finish
-            done = len(re.findall(r"\[\[ ## tool_name_\d+ ## \]\]", user))
-            tools = re.findall(r"\(\d+\) (\w+), whose description.*?It takes arguments (\{.*?\})\.\s*$", system, flags=re.MULTILINE)
-            tool = next(((n, a) for n, a in tools if n != "finish"), None)
-            if done < self.tool_turns and tool:
-                args = {name: int(nums[-1][i % 2]) if nums and typ in ("integer", "number") else "x"
-                        for i, (name, typ) in enumerate(re.findall(r"'(\w+)': \{'type': '(\w+)'", tool[1]))}
-                values.update(next_thought=f"Call {tool[0]}.", next_tool_name=tool[0], next_tool_args=args)
-            else:
-                values.update(next_thought="Done.", next_tool_name="finish", next_tool_args={})
-        if "action" in values:  # the web task's step agent: `tool_turns` searches for the question, then an answer
-            if user.count("[turn ") < self.tool_turns:
-                values.update(action="search", argument=field_values(user).get("question", "x"))
-            else:
-                values.update(action="answer", argument="yes" if right else "no")
-        if "verdict" in values:  # an LLM judge
-            values.update(reason="Compared with the reference.", verdict="correct" if right else "incorrect")
-        return values
-
-    def _advantage(self, inputs, ids):
-        key = inputs.get("task_input", "")
-        ops = [{"action": "add", "ids": [], "text": f"When adding two numbers, {_HINTS[int(_unit(self.seed, 'hint', key) * 8)]}."}]
-        if ids and _unit(self.seed, "two", key, ids) < 0.5:
-            target = ids[int(_unit(self.seed, "target", key) * len(ids))]
-            n = int(_unit(self.seed, "rev", key, ids) * 1000)
-            ops.append({"action": "modify", "ids": [target],
-                        "text": f"When a sum looks easy, {_HINTS[n % 8]} and double-check (revision {n})."})
-        return ops
-
-    def _plan(self, inputs, ids):
-        try:
-            proposals = json.loads(inputs.get("proposals", "[]"))
-        except ValueError:
-            proposals = []
-        plan, seen = [], set()
-        if len(ids) >= self.merge_at:
-            plan.append({"action": "merge", "ids": ids[:2], "text": f"When adding, {_HINTS[len(ids) % 8]} and re-add to confirm."})
-        for p in proposals if isinstance(proposals, list) else []:
-            op = {"action": p.get("action"), "ids": p.get("ids") or [], "text": p.get("text") or ""}
-            if (k := json.dumps(op, sort_keys=True)) not in seen:
-                seen.add(k)
-                plan.append(op)
-        return plan
 
 
 class _Server(ThreadingHTTPServer):
@@ -287,7 +180,7 @@ class FakeLMServer:
             fault = self._fault(kind, digest, seen)
             latency = cfg["latency"](kind) if callable(cfg["latency"]) else cfg["latency"]
             if cfg["latency_dist"] == "lognormal":
-                z = NormalDist().inv_cdf(min(max(_unit(cfg["seed"], "latency", digest, seen), 1e-9), 1 - 1e-9))
+                z = NormalDist().inv_cdf(min(max(hash_unit(cfg["seed"], "latency", digest, seen), 1e-9), 1 - 1e-9))
                 latency *= math.exp(cfg["latency_sigma"] * z)
             question = re.findall(r"What is -?\d+ \+ -?\d+\?", user)
             turn = len(re.findall(r"\[\[ ## tool_name_\d+ ## \]\]", user)) + (0 if "next_tool_name" in fields else 1000)
@@ -328,7 +221,7 @@ class FakeLMServer:
             if not rate or (name == "invented_ids" and kind not in ("advantage", "consolidation")):
                 continue
             parts = (cfg["seed"], name, digest) + ((seen,) if name in TRANSIENT_FAULTS else ())
-            if _unit(*parts) < rate:
+            if hash_unit(*parts) < rate:
                 with self._lock:
                     self._stats["faults"][name] += 1
                     self._stats["faults_by_kind"][kind][name] = self._stats["faults_by_kind"][kind].get(name, 0) + 1

@@ -1,0 +1,39 @@
+"""What the benchmarks on the embedded model share: where their LM calls go.
+
+By default a benchmark runs on the embedded model (a `tfgrpo lm start` server of that model is reused, else one
+is started and stopped at the end). `--api-base URL` sends the same calls to any OpenAI-compatible endpoint
+instead: another llama.cpp server, an API, or the fake LM server (`tfgrpo.testing.FakeLMServer`), on which
+tests/test_benchmarks.py runs every benchmark at its smallest size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import Iterator
+
+DEFAULT_MODEL = "qwen2.5-coder-1.5b"
+
+
+def add_endpoint_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", default=DEFAULT_MODEL,
+                    help="the embedded model to run, or the model name sent to --api-base")
+    ap.add_argument("--api-base", default=None,
+                    help="an OpenAI-compatible endpoint (http://host:port/v1) to use instead of the embedded model")
+
+
+@contextlib.contextmanager
+def endpoint(args: argparse.Namespace, **server_kw) -> Iterator[str]:
+    """The API base the benchmark's LM calls go to: `args.api_base`, or the embedded `args.model` (server
+    options in `server_kw`), stopped on exit if it was started here."""
+    if args.api_base:
+        yield args.api_base
+        return
+    from tfgrpo.local_model import ensure_server
+
+    api_base, server = ensure_server(args.model, **server_kw)
+    try:
+        yield api_base
+    finally:
+        if server is not None:
+            server.stop()

@@ -1,0 +1,142 @@
+"""Every benchmark in benchmarks/ runs, at its smallest size, and ends with the lines its docstring promises.
+
+A benchmark that no longer runs (an import that moved, a part whose type changed) fails here instead of at the
+next measurement. Each runs as a subprocess, the way the README's commands run it. Where a benchmark can be
+pointed at an OpenAI-compatible endpoint, the fake LM server answers (its Game of 24 student sometimes writes a
+working search, so the learning calls and demos are exercised too); `local_throughput` measures the embedded
+model's own server (its slots, its /metrics), so it runs on the real 0.5B model (`local_model`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tfgrpo.cli import app
+from tfgrpo.testing import FakeLMServer
+
+ROOT = Path(__file__).resolve().parent.parent
+X = r"[+-]?\d+\.\d+"  # a figure as the benchmarks print them
+COVERED = {"faults.py", "learning_paths.py", "local_learning.py", "local_math.py", "local_throughput.py",
+           "local_web.py", "peers.py", "rule_ceiling.py", "step_latency.py"}  # each has a test below (peers.py: in
+# test_peers_bench.py, on the real model)
+NOT_BENCHMARKS = {"__init__.py", "common.py"}
+
+
+def run(script: str, *args: str, timeout: float = 300) -> list[str]:
+    """The benchmark's output lines; it must exit 0."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout.strip().splitlines()
+
+
+@pytest.fixture(scope="module")
+def fake():
+    with FakeLMServer(latency=0.001, tool_turns=1) as server:  # one tool call per agent turn before answering
+        yield server
+
+
+def endpoint(server: FakeLMServer) -> list[str]:
+    return ["--api-base", server.api_base, "--model", "fake"]
+
+
+def test_every_benchmark_has_a_test_here():
+    scripts = {p.name for p in (ROOT / "benchmarks").glob("*.py")} - NOT_BENCHMARKS
+    assert scripts == COVERED
+
+
+def test_faults(tmp_path):
+    lines = run("faults.py", "--faults", "malformed")
+    assert re.fullmatch(r"faults: injected=[1-9]\d* crashes=0 corrupted=0 redone=0 resumed_equal=true", lines[-2])
+    assert lines[-1] == ("silent_failures: metric_error=raised reflection_outage=not_done calls_per_bad_reply=2 "
+                         "budget_without_history=stopped")
+
+
+def test_step_latency():
+    lines = run("step_latency.py", "--batch", "2", "--group", "2", "--latency", "0.01", "--threads", "4", "--no-floor")
+    assert any(re.fullmatch(r"LM calls: \d+; bound .*: holds", line) for line in lines)
+    assert re.fullmatch(rf"step_latency: wall={X} critical_path={X} ratio={X}", lines[-1])
+
+
+def test_local_web(fake):
+    lines = run("local_web.py", "--questions", "1", "--max-iters", "2", *endpoint(fake))
+    for agent, line in zip(("react", "step"), lines[-2:]):  # one search each, no failed tool call
+        assert re.fullmatch(rf"local_web: agent={agent} questions=1 s_per_question={X} tool_calls=1\.00 "
+                            rf"failed_calls=0\.00 f1={X}", line), line
+
+
+def test_local_math(fake, tmp_path):
+    lines = run("local_math.py", "--train", "2", "--eval", "2", "--seeds", "1", "--generations", "2",
+                "--out", str(tmp_path), *endpoint(fake))
+    assert re.fullmatch(rf"local_math: baseline={X} compiled={X} diff={X} ci95=\[{X}, {X}\] n=2", lines[-1])
+    assert (tmp_path / "result.json").exists()
+
+
+def test_local_learning(fake, tmp_path):
+    lines = run("local_learning.py", "--seeds", "1", "--train", "2", "--eval", "2", "--generations", "4",
+                "--batch", "2", "--simba-seeds", "0", "--out", str(tmp_path), *endpoint(fake))
+    assert re.fullmatch(rf"local_learning: optimizer=tfgrpo task=game24 seeds=1 problems=2 valid_ops=(\d\.\d\d|na) "
+                        rf"library=\d+ baseline={X} compiled={X} lift={X} ci_low={X} ci_high={X}", lines[-1])
+
+
+def test_rule_ceiling(fake):
+    lines = run("rule_ceiling.py", "--problems", "1", "--runs", "1", *endpoint(fake))
+    arms = [re.fullmatch(rf"rule_ceiling: arm=(\S+) problems=1 runs=1 solved=[01]/1 rate={X} lift={X} "
+                         rf"ci_low={X} ci_high={X}", line) for line in lines[-4:]]
+    assert [m and m.group(1) for m in arms] == ["baseline", "oracle:full", "oracle:search", "oracle:robust"]
+
+
+def test_learning_paths(fake, tmp_path):
+    config = tmp_path / "fake.toml"
+    config.write_text(f"""
+run_dir = "{tmp_path / 'run'}"
+[policy]
+backend = "litellm"
+model = "openai/fake"
+api_base = "{fake.api_base}"
+cache = false
+[task]
+name = "game24"
+trainset = "game24_train"
+train_limit = 2
+evalset = "game24_test"
+[optimizer]
+num_generations = 4
+batch_size = 2
+num_threads = 4
+""")
+    compiled = CliRunner().invoke(app, ["compile", str(config)])  # the run whose step 0 both paths learn from
+    assert compiled.exit_code == 0, compiled.output
+    lines = run("learning_paths.py", str(config), "--step", "0")
+    for path, line in zip(("paper", "contrast"), lines[-2:]):
+        assert re.fullmatch(rf"learning_paths: path={path} calls=\d+ seconds=\d+ proposed=\d+ valid=\d+ "
+                            rf"valid_ops=\d\.\d\d library=\d+", line), line
+
+
+def _local_model_or_skip(model: str) -> None:
+    """Skip when the embedded model cannot run here; CI (TFGRPO_REQUIRE_LOCAL_MODEL) fails instead."""
+    from tfgrpo import local_model, local_weights
+
+    try:
+        local_model.resolve_engine("llama-server")
+        local_weights.find_parts(local_weights.MODELS[model])
+    except Exception as exc:  # not installed, not built, or weights missing
+        if os.environ.get("TFGRPO_REQUIRE_LOCAL_MODEL"):
+            pytest.fail(f"the real local model is required here but unavailable: {exc}")
+        pytest.skip(f"{type(exc).__name__}: {exc}")
+
+
+@pytest.mark.local_model
+def test_local_throughput():
+    _local_model_or_skip("qwen2.5-coder-0.5b")
+    lines = run("local_throughput.py", "--model", "qwen2.5-coder-0.5b", "--parallel", "1", "--rounds", "1",
+                "--tokens", "8", "--step-batch", "1", "--step-generations", "2", timeout=900)
+    assert re.fullmatch(rf"local_throughput: model=qwen2.5-coder-0.5b single_tok_s={X} parallel=1 "
+                        rf"parallel_tok_s={X} ratio=1\.00 prefix_saved=[01]\.\d\d main_job_s=not-run", lines[-1])

@@ -141,7 +141,7 @@ def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         if old[key] == new[key]:
             continue
         if key in DIGESTS:
-            changes.append(f"{DIGESTS[key]} differs")
+            changes.append(f"{DIGESTS[key]}: not the same as before")
         elif isinstance(old[key], dict) and isinstance(new[key], dict):
             label = "knob" if key == "knobs" else key
             changes += [f"{label} {k}: {old[key].get(k, '(unset)')!r} -> {new[key].get(k, '(unset)')!r}"

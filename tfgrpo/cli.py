@@ -261,10 +261,10 @@ def _dry_run(cfg: Config) -> None:
     if o.max_total_tokens is not None:
         step = sum(s["prompt_tokens"] + s["completion_tokens"] for s in est["per_step_upper_bound"].values())
         run = t["prompt_tokens"] + t["completion_tokens"]
-        capped = min(run, o.max_total_tokens + step)
-        console.print(f"max_total_tokens = {o.max_total_tokens:,}: the run stops after the step that reaches it, so it "
-                      f"uses at most {capped:,} tokens (the budget plus one step of at most {step:,})"
-                      + ("" if capped < run else "; the bound of the whole run is below it"))
+        said = f"max_total_tokens = {o.max_total_tokens:,}: the run stops after the step that reaches it"
+        console.print(f"{said}, so it uses at most {o.max_total_tokens + step:,} tokens (the budget plus one step of "
+                      f"at most {step:,}) of the {run:,} above" if o.max_total_tokens + step < run else
+                      f"{said}; at these bounds the whole run ({run:,} tokens) fits in the budget plus one step")
     if o.max_cost is not None:
         console.print(f"max_cost = ${o.max_cost:g}: the run stops after the step that reaches it (no price is "
                       "estimated here)")

@@ -8,6 +8,9 @@ finished units redone after the resume (checkpoint files present at the kill and
 whether the resumed library equals the uninterrupted one, ending with the line
 `faults: injected=<n> crashes=<n> corrupted=<n> redone=<n> resumed_equal=<true|false>`.
 
+Row `corrupt_run_json` (issue 18): after the kill, run.json is emptied and a resume with other settings must be
+refused with no call sent; with run.json back, the resume must end as the uninterrupted run.
+
 Then the failures that must never pass in silence (issue 11), each measured by a run: a metric that raises
 (row `metric_error`: the run must stop with a MetricError), a reflection LM that fails on every call (row
 `reflection_outage`: the step must not be done, and a resume on a healthy server must reuse the rollouts and
@@ -41,9 +44,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tfgrpo.testing import FAULTS, KINDS, FakeLMServer
+from benchmarks.log_dir_checks import library_problems, signature, torn_files, unit_files, units_per_kind
 
 STOPPED = 3  # exit code of a child stopped by a documented error (TooManyFailuresError, MetricError)
-UNIT_KIND = {"rollouts": "student", "summaries": "summary", "advantages": "advantage", "plan": "consolidation"}
 LEARNING = ("summary", "advantage", "consolidation")
 DEFAULTS = dict(queries=6, num_generations=4, num_train_epochs=2, batch_size=3, num_threads=8, max_experiences=5,
                 max_failure_rate=0.5, seed=0, lm_timeout=10.0, num_retries=3, metric="exact", disable_history=False,
@@ -119,11 +122,12 @@ def child_main(argv) -> int:
 
     logging.basicConfig(level=logging.ERROR)
     from tfgrpo.optimizers import MetricError, TooManyFailuresError
+    from tfgrpo.optimizers.checkpoint import RunMismatchError
 
     try:
         compiled = compile_once(args.api_base, args.log_dir, child=True, **json.loads(args.opts))
-    except (TooManyFailuresError, MetricError) as exc:
-        status = "metric_error" if isinstance(exc, MetricError) else "stopped"
+    except (TooManyFailuresError, MetricError, RunMismatchError) as exc:
+        status = {MetricError: "metric_error", RunMismatchError: "refused"}.get(type(exc), "stopped")
         Path(args.out).write_text(json.dumps({"status": status, "error": str(exc)}))
         return STOPPED
     results = compiled.detailed_results
@@ -140,59 +144,7 @@ def spawn(api_base: str, log_dir: Path, out: Path, opts: dict) -> subprocess.Pop
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-# -- checks ------------------------------------------------------------------------------------------------
-def library_problems(state: dict, max_words: int = 32, max_experiences: int | None = None) -> list[str]:
-    """What is wrong with a saved library state (empty: nothing)."""
-    from tfgrpo.programs.library import ExperienceLibrary
-
-    try:
-        lib = ExperienceLibrary.from_state(state)
-    except ValueError as exc:
-        return [f"does not load: {exc}"]
-    problems = []
-    ids = list(lib.active) + list(lib.retired)
-    if len(ids) != len(set(ids)):
-        problems.append("an ID is used twice")
-    problems += [f"{e.id} has {len(e.text.split())} words" for e in lib if len(e.text.split()) > max_words]
-    if max_experiences is not None and len(lib) > max_experiences:
-        problems.append(f"{len(lib)} experiences, over the cap {max_experiences}")
-    if any(int(i[1:]) >= lib.next_id for i in ids):
-        problems.append("next_id would reuse an ID")
-    return problems
-
-
-def signature(path: Path) -> tuple[int, int]:
-    st = path.stat()
-    return st.st_ino, st.st_mtime_ns  # a checkpoint write (temporary file + rename) changes both
-
-
-def unit_files(log_dir: Path) -> dict[str, tuple[int, int]]:
-    """Finished units on disk: relative path -> signature."""
-    return {str(p.relative_to(log_dir)): signature(p) for p in log_dir.rglob("*.json")}
-
-
-def torn_files(log_dir: Path) -> list[str]:
-    """Checkpoint files that do not parse (a write cut by the kill would show here)."""
-    torn = []
-    for p in log_dir.rglob("*.json"):
-        try:
-            json.loads(p.read_text())
-        except ValueError:
-            torn.append(str(p))
-    return torn
-
-
-def units_per_kind(files) -> dict[str, int]:
-    counts = {k: 0 for k in KINDS}
-    for rel in files:
-        parts = Path(rel).parts
-        if len(parts) >= 3 and parts[0] == "steps":
-            kind = UNIT_KIND.get(parts[2] if len(parts) > 3 else Path(parts[2]).stem)
-            if kind:
-                counts[kind] += 1
-    return counts
-
-
+# -- accounting (the checks of a log_dir are in log_dir_checks.py) --------------------------------------------
 def calls(stats: dict) -> dict[str, int]:
     return {k: v["calls"] for k, v in stats["kinds"].items()}
 
@@ -226,20 +178,24 @@ def run_child(server: FakeLMServer, log_dir: Path, opts: dict, kill_after: int |
     return proc.returncode, result, text, killed.is_set()
 
 
-def kill_and_resume(make_server, root: Path, opts: dict, kill_after: int, kill_kind: str | None = None) -> dict:
+def kill_and_resume(make_server, root: Path, opts: dict, kill_after: int, kill_kind: str | None = None,
+                    between=None) -> dict:
     """Kill a compile at its `kill_after`-th call (of `kill_kind`), resume it in a new process, and account for
-    the calls: per kind, those of the killed run, those of the resumed run, and the units finished at the kill."""
+    the calls: per kind, those of the killed run, those of the resumed run, and the units finished at the kill.
+    `between(server, log_dir)` runs after the kill, before the resume (its result is under "between")."""
     log_dir = root / f"run_kill{kill_after}{kill_kind or ''}"
     with make_server() as server:
         code, _, text, killed = run_child(server, log_dir, opts, kill_after=kill_after, kill_kind=kill_kind)
         time.sleep(0.05)  # requests the dead process had already sent still arrive and count as its calls
         at_kill = server.stats()
         files = unit_files(log_dir)
+        meanwhile = between(server, log_dir) if between else None
         code2, result, text2, _ = run_child(server, log_dir, opts)
         after = server.stats()
     resumed = {k: after["kinds"][k]["calls"] - at_kill["kinds"][k]["calls"] for k in KINDS}
-    rewritten = [f for f, sig in files.items() if (log_dir / f).exists() and signature(log_dir / f) != sig]
-    return {"log_dir": log_dir, "killed": killed, "kill_exit": code, "exit": code2, "result": result, "output": text + text2,
+    rewritten = [f for f, sig in files.items()
+                 if f != "run.json" and (log_dir / f).exists() and signature(log_dir / f) != sig]
+    return {"between": meanwhile, "log_dir": log_dir, "killed": killed, "kill_exit": code, "exit": code2, "result": result, "output": text + text2,
             "killed_calls": calls(at_kill), "resumed_calls": resumed, "done_units": units_per_kind(files),
             "rewritten": rewritten, "faults": {k: after["faults"][k] for k in FAULTS}}
 
@@ -260,16 +216,16 @@ def _size(result: dict | None):
     return len(result["library"]["experiences"]) if result and result.get("library") else "-"
 
 
-def fault_row(name: str, rate: float, share: float, root: Path, opts: dict) -> dict:
+def fault_row(name: str, rate: float, share: float, root: Path, opts: dict, between=None) -> dict:
     """An uninterrupted compile under one fault, then the same compile killed after `share` of its calls and
-    resumed."""
+    resumed (`between`: see kill_and_resume)."""
     def server():
-        return _server(faults={name: rate})
+        return _server(faults={name: rate} if name in FAULTS else {})
 
     with server() as srv:
         code, ref, text, _ = run_child(srv, root / "reference", opts)
         ref_stats = srv.stats()
-    run = kill_and_resume(server, root, opts, kill_after=max(1, int(share * ref_stats["calls"])))
+    run = kill_and_resume(server, root, opts, kill_after=max(1, int(share * ref_stats["calls"])), between=between)
     equal = bool(ref and run["result"]) and ref.get("status") == run["result"].get("status") and \
         ref.get("library") == run["result"].get("library")
     return dict(name=name, injected=sum(ref_stats["faults"].values()) + sum(run["faults"].values()),
@@ -277,7 +233,27 @@ def fault_row(name: str, rate: float, share: float, root: Path, opts: dict) -> d
                 corrupted=_corrupted(opts, [ref, run["result"]], [root / "reference", run["log_dir"]]),
                 redone=len(run["rewritten"]), size=_size(ref), equal=equal, output=text + run["output"],
                 extra=sum(run["killed_calls"].values()) + sum(run["resumed_calls"].values()) - sum(calls(ref_stats).values()),
-                status=(ref.get("status") if ref else "no result") + ("" if run["killed"] else " (finished before the kill)"))
+                status=(ref.get("status") if ref else "no result") + ("" if run["killed"] else " (finished before the kill)"),
+                between=run["between"])
+
+
+def run_json_row(root: Path, opts: dict, share: float) -> dict:
+    """Killed, then `: > run.json` and a resume with num_generations=2: refused, sending nothing and leaving run.json
+    as it is? Then run.json is put back and the resume goes on (the row's other columns)."""
+    def corrupt_and_resume_changed(server, log: Path):
+        record, sent = (log / "run.json").read_text(), server.stats()["calls"]
+        (log / "run.json").write_text("")
+        code, result, text, _ = run_child(server, log, {**opts, "num_generations": 2})
+        refused = code == STOPPED and (result or {}).get("status") == "refused" and \
+            server.stats()["calls"] == sent and (log / "run.json").read_text() == ""
+        (log / "run.json").write_text(record)
+        return {"refused": refused, "crashed": code not in (0, STOPPED), "output": text}
+
+    row = fault_row("corrupt_run_json", 0.0, share, root, opts, between=corrupt_and_resume_changed)
+    tried = row["between"]
+    return {**row, "injected": 1, "crashes": row["crashes"] + tried["crashed"], "output": row["output"] + tried["output"],
+            "refused": tried["refused"], "status": ("refused, nothing sent" if tried["refused"] else "NOT refused") +
+            f"; restored and resumed: {row['status']}"}
 
 
 def metric_error_row(root: Path, opts: dict) -> dict:
@@ -359,6 +335,7 @@ def bench(rate: float, names: list[str], share: float) -> int:
 
         for name in names:
             rows.append(_shown(fault_row(name, rate, share, folder(name), opts)))
+        rows.append(_shown(run_json_row(folder("run_json"), opts, share)))
         rows.append(_shown(metric_error_row(folder("metric_error"), opts)))
         rows.append(_shown(outage_row(folder("outage"), opts)))
         per_reply = calls_per_bad_reply(folder("bad_replies"), opts)
@@ -373,9 +350,10 @@ def bench(rate: float, names: list[str], share: float) -> int:
           f"redone={total['redone']} resumed_equal={str(all_equal).lower()}")
     outage = next(r for r in rows if r["name"] == "reflection_outage")
     metric_row = next(r for r in rows if r["name"] == "metric_error")
+    run_json = next(r for r in rows if r["name"] == "corrupt_run_json")
     print(f"silent_failures: metric_error={'raised' if metric_row['status'].startswith('raised') else 'silent'} "
           f"reflection_outage={'not_done' if outage['not_done'] else 'done'} calls_per_bad_reply={per_reply} "
-          f"budget_without_history={budget}")
+          f"budget_without_history={budget} corrupt_run_json={'refused' if run_json['refused'] else 'reused'}")
     return 0
 
 

@@ -11,7 +11,14 @@ Layout:
     epochs/0.json                 validation score of the library after epoch 0
 
 Files are written atomically (`tfgrpo.util.write_atomic`), so a kill at any moment leaves either the old state or
-the new one, never a torn file. A file that does not parse (written by something else) is treated as absent.
+the new one, never a torn file. A unit file that does not parse (written by something else) is treated as
+absent and computed again. run.json is different: without it nothing says which settings the saved units
+were made with, so a log_dir that holds units but no readable run.json is refused, never reused.
+
+A resume must match run.json on every fingerprinted setting: the knobs that change what a run computes (see
+`knobs.py`), the data, the program's instructions, the target predictors, the starting library and the models
+of the policy and reflection LMs. Everything else (num_threads, max_failure_rate, the budgets, progress,
+constrained_decoding, LM endpoints and keys) may change between a run and its resume.
 """
 
 from __future__ import annotations
@@ -26,7 +33,12 @@ from tfgrpo.util import write_atomic
 
 
 class RunMismatchError(ValueError):
-    """The log_dir holds a run started with other settings or data."""
+    """The log_dir holds a run started with other settings or data (`changes`: one line per difference), or saved
+    units whose settings are unknown (no readable run.json; `changes` is empty)."""
+
+    def __init__(self, message: str, changes: list[str] | None = None):
+        super().__init__(message)
+        self.changes = changes or []
 
 
 class Checkpoint:
@@ -40,20 +52,42 @@ class Checkpoint:
         return self.root is not None
 
     def start(self, fingerprint: dict[str, Any]) -> None:
-        """Record the run's fingerprint, or check it against the one already there."""
+        """Record the run's fingerprint, or check it against the one already there.
+
+        Raises `RunMismatchError` naming each setting that differs (old -> new), and when the folder holds
+        saved units but its run.json is missing or unreadable (their settings are then unknown)."""
         if not self.enabled:
             return
         self.root.mkdir(parents=True, exist_ok=True)
         path = self.root / "run.json"
         old = self._read(path)
-        if old is None:
+        if not isinstance(old, dict) or "knobs" not in old:
+            units = self.saved_units()
+            if units:
+                state = "missing" if not path.exists() else "unreadable"
+                raise RunMismatchError(
+                    f"{self.root} holds {units} saved unit(s) of work but its run.json is {state}, so nothing says "
+                    "which settings they were made with and they cannot be reused safely; use a new log_dir, or "
+                    f"delete {self.root} to start over")
             self._write(path, fingerprint)
             return
-        diff = sorted(k for k in set(old) | set(fingerprint) if old.get(k) != fingerprint.get(k))
-        if diff:
+        changes = fingerprint_changes(old, fingerprint)
+        if changes:
             raise RunMismatchError(
-                f"{self.root} holds a run with different {', '.join(diff)}; resume with the same settings and "
-                "data, or use a new log_dir")
+                f"{self.root} holds a run started with different settings or data:\n  " + "\n  ".join(changes) +
+                "\nresume with the same settings and data, or use a new log_dir (or delete this one to start over)",
+                changes)
+
+    def saved_units(self) -> int:
+        """How many units of work (files under steps/ and epochs/) the folder holds."""
+        if not self.enabled:
+            return 0
+        return sum(1 for folder in ("steps", "epochs") for p in (self.root / folder).rglob("*.json")
+                   if not p.name.startswith("."))
+
+    def has(self, key: str) -> bool:
+        """Whether a readable unit is saved under `key` (not counted as reused)."""
+        return self.enabled and self._read(self.root / f"{key}.json") is not None
 
     def get(self, key: str) -> Any | None:
         if not self.enabled:
@@ -83,6 +117,28 @@ class Checkpoint:
     @staticmethod
     def _write(path: Path, value: Any) -> None:
         write_atomic(path, json.dumps(value, ensure_ascii=False))
+
+
+DIGESTS = {"instructions": "the program's instructions", "trainset": "the trainset", "valset": "the valset",
+           "initial_library": "the starting library"}  # fingerprint entries kept as digests: only "differs" is known
+
+
+def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """One line per setting that differs between two fingerprints: "knob temperature: 0.7 -> 1.5". An entry the
+    old fingerprint lacks (recorded by an earlier version) is not compared."""
+    changes = []
+    for key in sorted(set(old) & set(new)):
+        if old[key] == new[key]:
+            continue
+        if key in DIGESTS:
+            changes.append(f"{DIGESTS[key]}: not the same as before")
+        elif isinstance(old[key], dict) and isinstance(new[key], dict):
+            label = "knob" if key == "knobs" else key
+            changes += [f"{label} {k}: {old[key].get(k, '(unset)')!r} -> {new[key].get(k, '(unset)')!r}"
+                        for k in sorted(set(old[key]) | set(new[key])) if old[key].get(k) != new[key].get(k)]
+        else:
+            changes.append(f"{key}: {old[key]!r} -> {new[key]!r}")
+    return changes
 
 
 def digest(value: Any) -> str:

@@ -25,7 +25,8 @@ class TooManyFailuresError(RuntimeError):
 
 
 class StageBar:
-    """A tqdm bar for one stage, as DSPy draws its own: the progress callback when the caller gives none. Its total
+    """A tqdm bar for one stage on stderr, as DSPy draws its own: the progress callback when the caller gives none.
+    Drawn only when stderr is a terminal: in a log file or CI a redrawn bar is a stream of escape codes. Its total
     may grow (a pipelined step learns of a stage's units as groups reach it); `close_when_done=False` leaves closing
     to the caller."""
 
@@ -35,7 +36,8 @@ class StageBar:
 
     def __call__(self, stage: str, done: int, total: int) -> None:
         if self.bar is None:
-            self.bar = tqdm.tqdm(total=total, desc=stage, dynamic_ncols=True, file=sys.stdout)
+            self.bar = tqdm.tqdm(total=total, desc=stage, dynamic_ncols=True, file=sys.stderr,
+                                 disable=not sys.stderr.isatty())
         if total != self.bar.total:
             self.bar.total = total
         self.bar.update(done - self.bar.n)

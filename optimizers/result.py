@@ -45,7 +45,7 @@ class EpochResult:
     epoch: int
     val_score: float
     library_size: int
-    failures: int = 0  # validation examples on which the program raised (scored 0)
+    val_failures: int = 0  # validation examples on which the program raised (scored 0)
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,9 @@ class TrainingFreeGRPOResult:
     epochs: list[EpochResult]
     best_val_score: float | None  # None without a valset
     best_epoch: int | None  # the epoch whose library the compiled program carries (None without a valset: the last)
-    usage: dict[str, dict[str, float]]  # per role: policy (rollouts, probes) and reflection (learning calls)
+    usage: dict[str, dict[str, float]]  # per role, calls made by this compile(): policy (rollouts, probes) and
+    # reflection (learning calls); steps reused from the log_dir are not counted
+    run_usage: dict[str, dict[str, float]]  # the same for the whole run, reused steps included (what budgets count)
     reused_units: int  # units of work read back from the log_dir instead of recomputed
     stopped_early: str | None  # why a budget stopped the run, if one did
 

@@ -29,15 +29,16 @@ from dspy.teleprompt.teleprompt import Teleprompter
 from tfgrpo.optimizers.checkpoint import Checkpoint, digest
 from tfgrpo.optimizers.contrast import SMALL_REFLECTOR_B, ContrastPath, model_size_b
 from tfgrpo.optimizers.demos import with_learned
+from tfgrpo.optimizers.inputs import check_examples, check_prices, check_program, explain_learning_path, starting_library
 from tfgrpo.optimizers.knobs import KNOBS, check_knob, fingerprinted_knobs
 from tfgrpo.optimizers.learning_paths import LearningPath, PaperPath
-from tfgrpo.optimizers.parallel import run_parallel
+from tfgrpo.optimizers.parallel import TooManyFailuresError, run_parallel
 from tfgrpo.optimizers.result import EpochResult, TrainingFreeGRPOResult
-from tfgrpo.optimizers.rewards import call_metric
+from tfgrpo.optimizers.rewards import call_metric, metric_takes_trace
 from tfgrpo.optimizers.rollout import run_program, with_own_lms
 from tfgrpo.optimizers.step import run_step
 from tfgrpo.optimizers.usage import add_usage, history_kept, over_budget
-from tfgrpo.programs.inject import LIBRARY_KEY, resolve_targets
+from tfgrpo.programs.inject import resolve_targets
 from tfgrpo.programs.library import ExperienceLibrary
 
 logger = logging.getLogger(__name__)
@@ -49,12 +50,18 @@ class TrainingFreeGRPO(Teleprompter):
     `compile(student, trainset=..., valset=None)` returns a copy of the student with the library in place
     (`compiled.experience_library`) and the run's record in `compiled.detailed_results`: per step the mean
     reward, groups kept, failures, operations, library size and LM usage by stage; per epoch the validation
-    score. Every finished unit of work is saved in `log_dir`; the same call resumes an interrupted run.
+    score and failures; with a valset, `best_epoch`, the epoch whose library the compiled program carries; `usage`,
+    the calls this call made, and `run_usage`, those of the whole run (steps reused from `log_dir` included).
+    A student that carries an `experience_library` (or, loaded with stock DSPy, only its rendering in the
+    instructions) goes on learning from it. Every finished unit of work is saved in `log_dir`; the same call
+    resumes an interrupted run.
 
     Args:
-        metric: `metric(example, prediction, trace=None)` returns a reward in [0, 1], or a
+        metric: `metric(example, prediction, trace=None)` (or `metric(example, prediction)`, as dspy.Evaluate
+            calls it) returns a reward in [0, 1] (a bool counts as 0 or 1), or a
             `dspy.Prediction(score=..., feedback=...)` whose feedback the learning calls read. A metric that
-            raises or leaves [0, 1] stops the run with a `MetricError`.
+            raises, leaves [0, 1] or returns anything else (such as the string "1") stops the run with a
+            `MetricError`.
         num_generations: Attempts per query (G). A group is only learned from when its rewards differ; 1
             turns the group comparison off (the paper's ablation). Default 5.
         temperature: Sampling temperature of the attempts while learning, in [0, 2]. Default 0.7.
@@ -68,8 +75,9 @@ class TrainingFreeGRPO(Teleprompter):
             learning calls no answer key. Default True.
         learning_path: "paper" (summaries, group advantages, one consolidation call), "contrast" (one short
             call per best-vs-worst pair of a group, typed from the live library, folded in code; made for small
-            reflection LMs) or "auto": contrast when the reflection model's name gives at most 8B parameters.
-            Default "auto".
+            reflection LMs) or "auto": contrast when the reflection model's name gives at most 8B parameters,
+            the paper's path when it gives more or no size at all (the choice is logged). Set it yourself when the
+            name does not tell: "paper" for a capable API model, "contrast" for a small local one. Default "auto".
         constrained_decoding: For the contrast path: "json_object" (llama.cpp servers' JSON-schema form),
             "json_schema" (OpenAI, vLLM, SGLang, Ollama), "off" (parse and validate only) or "auto" (json_schema
             where LiteLLM says the model supports it, else off). Default "auto".
@@ -92,17 +100,21 @@ class TrainingFreeGRPO(Teleprompter):
         max_probed_edits: Most candidate edits probed per step (half of them demos, when max_demos > 0); edits
             beyond it are dropped. Default 3.
         num_threads: Concurrent LM calls of a step (all stages share them). Default 8.
-        max_failure_rate: When more than this share of a step's attempts, summaries or group advantages
-            fail, the run stops with `TooManyFailuresError` and the step is not done; a resume redoes the
-            failed units. Default 0.5.
-        max_cost: USD, where LiteLLM knows the price: stop after the step that reaches it, keeping the
-            library so far. Needs DSPy's LM history (refused under `disable_history=True`). Default None.
+        max_failure_rate: When more than this share of a step's attempts, summaries or group advantages, or of
+            an epoch's validation runs, fail, the run stops with `TooManyFailuresError` and the step is not done;
+            a resume redoes the failed units. Default 0.5.
+        max_cost: USD: stop after the step that reaches it, keeping the library so far. Refused when DSPy knows
+            no price for the policy or reflection model (LiteLLM's price map has no entry: the cost would stay $0),
+            and under `disable_history=True` (the price is only kept in DSPy's LM history). Default None.
         max_total_tokens: Prompt plus completion tokens of all calls: stop after the step that reaches it.
             Default None.
-        log_dir: Folder where every finished unit of work is saved and resumed from; None keeps nothing.
+        log_dir: Folder where every finished unit of work is saved and resumed from; None keeps nothing. A
+            resume must use the same fingerprinted knobs, data, program, target predictors and LM models (the
+            refusal names what differs); num_threads, max_failure_rate, the budgets and progress may change.
             Default None.
         progress: `progress(stage, done, total)`, called as units finish, for UIs. Default None: a tqdm bar
-            per stage, as DSPy's own optimizers draw (pass `lambda *_: None` for silence).
+            per stage on stderr, as DSPy's own optimizers draw, when stderr is a terminal (pass `lambda *_: None`
+            for silence).
     """
 
     def __init__(
@@ -140,6 +152,7 @@ class TrainingFreeGRPO(Teleprompter):
     ):
         if not callable(metric):
             raise TypeError("metric must be callable: metric(example, prediction, trace=None) -> float | dspy.Prediction")
+        metric_takes_trace(metric)  # a TypeError now for a metric that takes neither (example, pred) nor a trace
         self.metric = metric
         for name in KNOBS:  # every knob is checked (knobs.py) and kept under its own name
             setattr(self, name, check_knob(name, locals()[name]))
@@ -152,27 +165,34 @@ class TrainingFreeGRPO(Teleprompter):
         if teacher is not None:
             raise ValueError("TrainingFreeGRPO learns from the student's own attempts and takes no teacher; to have "
                              "a stronger model make the learning calls, pass reflection_lm=")
+        check_program(student)
+        check_examples("trainset", trainset)
         if not trainset:
             raise ValueError("trainset is empty")
+        if valset is not None:
+            check_examples("valset", valset)
         program = student.deepcopy()
         targets = resolve_targets(program, self.target_predictors)
-        self._policy_lms(program)  # fail early, with a clear message, when no LM is configured
-        if self.max_cost is not None and not history_kept():
-            raise ValueError("max_cost needs DSPy's LM history, the only place where the price of a call is kept, "
-                             "and it is off (dspy.configure(disable_history=True) or max_history_size=0): turn it "
-                             "back on, or budget with max_total_tokens, which is measured either way")
-        start = getattr(student, LIBRARY_KEY, None)
-        library = ExperienceLibrary.from_state(start.dump_state()) if isinstance(start, ExperienceLibrary) else \
-            ExperienceLibrary(max_words=self.max_words_per_experience, max_experiences=self.max_experiences)
-        library.max_words, library.max_experiences = self.max_words_per_experience, self.max_experiences
-        ckpt = Checkpoint(self.log_dir)
-        ckpt.start(self._fingerprint(program, targets, trainset, valset, library))
-
+        policy_lms = self._policy_lms(program)  # fail early, with a clear message, when no LM is configured
         reflection_lm = self._reflection_lm(program)
+        if self.max_cost is not None:
+            if not history_kept():
+                raise ValueError("max_cost needs DSPy's LM history, the only place where the price of a call is kept, "
+                                 "and it is off (dspy.configure(disable_history=True) or max_history_size=0): turn it "
+                                 "back on, or budget with max_total_tokens, which is measured either way")
+            check_prices([*policy_lms.values()], reflection_lm)
+        explain_learning_path(self.learning_path, self.resolve_learning_path(str(getattr(reflection_lm, "model", ""))),
+                              reflection_lm)
+        library = starting_library(student, program, targets, max_words=self.max_words_per_experience,
+                                   max_experiences=self.max_experiences)
+        ckpt = Checkpoint(self.log_dir)
+        ckpt.start(self._fingerprint(program, targets, trainset, valset, library, policy_lms, reflection_lm))
+
         path, path_name = self.resolve_path(reflection_lm)
         rng, step, steps, epochs, demos = random.Random(self.seed), 0, [], [], []
         best: tuple[float, dict, list, int] | None = None
-        totals, stopped = {"policy": {}, "reflection": {}}, None
+        run_totals, stopped = {"policy": {}, "reflection": {}}, None
+        totals = {"policy": {}, "reflection": {}}  # calls made by this call, not those of steps reused from log_dir
         for epoch in range(self.num_train_epochs):
             order = list(range(len(trainset)))
             rng.shuffle(order)
@@ -180,27 +200,35 @@ class TrainingFreeGRPO(Teleprompter):
                 if stopped:
                     break
                 batch = order[at: at + self.batch_size]
+                reused = ckpt.has(f"steps/{step:04d}/done")
                 library, demos, stats = run_step(self, path, path_name, program, targets, library, demos, trainset,
                                                  batch, step, epoch, reflection_lm, ckpt)
                 steps.append(stats)
                 step += 1
                 for stage, usage in stats.usage.items():
-                    add_usage(totals["policy" if stage in ("rollout", "probe") else "reflection"], usage)
-                stopped = over_budget(totals, max_total_tokens=self.max_total_tokens, max_cost=self.max_cost)
+                    role = "policy" if stage in ("rollout", "probe") else "reflection"
+                    add_usage(run_totals[role], usage)
+                    if not reused:
+                        add_usage(totals[role], usage)
+                stopped = over_budget(run_totals, max_total_tokens=self.max_total_tokens, max_cost=self.max_cost)
             if stopped:
                 logger.warning("Stopping early: %s", stopped)
                 break
             if valset:
-                score = self._validate(program, targets, library, demos, valset, epoch, ckpt)
-                epochs.append(EpochResult(epoch=epoch, val_score=score, library_size=len(library)))
-                if best is None or score >= best[0]:  # ties go to the later library
-                    best = (score, library.dump_state(), demos, epoch)
+                record = self._validate(program, targets, library, demos, valset, epoch, ckpt)
+                epochs.append(EpochResult(epoch=epoch, library_size=len(library), **record))
+                if best is None or record["val_score"] >= best[0]:  # ties go to the later library
+                    best = (record["val_score"], library.dump_state(), demos, epoch)
 
+        if best:
+            logger.info("Keeping the library of epoch %d: validation score %.3f, the best of %d validated epoch(s) "
+                        "(ties go to the later epoch); %d experiences", best[3], best[0], len(epochs),
+                        len(best[1]["experiences"]))
         final, final_demos = (ExperienceLibrary.from_state(best[1]), best[2]) if best else (library, demos)
         compiled = with_learned(student, targets, final, final_demos)
         compiled.detailed_results = TrainingFreeGRPOResult(
             steps=steps, epochs=epochs, best_val_score=best[0] if best else None, best_epoch=best[3] if best else None,
-            usage=totals, reused_units=ckpt.reused, stopped_early=stopped)
+            usage=totals, run_usage=run_totals, reused_units=ckpt.reused, stopped_early=stopped)
         compiled._compiled = True
         return compiled
 
@@ -240,25 +268,40 @@ class TrainingFreeGRPO(Teleprompter):
     def _reflection_lm(self, program) -> dspy.BaseLM:
         return self.reflection_lm or dspy.settings.lm or next(iter(self._policy_lms(program).values()))
 
-    def _validate(self, program, targets, library, demos, valset, epoch, ckpt) -> float:
+    def _validate(self, program, targets, library, demos, valset, epoch, ckpt) -> dict:
+        """The epoch's validation record: `val_score` (mean metric; a run of the program that raised scores 0)
+        and `val_failures`. More failures than `max_failure_rate` allows stop the run with `TooManyFailuresError`:
+        an outage must not pass for a bad library."""
         if (saved := ckpt.get(f"epochs/{epoch}")) is not None:
-            return saved["val_score"]
+            return {"val_score": saved["val_score"], "val_failures": saved.get("val_failures", 0)}
         cand, _ = with_own_lms(with_learned(program, targets, library, demos))
 
         def score(example):
             prediction, rec = run_program(cand, example)
-            return 0.0 if rec["error"] else call_metric(self.metric, example, prediction)[0]
+            return (0.0, rec["error"]) if rec["error"] else (call_metric(self.metric, example, prediction)[0], None)
 
-        value = statistics.fmean(self._parallel(score, list(valset), "validation"))
+        results = self._parallel(score, list(valset), "validation")
+        errors = [error for _, error in results if error]
+        if len(errors) > self.max_failure_rate * len(results):
+            raise TooManyFailuresError(f"validation after epoch {epoch}: the program failed on {len(errors)} of "
+                                       f"{len(results)} examples (first: {errors[0]}); finished work is kept in "
+                                       f"log_dir={self.log_dir!r}")
+        if errors:
+            logger.warning("Epoch %d: the program failed on %d of %d validation examples, scored 0 (first: %s)",
+                           epoch, len(errors), len(results), errors[0])
+        value = statistics.fmean(s for s, _ in results)
         logger.info("Epoch %d: validation score %.3f with %d experiences", epoch, value, len(library))
-        ckpt.put(f"epochs/{epoch}", {"val_score": value, "library": library.dump_state(), "demos": demos})
-        return value
+        ckpt.put(f"epochs/{epoch}", {"val_score": value, "val_failures": len(errors), "library": library.dump_state(),
+                                     "demos": demos})
+        return {"val_score": value, "val_failures": len(errors)}
 
-    def _fingerprint(self, program, targets, trainset, valset, library) -> dict:
+    def _fingerprint(self, program, targets, trainset, valset, library, policy_lms, reflection_lm) -> dict:
+        models = {"policy": sorted({str(getattr(lm, "model", type(lm).__name__)) for lm in policy_lms.values()}),
+                  "reflection": str(getattr(reflection_lm, "model", type(reflection_lm).__name__))}
         knobs = fingerprinted_knobs(self)
         if isinstance(knobs["learning_path"], LearningPath):  # a plug-in path is known by its class
             knobs["learning_path"] = f"{type(knobs['learning_path']).__module__}.{type(knobs['learning_path']).__qualname__}"
-        return {"knobs": knobs, "targets": targets,
+        return {"knobs": knobs, "targets": targets, "models": models,
                 "instructions": digest([p.signature.instructions for _, p in program.named_predictors()]),
                 "trainset": digest([dict(x) for x in trainset]), "valset": digest([dict(x) for x in valset or []]),
                 "initial_library": digest(library.dump_state())}

@@ -4,7 +4,9 @@ The experiences are appended to each target predictor's instructions inside one 
 block is used while learning and when deployed, re-applying it replaces the old block (idempotent), and the
 instructions before it (for ReAct: the tool list) are left untouched. Because the block lives in the
 signature's instructions, a program saved with `program.save(...)` carries it, and stock DSPy loads it with
-`program.load(...)`; the structured library rides along in the same JSON under `experience_library`.
+`program.load(...)`; the structured library rides along in the same JSON under `experience_library`. A program
+loaded without that attribute (stock DSPy's `load` into a fresh program) still carries the block, and
+`library_from_instructions` reads the experiences back from it, so re-compiling never drops them.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ PREAMBLE = "Lessons learned from earlier attempts at this task; apply the ones t
 LIBRARY_KEY = "experience_library"  # attribute on the program and key in the saved JSON
 
 _BLOCK = re.compile(r"\s*" + re.escape(OPEN_TAG) + r".*?" + re.escape(CLOSE_TAG) + r"\s*$", re.DOTALL)
+_LINE = re.compile(r"^\[(E\d+)\] (.*)$")  # one experience as `ExperienceLibrary.render` writes it
 
 
 def strip_experiences(instructions: str) -> str:
@@ -36,6 +39,68 @@ def with_experiences(instructions: str, library: ExperienceLibrary) -> str:
     if len(library) == 0:
         return base
     return f"{base}\n\n{OPEN_TAG}\n{PREAMBLE}\n{library.render()}\n{CLOSE_TAG}"
+
+
+def rendered_experiences(instructions: str) -> list[tuple[str, str, str]] | None:
+    """The (ID, text, excerpt) triples of the experience block at the end of `instructions`; None when there is no
+    block. A line that does not start a new `[E<n>] ` item continues the text of the one before (multi-line texts),
+    except an indented fenced block right after it, which is its excerpt (`ExperienceLibrary.render`)."""
+    match = _BLOCK.search(instructions or "")
+    if match is None:
+        return None
+    lines = match.group(0).strip()[len(OPEN_TAG):-len(CLOSE_TAG)].strip("\n").split("\n")
+    if lines and lines[0] == PREAMBLE:
+        lines = lines[1:]
+    items: list[list] = []  # [id, text, excerpt lines or None, inside the excerpt's fence]
+    for line in lines:
+        if items and items[-1][3]:
+            if line == "    ```":
+                items[-1][3] = False
+            else:
+                items[-1][2].append(line[4:] if line.startswith("    ") else line)
+        elif (found := _LINE.match(line)) is not None:
+            items.append([found.group(1), found.group(2), None, False])
+        elif items and line == "    ```" and items[-1][2] is None:
+            items[-1][2], items[-1][3] = [], True
+        elif items:
+            items[-1][1] += "\n" + line
+        elif line.strip():
+            raise ValueError(f"the experience block does not start with an '[E<n>] text' line: {line[:80]!r}")
+    return [(i, text, "\n".join(excerpt or [])) for i, text, excerpt, _ in items]
+
+
+def library_from_instructions(program: dspy.Module, targets: list[str], *, max_words: int = 32,
+                              max_experiences: int | None = None) -> ExperienceLibrary | None:
+    """The library rendered into the `targets`' instructions, read back (None when none of them has a block).
+
+    Used when a program carries no `experience_library` attribute, e.g. after stock DSPy's `program.load(...)`
+    into a fresh program: the IDs and texts come back; the provenance was not in the instructions, so each
+    experience's history starts with a "recovered" entry. A ValueError when the targets' blocks disagree."""
+    found = {}
+    for name, predictor in program.named_predictors():
+        if name in targets:
+            try:
+                items = rendered_experiences(predictor.signature.instructions)
+            except ValueError as exc:
+                raise ValueError(f"predictor {name!r}: {exc}") from None
+            if items:
+                found[name] = items
+    if not found:
+        return None
+    first, items = next(iter(found.items()))
+    differ = [name for name, other in found.items() if other != items]
+    if differ:
+        raise ValueError(f"the experience blocks in the instructions of predictors {first!r} and {differ} differ; "
+                         "attach the library to recover (program.experience_library = ...) or strip the blocks "
+                         "(tfgrpo.programs.strip_experiences)")
+    ids = [i for i, _, _ in items]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"predictor {first!r}: an experience ID appears twice in its experience block ({ids})")
+    return ExperienceLibrary.from_state({
+        "format": "tfgrpo.experience_library/1", "max_words": max_words, "max_experiences": max_experiences,
+        "next_id": max(int(i[1:]) for i in ids) + 1, "retired": [],
+        "experiences": [{"id": i, "text": text, "excerpt": excerpt, "created_step": 0, "sources": [],
+                         "history": [{"step": 0, "action": "recovered", "text": text}]} for i, text, excerpt in items]})
 
 
 def resolve_targets(program: dspy.Module, target_predictors: list[str] | None) -> list[str]:

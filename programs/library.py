@@ -26,7 +26,7 @@ class Edit(BaseModel):
     """One entry of an experience's history."""
 
     step: int
-    action: str  # add | modify | merge | delete | merged_into
+    action: str  # add | modify | merge | delete | merged_into | recovered (read back from a program's instructions)
     text: str = ""  # the wording after the edit (before it, for delete)
     related: list[str] = Field(default_factory=list)  # merged-from IDs, or the ID this one was merged into
 
@@ -89,7 +89,14 @@ class ExperienceLibrary(Parameter):
         return iter(self.active.values())
 
     def texts(self) -> list[str]:
+        """The active experiences' texts, in order."""
         return [e.text for e in self.active.values()]
+
+    def __repr__(self) -> str:
+        """`ExperienceLibrary(2 experiences, 1 retired)` and one `[E1] text` line per active experience."""
+        head = f"ExperienceLibrary({len(self.active)} experience{'s' if len(self.active) != 1 else ''}" + \
+            (f", {len(self.retired)} retired" if self.retired else "") + ")"
+        return "\n  ".join([head] + [f"[{e.id}] {e.text}" for e in self.active.values()])
 
     def render(self) -> str:
         """The library as the numbered lines that go into prompts: `[E3] When ..., ...`, each followed by its

@@ -26,7 +26,7 @@ X = r"[+-]?\d+\.\d+"  # a figure as the benchmarks print them
 COVERED = {"faults.py", "learning_paths.py", "local_learning.py", "local_math.py", "local_throughput.py",
            "local_web.py", "peers.py", "rule_ceiling.py", "step_latency.py"}  # each has a test below (peers.py: in
 # test_peers_bench.py, on the real model)
-NOT_BENCHMARKS = {"__init__.py", "common.py"}
+NOT_BENCHMARKS = {"__init__.py", "common.py", "log_dir_checks.py"}  # helpers of the benchmarks
 
 
 def run(script: str, *args: str, timeout: float = 300) -> list[str]:
@@ -56,7 +56,7 @@ def test_faults(tmp_path):
     lines = run("faults.py", "--faults", "malformed")
     assert re.fullmatch(r"faults: injected=[1-9]\d* crashes=0 corrupted=0 redone=0 resumed_equal=true", lines[-2])
     assert lines[-1] == ("silent_failures: metric_error=raised reflection_outage=not_done calls_per_bad_reply=2 "
-                         "budget_without_history=stopped")
+                         "budget_without_history=stopped corrupt_run_json=refused")
 
 
 def test_step_latency():

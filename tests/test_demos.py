@@ -4,7 +4,7 @@ reach later rollouts, the compiled program and a saved file, without touching th
 import dspy
 
 from scripted_lm import ScriptedLM, kind_of
-from test_optimizer import compile_with, learner, make_trainset
+from test_optimizer import compile_with, learner
 from tfgrpo.optimizers.attempts import Attempt, Group, Scored
 from tfgrpo.optimizers.demos import demo_candidates, select_demos
 

@@ -149,3 +149,11 @@ def test_the_benchmark_measures_each_silent_failure_as_caught(tmp_path):
     assert outage["not_done"] and outage["equal"] and outage["redone"] == outage["crashes"] == 0
     assert F.calls_per_bad_reply(folders["replies"], opts) == "2"
     assert F.budget_without_history(folders["history"], opts) == "stopped"
+
+
+def test_the_benchmark_refuses_a_killed_run_whose_run_json_was_emptied(tmp_path):
+    """Issue 18: `: > run.json` after a kill, then a resume with other settings: refused with nothing sent; once
+    run.json is back, the resume ends as the uninterrupted run."""
+    row = F.run_json_row(tmp_path, dict(F.DEFAULTS, queries=6, batch_size=3), share=0.5)
+    assert row["refused"], row["output"][-3000:]
+    assert row["crashes"] == row["corrupted"] == row["redone"] == 0 and row["equal"], row["output"][-3000:]

@@ -1,7 +1,9 @@
 """TrainingFreeGRPO end to end on a scripted LM (answers keyed on prompt and rollout_id, never call order)."""
 
+import io
 import json
 import re
+import sys
 import threading
 
 import dspy
@@ -324,11 +326,21 @@ def test_token_budget_stops_after_the_step_that_reaches_it():
     assert compiled.experience_library.texts() == [LESSON]  # the library so far is kept
 
 
-def test_without_a_progress_callback_every_stage_draws_a_bar_as_dspy_does(capsys):
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_without_a_progress_callback_every_stage_draws_a_bar_on_a_terminal_only(monkeypatch):
+    monkeypatch.setattr(sys, "stderr", Terminal())
     compile_with(ScriptedLM(learner()), dspy.Predict("question -> answer"))
-    shown = capsys.readouterr().out
+    shown = sys.stderr.getvalue()
     for stage, total in (("rollout", 16), ("reward", 16), ("summary", 16), ("advantage", 4), ("consolidation", 1)):
         assert re.search(rf"{stage}: 100%.*{total}/{total}", shown), stage
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # a log file or CI: no bar redrawn with escape codes
+    compile_with(ScriptedLM(learner()), dspy.Predict("question -> answer"))
+    assert "100%" not in sys.stderr.getvalue() and "\r" not in sys.stderr.getvalue()
+    monkeypatch.setattr(sys, "stderr", Terminal())
     calls = []
     compile_with(ScriptedLM(learner()), dspy.Predict("question -> answer"), progress=lambda *a: calls.append(a))
-    assert "100%" not in capsys.readouterr().out and ("advantage", 4, 4) in calls
+    assert "100%" not in sys.stderr.getvalue() and ("advantage", 4, 4) in calls

@@ -144,3 +144,18 @@ def test_an_invented_excerpt_leaves_the_rule_without_one():
     assert exp.text == LESSON and exp.excerpt == ""
     step = compiled.detailed_results["steps"][0]
     assert step["details"]["excerpts"] == 0 and step["details"]["excerpts_refused"] == 4
+
+
+def test_an_excerpt_survives_stock_dspy_save_and_load_and_a_recompile(tmp_path):
+    from tfgrpo.programs import apply_library
+    from tfgrpo.programs.inject import library_from_instructions
+
+    lib = ExperienceLibrary()
+    lib.apply([ExcerptOperation(action="add", text="Search every order.", excerpt="for p in perms:\n    try(p)"),
+               ExcerptOperation(action="add", text="Print only the expression.")], step=0)
+    program = apply_library(dspy.Predict("question -> answer"), lib)
+    program.save(str(tmp_path / "p.json"))
+    fresh = dspy.Predict("question -> answer")
+    fresh.load(str(tmp_path / "p.json"))  # stock DSPy: only the instructions come back
+    again = library_from_instructions(fresh, ["self"])
+    assert [(e.id, e.text, e.excerpt) for e in again] == [(e.id, e.text, e.excerpt) for e in lib]

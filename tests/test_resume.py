@@ -67,14 +67,61 @@ def test_resume_after_a_crash_redoes_nothing_and_ends_the_same(tmp_path, at_kind
     assert resumed.detailed_results["reused_units"] > 0
 
 
-def test_a_finished_run_resumes_with_zero_calls(tmp_path):
-    run(ScriptedLM(learner), tmp_path)
+def test_a_finished_run_resumes_with_zero_calls_and_reports_none_as_new(tmp_path):
+    first = run(ScriptedLM(learner), tmp_path)
     lm = ScriptedLM(learner)
     again = run(lm, tmp_path)
     assert lm.calls == [] and again.experience_library.texts()
+    usage, whole = again.detailed_results["usage"], again.detailed_results["run_usage"]
+    assert usage["policy"].get("calls", 0) == 0 and usage["reflection"].get("calls", 0) == 0, usage
+    assert whole == first.detailed_results["usage"] == first.detailed_results["run_usage"]  # what the run had cost
 
 
-def test_changed_settings_are_refused(tmp_path):
+def test_changed_settings_are_refused_naming_each_field_old_and_new(tmp_path):
     run(ScriptedLM(learner), tmp_path)
-    with pytest.raises(RunMismatchError, match="knobs"):
-        run(ScriptedLM(learner), tmp_path, num_generations=3)
+    lm = ScriptedLM(learner)
+    with pytest.raises(RunMismatchError) as info:
+        run(lm, tmp_path, num_generations=3, temperature=1.5)
+    message = str(info.value)
+    assert "num_generations: 4 -> 3" in message and "temperature: 0.7 -> 1.5" in message
+    assert "batch_size" not in message and "new log_dir" in message and lm.calls == []
+
+
+def test_a_different_model_is_refused_but_execution_settings_may_change(tmp_path):
+    run(ScriptedLM(learner), tmp_path)
+    other = ScriptedLM(learner)
+    other.model = "other-model"
+    with pytest.raises(RunMismatchError, match=r"policy.*'dummy'.*->.*'other-model'"):
+        run(other, tmp_path)
+    lm, seen = ScriptedLM(learner), []
+    again = run(lm, tmp_path, num_threads=3, max_failure_rate=0.9, max_total_tokens=10**9,
+                progress=lambda *a: seen.append(a))
+    assert lm.calls == [] and again.experience_library.texts()
+
+
+@pytest.mark.parametrize("damage", ["empty", "missing", "not a fingerprint"])
+def test_saved_units_without_a_readable_run_json_are_never_reused(tmp_path, damage):
+    """Issue 18: an unreadable run.json used to turn the check off, so another configuration's steps were reused."""
+    run(ScriptedLM(learner), tmp_path, num_generations=4)
+    record = tmp_path / "run.json"
+    if damage == "empty":
+        record.write_text("")
+    elif damage == "missing":
+        record.unlink()
+    else:
+        record.write_text("{}")
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*.json")}
+    lm = ScriptedLM(learner)
+    with pytest.raises(RunMismatchError) as info:
+        run(lm, tmp_path, num_generations=2, temperature=1.5)
+    message = str(info.value)
+    assert "run.json" in message and "new log_dir" in message and f"delete {tmp_path}" in message
+    assert lm.calls == [], "nothing is sent"
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*.json")} == before, "nothing is rewritten"
+
+
+def test_a_log_dir_without_saved_units_starts_a_run(tmp_path):
+    (tmp_path / "steps").mkdir()  # an empty folder, or one left by a run stopped before its first unit
+    (tmp_path / "run.json").write_text("")
+    assert run(ScriptedLM(learner), tmp_path).experience_library.texts()
+    assert (tmp_path / "run.json").read_text().startswith("{")

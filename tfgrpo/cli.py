@@ -1,4 +1,7 @@
-"""The `tfgrpo` command line: compile, evaluate, run (both), show, lm start|stop|status."""
+"""The `tfgrpo` command line: compile, evaluate, run (both), show, report, lm start|stop|status.
+
+An error ends a command with one clear message and exit code 2; `--debug` shows its traceback instead.
+"""
 
 from __future__ import annotations
 
@@ -18,10 +21,39 @@ from rich.table import Table
 from tfgrpo.config import Config, ConfigError
 from tfgrpo.util import write_atomic
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Training-Free GRPO for DSPy programs.")
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Training-Free GRPO for DSPy programs. Every config field: configs/reference.toml.")
 lm_app = typer.Typer(no_args_is_help=True, help="Manage the embedded local model server.")
 app.add_typer(lm_app, name="lm")
 console = Console(width=None if sys.stdout.isatty() else 120)  # logs and CI: wide enough for the tables
+DEBUG = typer.Option(False, "--debug", help="on an error, show the full traceback instead of one line")
+_debug = {"on": False}
+
+
+@app.callback()
+def _main(debug: bool = DEBUG) -> None:
+    _debug["on"] = debug
+
+
+@contextlib.contextmanager
+def _errors(debug: bool = False):
+    """Turn an error into one clear message and exit code 2 (the traceback with --debug)."""
+    try:
+        yield
+    except (typer.Exit, typer.Abort, KeyboardInterrupt):
+        raise
+    except Exception as exc:
+        if debug or _debug["on"]:
+            raise
+        prefix = "" if isinstance(exc, (ValueError, OSError)) else f"{type(exc).__name__}: "
+        _error(f"error: {prefix}{exc}")
+        console.print("(--debug shows the traceback)", style="dim", markup=False, highlight=False)
+        raise typer.Exit(2) from None
+
+
+def _error(message: str) -> None:
+    """An error message as it is: red, never wrapped, never read as rich markup ("[E1]", "['question']")."""
+    console.print(message, style="red", markup=False, highlight=False, soft_wrap=True)
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -36,7 +68,7 @@ def _load_config(path: Path) -> Config:
     try:
         return Config.load(path)
     except ConfigError as exc:
-        console.print(f"[red]{exc}")
+        _error(str(exc))
         raise typer.Exit(2) from None
 
 
@@ -64,7 +96,7 @@ def _load(load, name: str, **kwargs) -> list:
     try:
         return load(name, **kwargs)
     except ValueError as exc:
-        console.print(f"[red]{exc}")
+        _error(str(exc))
         raise typer.Exit(2) from None
 
 
@@ -82,6 +114,7 @@ def _compile(config: Config, parts, policy, reflection) -> Path:
     import dspy
 
     from tfgrpo.optimizers import DirectExperiences, TrainingFreeGRPO
+    from tfgrpo.optimizers.checkpoint import RunMismatchError
     from tfgrpo.plots import learning_curve
     from tfgrpo.programs import save_program
 
@@ -101,9 +134,16 @@ def _compile(config: Config, parts, policy, reflection) -> Path:
     else:
         knobs = _tfgrpo_knobs(config)
         optimizer = TrainingFreeGRPO(reward, reflection_lm=reflection, log_dir=str(run_dir / "checkpoint"), **knobs)
-        with _progress() as progress:
-            optimizer.progress = _StageBars(progress)
-            compiled = optimizer.compile(make(), trainset=trainset, valset=valset)
+        try:
+            with _progress() as progress:
+                optimizer.progress = _StageBars(progress)
+                compiled = optimizer.compile(make(), trainset=trainset, valset=valset)
+        except RunMismatchError as exc:  # in the config's terms: run_dir, not log_dir
+            if not exc.changes:
+                raise RunMismatchError(f"run_dir {run_dir}: {exc}") from exc
+            raise RunMismatchError(f"run_dir {run_dir} already holds work of a run made with other settings:\n  " +
+                                   "\n  ".join(exc.changes) + "\nKeep that run's settings to resume it, set another "
+                                   f"run_dir, or delete {run_dir / 'checkpoint'} to start over", exc.changes) from exc
         steps = compiled.detailed_results["steps"]
     save_program(compiled, run_dir / "program.json")
     write_atomic(run_dir / "library.json", json.dumps(compiled.experience_library.dump_state(), indent=2))
@@ -114,10 +154,13 @@ def _compile(config: Config, parts, policy, reflection) -> Path:
     console.print(f"compiled in {time.time() - started:.0f} s: {len(compiled.experience_library)} experiences, "
                   f"{demos} demos")
     results = compiled.detailed_results if o.method != "direct" else None  # a TrainingFreeGRPOResult
+    run_usage = results["run_usage"] if results is not None else {}
     for role, u in (results["usage"] if results is not None else {}).items():
         cached = f" ({u['cached_tokens']:,} from the server's prompt cache)" if u.get("cached_tokens") else ""
-        console.print(f"  {role}: {u.get('calls', 0)} calls, {u.get('prompt_tokens', 0):,} prompt{cached} + "
-                      f"{u.get('completion_tokens', 0):,} completion tokens, ${u.get('cost', 0.0):.4f}")
+        reused = run_usage.get(role, {}).get("calls", 0) - u.get("calls", 0)
+        earlier = f" (steps reused from the checkpoint had made {reused} more)" if reused else ""
+        console.print(f"  {role}: {u.get('calls', 0)} new calls{earlier}, {u.get('prompt_tokens', 0):,} prompt{cached} "
+                      f"+ {u.get('completion_tokens', 0):,} completion tokens, ${u.get('cost', 0.0):.4f}")
     if results is not None and results["stopped_early"]:
         console.print(f"[yellow]stopped early: {results['stopped_early']}")
     _print_library(compiled.experience_library.dump_state())
@@ -217,38 +260,51 @@ def _dry_run(cfg: Config) -> None:
     t = est["total_upper_bound"]
     table.add_row("[bold]run total", f"{t['calls']:,}", f"{t['prompt_tokens']:,}", f"{t['completion_tokens']:,}")
     console.print(table)
+    o = cfg.optimizer
+    if o.max_total_tokens is not None:
+        step = sum(s["prompt_tokens"] + s["completion_tokens"] for s in est["per_step_upper_bound"].values())
+        run = t["prompt_tokens"] + t["completion_tokens"]
+        said = f"max_total_tokens = {o.max_total_tokens:,}: the run stops after the step that reaches it"
+        console.print(f"{said}, so it uses at most {o.max_total_tokens + step:,} tokens (the budget plus one step of "
+                      f"at most {step:,}) of the {run:,} above" if o.max_total_tokens + step < run else
+                      f"{said}; at these bounds the whole run ({run:,} tokens) fits in the budget plus one step")
+    if o.max_cost is not None:
+        console.print(f"max_cost = ${o.max_cost:g}: the run stops after the step that reaches it (no price is "
+                      "estimated here)")
 
 
 @app.command()
 def compile(config: Path, verbose: bool = typer.Option(False, "--verbose", "-v"),
-            dry_run: bool = typer.Option(False, "--dry-run", help="estimate calls and tokens, call nothing")) -> None:
+            dry_run: bool = typer.Option(False, "--dry-run", help="estimate calls and tokens, call nothing"),
+            debug: bool = DEBUG) -> None:
     """Run Training-Free GRPO; writes program.json, library.json, steps.jsonl and learning_curve.png."""
     _setup_logging(verbose)
     cfg = _load_config(config)
-    if dry_run:
-        return _dry_run(cfg)
-    with _session(cfg) as (policy, reflection, parts):
-        path = _compile(cfg, parts, policy, reflection)
+    with _errors(debug):
+        if dry_run:
+            return _dry_run(cfg)
+        with _session(cfg) as (policy, reflection, parts):
+            path = _compile(cfg, parts, policy, reflection)
     console.print(f"artifacts in {path.parent}")
 
 
 @app.command()
 def evaluate(config: Path, program: Path = typer.Option(..., "--program", help="a compiled program.json"),
-             verbose: bool = typer.Option(False, "--verbose", "-v")) -> None:
+             verbose: bool = typer.Option(False, "--verbose", "-v"), debug: bool = DEBUG) -> None:
     """Evaluate the uncompiled baseline and a compiled program on the same held-out problems."""
     _setup_logging(verbose)
     cfg = _load_config(config)
-    with _session(cfg) as (policy, _, parts):
+    with _errors(debug), _session(cfg) as (policy, _, parts):
         _evaluate(cfg, parts, policy, program)
 
 
 @app.command()
-def run(config: Path, verbose: bool = typer.Option(False, "--verbose", "-v")) -> None:
+def run(config: Path, verbose: bool = typer.Option(False, "--verbose", "-v"), debug: bool = DEBUG) -> None:
     """compile, then evaluate the result against the baseline (the README's main job)."""
     _setup_logging(verbose)
     cfg = _load_config(config)
     started = time.time()
-    with _session(cfg) as (policy, reflection, parts):
+    with _errors(debug), _session(cfg) as (policy, reflection, parts):
         path = _compile(cfg, parts, policy, reflection)
         _evaluate(cfg, parts, policy, path)
     console.print(f"done in {(time.time() - started) / 60:.1f} min; artifacts in {path.parent}: program.json, "
@@ -256,12 +312,16 @@ def run(config: Path, verbose: bool = typer.Option(False, "--verbose", "-v")) ->
 
 
 @app.command()
-def show(path: Path) -> None:
+def show(path: Path, debug: bool = DEBUG) -> None:
     """Print a library (library.json, or a compiled program.json) with each experience's provenance."""
-    data = json.loads(path.read_text())
+    with _errors(debug):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path}: not a JSON file ({exc})") from exc
     state = data.get("experience_library", data) if isinstance(data, dict) else None
     if not isinstance(state, dict) or "experiences" not in state:
-        console.print(f"[red]{path}: no experience library in this file")
+        _error(f"{path}: no experience library in this file")
         raise typer.Exit(2)
     _print_library(state)
 
@@ -274,7 +334,7 @@ def report(run_dirs: list[Path], out: Path = typer.Option(Path("report"), help="
     try:
         md, plot = build_report(run_dirs, out)
     except (ValueError, OSError) as exc:
-        console.print(f"[red]{exc}")
+        _error(str(exc))
         raise typer.Exit(2) from None
     console.print(md.read_text())
     console.print(f"written: {md}" + (f", {plot}" if plot else ""))

@@ -45,9 +45,19 @@ class LMConfig(_Strict):
         return self
 
 
+def _task_name(name: str | None, program: str | None) -> str:
+    """The task a [task] section means: its name, else custom when program names a "module:name", else math."""
+    return name or ("custom" if ":" in (program or "") else "math")
+
+
 class TaskConfig(_Strict):
-    name: Literal["math", "game24", "web"] = "math"  # game24: a program the model writes; web: a search agent ([web])
-    program: Literal["cot", "react"] = "cot"  # math only. cot: direct chain of thought; react: ReAct with a Python tool
+    # builtin tasks: math, game24 (a program the model writes), web (a search agent, see [web]); custom: your own
+    # program, metric and data. Left out: custom when program names a "module:name", else math.
+    name: Literal["math", "game24", "web", "custom"] | None = None
+    program: str = "cot"  # math: cot | react (ReAct with a Python tool); custom: "module:name" or "file.py:name"
+    metric: str | None = None  # custom only: "module:name" of metric(example, pred, trace=None) (or (example, pred))
+    train_metric: str | None = None  # custom only: a separate reward while learning; default: metric
+    input_keys: list[str] | None = Field(None, min_length=1)  # custom only: the fields of a data row the program takes
     train_reward: Literal["partial", "strict"] = "partial"  # game24 only: partial credit while learning (see game24_reward)
     trainset: str = "gsm8k_train"  # builtin name, JSONL path or hub id (see tfgrpo.tasks.math.datasets, tasks.game24)
     train_limit: int | None = None  # None: the whole set
@@ -58,6 +68,37 @@ class TaskConfig(_Strict):
     eval_limit: int | None = None
     eval_offset: int = 0
     max_iters: int = Field(4, ge=1)  # react and web: tool turns per problem
+
+    @field_validator("program")
+    @classmethod
+    def _program_fits_the_task(cls, value, info):
+        name = _task_name(info.data.get("name"), value)
+        if name == "custom" and ":" not in value:
+            raise ValueError(f"your own program is named as 'module:name' or 'path/to/file.py:name', not {value!r}")
+        if name != "custom" and ":" in value:
+            raise ValueError(f"{value!r} names your own program: set task.name = \"custom\" (or leave name out)")
+        if name == "math" and value not in ("cot", "react"):
+            raise ValueError(f"the math task's program is 'cot' or 'react' ('module:name' for your own), not {value!r}")
+        return value
+
+    @field_validator("metric", "train_metric", "input_keys")
+    @classmethod
+    def _only_for_your_own_program(cls, value, info):
+        if value is not None and _task_name(info.data.get("name"), info.data.get("program")) != "custom":
+            raise ValueError("only for your own program (task.name = \"custom\", program = \"module:name\")")
+        if isinstance(value, str) and ":" not in value:
+            raise ValueError(f"a metric is named as 'module:name' or 'path/to/file.py:name', not {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _own_program_is_complete(self):
+        self.name = _task_name(self.name, self.program)
+        if self.name == "custom":
+            missing = [f for f in ("metric", "input_keys", "trainset", "evalset")
+                       if getattr(self, f) is None or (f in ("trainset", "evalset") and f not in self.model_fields_set)]
+            if missing:
+                raise ValueError(f"your own program needs {', '.join(missing)} too (see configs/reference.toml)")
+        return self
 
 
 class WebConfig(_Strict):

@@ -26,6 +26,8 @@ class TaskParts:
 def task_parts(config: Config, stack: contextlib.ExitStack, *, policy=None, judge_lm=None) -> TaskParts:
     """The parts of `config.task`; anything they need running (the offline web site) is closed by `stack`."""
     t = config.task
+    if t.name == "custom":
+        return _custom_parts(t)
     if t.name == "game24":
         from tfgrpo.tasks.game24 import Game24Solver, game24_metric, game24_reward, load_game24
 
@@ -68,3 +70,16 @@ def _web_parts(config: Config, stack: contextlib.ExitStack, policy, judge_lm) ->
         return StepAgent(tools, max_iters=iters, constrained=step_mode)
 
     return TaskParts(make, load_web, reward, reward, {k: m for k, m in metrics.items() if k != w.reward}, judge)
+
+
+def _custom_parts(t) -> TaskParts:
+    """The user's own program, metric and data (tfgrpo.user_task)."""
+    from tfgrpo.user_task import load_examples, metric_function, program_factory
+
+    make, metric = program_factory(t.program), metric_function(t.metric)
+    reward = metric_function(t.train_metric, "train_metric") if t.train_metric else metric
+
+    def load(path, limit=None, offset=0):
+        return load_examples(path, input_keys=t.input_keys, limit=limit, offset=offset)
+
+    return TaskParts(make, load, metric, reward)

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import tfgrpo  # noqa: E402,F401
 import dspy  # noqa: E402
 
+from benchmarks.common import add_endpoint_args, endpoint  # noqa: E402
 from tfgrpo.evaluate import bootstrap_ci, evaluate_program, paired_difference, per_problem, read_rows, write_rows  # noqa: E402
 from tfgrpo.lms import local_dspy_lm  # noqa: E402
 from tfgrpo.optimizers import TrainingFreeGRPO  # noqa: E402
@@ -203,7 +204,6 @@ def main() -> None:
     ap.add_argument("--task", default="game24", choices=["game24", "gsm8k"])
     ap.add_argument("--arms", default="baseline,bootstrap,simba,tfgrpo-rules,tfgrpo-rules+demos,tfgrpo-probed+demos")
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
-    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--train", type=int, default=12, help="training examples (the main job's 12 puzzles)")
     ap.add_argument("--train-offset", type=int, default=100)
     ap.add_argument("--eval", type=int, default=48, help="held-out examples")
@@ -214,21 +214,16 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--out", default="runs/bench-peers")
     ap.add_argument("--report", action="store_true", help="only print the lines and the plot from saved results")
+    add_endpoint_args(ap)
     args = ap.parse_args()
     if not args.report:
-        from tfgrpo.local_model import ensure_server
-
-        api_base, server = ensure_server(args.model, n_ctx=8192)
-        try:
+        with endpoint(args, n_ctx=8192) as api_base:
             lm = local_dspy_lm(args.model, api_base, temperature=0.3, max_tokens=args.max_tokens, timeout=300,
                                num_retries=2, cache=False)
             dspy.configure(lm=lm)
             for seed in [int(s) for s in args.seeds.split(",")]:
                 for arm in args.arms.split(","):
                     run_arm(arm.strip(), seed, args, lm)
-        finally:
-            if server is not None:
-                server.stop()
     report(args)
 
 

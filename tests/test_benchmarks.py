@@ -24,8 +24,7 @@ from tfgrpo.testing import FakeLMServer
 ROOT = Path(__file__).resolve().parent.parent
 X = r"[+-]?\d+\.\d+"  # a figure as the benchmarks print them
 COVERED = {"faults.py", "learning_paths.py", "local_learning.py", "local_math.py", "local_throughput.py",
-           "local_web.py", "peers.py", "rule_ceiling.py", "step_latency.py"}  # each has a test below (peers.py: in
-# test_peers_bench.py, on the real model)
+           "local_web.py", "peers.py", "rule_ceiling.py", "step_latency.py"}  # each has a test below
 NOT_BENCHMARKS = {"__init__.py", "common.py", "log_dir_checks.py"}  # helpers of the benchmarks
 
 
@@ -84,6 +83,26 @@ def test_local_learning(fake, tmp_path):
                 "--batch", "2", "--simba-seeds", "0", "--out", str(tmp_path), *endpoint(fake))
     assert re.fullmatch(rf"local_learning: optimizer=tfgrpo task=game24 seeds=1 problems=2 valid_ops=(\d\.\d\d|na) "
                         rf"library=\d+ baseline={X} compiled={X} lift={X} ci_low={X} ci_high={X}", lines[-1])
+
+
+PEER_ARMS = ["baseline", "bootstrap", "simba", "gepa", "tfgrpo-rules", "tfgrpo-probed+demos",
+             "tfgrpo-excerpts"]
+
+
+def test_peers(fake, tmp_path):
+    """Every optimizer compiles, is evaluated and gets its line and its point; a second run reuses what was saved."""
+    args = ["--arms", ",".join(PEER_ARMS), "--seeds", "0", "--train", "2", "--eval", "2", "--generations", "2",
+            "--batch", "2", "--out", str(tmp_path), *endpoint(fake)]
+    lines = [line for line in run("peers.py", *args, timeout=600) if line.startswith("peers: ")]
+    assert [re.search(r"optimizer=(\S+)", line).group(1) for line in lines] == sorted(
+        PEER_ARMS, key=lambda a: (a != "baseline", a))
+    for line in lines:
+        assert re.fullmatch(rf"peers: task=game24 optimizer=\S+ seeds=1 problems=2 calls=\d+ score={X} lift={X} "
+                            rf"ci_low={X} vs_best_other={X} ci_low_vs_best={X}", line), line
+    assert (tmp_path / "game24" / "peers.png").stat().st_size > 0
+    calls = fake.stats()["calls"]
+    assert [line for line in run("peers.py", *args) if line.startswith("peers: ")] == lines
+    assert fake.stats()["calls"] == calls  # nothing was sent again
 
 
 def test_rule_ceiling(fake):

@@ -7,7 +7,9 @@ candidate only when it scores better on the minibatch that produced it: the prog
 one candidate edit each make one attempt on the same `probe_size` training queries outside the step's batch (never
 a held-out one), at the learning temperature. A library operation is kept when its mean reward is not below the
 current program's; a demo when it is above (a demo that only ties adds prompt tokens and teaches nothing known).
-Demos are then ranked by that gain, not by the reward of the attempt they came from.
+Demos are then ranked by that gain, not by the reward of the attempt they came from. A probe slot left over goes to
+one current experience in turn: it is retired when the program does no worse without it, so an experience stays only
+while it earns its place.
 """
 
 from __future__ import annotations

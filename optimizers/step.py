@@ -26,6 +26,7 @@ from tfgrpo.optimizers.rewards import reference_example, score_attempt
 from tfgrpo.optimizers.rollout import run_program, with_own_lms
 from tfgrpo.optimizers.usage import metered, metered_stages, stage_usage
 from tfgrpo.programs.library import ExperienceLibrary
+from tfgrpo.signatures.operations import Operation
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +173,10 @@ def probe_edits(opt, program, targets, library, demos, plan, kept, trainset, bat
         trial = ExperienceLibrary.from_state(library.dump_state())
         if trial.apply([op], step=step).num_applied:  # an operation the library refuses is not worth a probe
             candidates.append(Candidate(label=f"{op.action} {op.ids or ''} {op.text[:60]!r}", operations=(op,)))
-    record = {"candidates": [], "unprobed": len(plan) + len(found) - len(candidates)}
+    if library.active and len(candidates) < opt.max_probed_edits:  # a spare slot: must a current experience stay?
+        target = list(library.active)[step % len(library.active)]  # each in turn
+        candidates.append(Candidate(label=f"retire {target}", operations=(Operation(action="delete", ids=[target]),)))
+    record = {"candidates": [], "unprobed": max(0, len(plan) + len(found) - len(candidates))}
     if not candidates:
         return [], demos, record, {}
     programs = [with_learned(program, targets, library, demos)]

@@ -44,7 +44,7 @@ def test_probe_keeps_the_rule_that_helps_and_drops_the_one_that_hurts(tmp_path):
     assert [c["kept"] for c in probe["candidates"]] == [True, False]
     assert probe["base_mean"] == 1.0 and [c["mean"] for c in probe["candidates"]] == [1.0, 0.0]
     assert len(probe["queries"]) == 3 and step["usage"]["probe"]["calls"] == 9  # (1 + 2 candidates) x 3 queries
-    assert compiled.experience_library.texts()[:1] == [LESSON] and BAD not in compiled.experience_library.texts()
+    assert step["library_size"] == 1 and BAD not in compiled.experience_library.texts()  # LESSON kept in step 0
     # a resume reuses every probe attempt
     calls = len(lm.calls)
     compile_with(lm, dspy.Predict("question -> answer"), trainset=make_trainset(8), batch_size=4, learning_path="paper",
@@ -159,3 +159,17 @@ def test_an_excerpt_survives_stock_dspy_save_and_load_and_a_recompile(tmp_path):
     fresh.load(str(tmp_path / "p.json"))  # stock DSPy: only the instructions come back
     again = library_from_instructions(fresh, ["self"])
     assert [(e.id, e.text, e.excerpt) for e in again] == [(e.id, e.text, e.excerpt) for e in lib]
+
+
+def test_a_spare_probe_slot_retires_an_experience_that_does_not_help(tmp_path):
+    """Step 0 keeps the good rule and drops the bad one; in step 1 nothing new is proposed, so the spare slot asks
+    whether E1 must stay: the scripted student is right with or without it on the probe, so E1 is retired."""
+    lm = ScriptedLM(_learner_with_a_bad_rule())
+    seed = next(s for s in range(200) if all(int(digest([s, t, "probe"]), 16) % 2**31 % 2 == 0 for t in (0, 1)))
+    compiled = compile_with(lm, dspy.Predict("question -> answer"), trainset=make_trainset(8), batch_size=4,
+                            learning_path="paper", probe_size=3, max_probed_edits=3, seed=seed)
+    first, second = compiled.detailed_results.steps
+    assert [c["kept"] for c in first.probe["candidates"]] == [True, False]
+    labels = [c["edit"] for c in second.probe["candidates"]]
+    assert labels[-1] == "retire E1" and second.probe["candidates"][-1]["kept"] is True
+    assert LESSON not in compiled.experience_library.texts()

@@ -39,6 +39,7 @@ from tfgrpo.optimizers.rollout import run_program, with_own_lms
 from tfgrpo.optimizers.usage import add_usage, history_kept, metered_stages, over_budget, stage_usage
 from tfgrpo.programs.inject import LIBRARY_KEY, apply_library, resolve_targets
 from tfgrpo.programs.library import ExperienceLibrary
+from tfgrpo.tracking import track_compile
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,10 @@ class TrainingFreeGRPO(Teleprompter):
             Default None.
         progress: `progress(stage, done, total)`, called as units finish, for UIs. Default None: a tqdm bar
             per stage, as DSPy's own optimizers draw (pass `lambda *_: None` for silence).
+        use_mlflow: Log the compile to MLflow (`tfgrpo.tracking`): per step metrics, validation scores, knobs,
+            the library and program; into the active MLflow run, else one it starts (or resumes from log_dir).
+            It logs into an active run (e.g. `mlflow.dspy.autolog(log_compiles=True)`'s) even when off.
+            Default False.
     """
 
     def __init__(
@@ -123,6 +128,7 @@ class TrainingFreeGRPO(Teleprompter):
         max_total_tokens: int | None = None,  # prompt + completion tokens of all calls: stop after the step reaching it
         log_dir: str | None = None,  # where every finished unit of work is saved, and resumed from
         progress: Callable[[str, int, int], None] | None = None,  # progress(stage, done, total); None: tqdm bars
+        use_mlflow: bool = False,  # log to MLflow (a run is started); an active MLflow run is logged to anyway
     ):
         if not callable(metric):
             raise TypeError("metric must be callable: metric(example, prediction, trace=None) -> float | dspy.Prediction")
@@ -132,6 +138,13 @@ class TrainingFreeGRPO(Teleprompter):
 
     # -- the outer loop -------------------------------------------------------------------------------------
     def compile(self, student: dspy.Module, *, trainset: list, teacher=None, valset: list | None = None) -> dspy.Module:
+        with track_compile(self, student) as tracker:  # MLflow, when a run is active or use_mlflow (tracking.py)
+            compiled = self._compile(student, trainset=trainset, valset=valset, tracker=tracker)
+            if tracker:
+                tracker.finish(compiled)
+        return compiled
+
+    def _compile(self, student, *, trainset, valset, tracker) -> dspy.Module:
         if not trainset:
             raise ValueError("trainset is empty")
         program = student.deepcopy()
@@ -161,6 +174,8 @@ class TrainingFreeGRPO(Teleprompter):
                 library, demos, stats = self._step(program, targets, library, demos, trainset, batch, step, epoch,
                                                    ckpt)
                 steps.append(stats)
+                if tracker:
+                    tracker.step(stats)
                 step += 1
                 for stage, usage in stats["usage"].items():
                     add_usage(totals["policy" if stage == "rollout" else "reflection"], usage)
@@ -171,6 +186,8 @@ class TrainingFreeGRPO(Teleprompter):
             if valset:
                 score = self._validate(program, targets, library, demos, valset, epoch, ckpt)
                 epochs.append({"epoch": epoch, "val_score": score, "library_size": len(library)})
+                if tracker:
+                    tracker.validation(epochs[-1], step=step - 1)
                 if best is None or score >= best[0]:  # ties go to the later library
                     best = (score, library.dump_state(), demos)
 

@@ -182,6 +182,20 @@ def test_use_mlflow_starts_a_run_and_a_resume_after_a_crash_continues_it(tmp_pat
     assert mlflow.active_run() is None
 
 
+def test_a_log_dir_whose_run_is_in_another_experiment_starts_a_new_run(tmp_path, empty_store, caplog):
+    mlflow.set_tracking_uri(new_store(empty_store, tmp_path / "mlflow.db"))
+    dspy.configure(lm=ScriptedLM(learner))
+    runs = []
+    for experiment in ("first", "second"):
+        mlflow.set_experiment(experiment)
+        TrainingFreeGRPO(metric, num_generations=2, num_train_epochs=1, batch_size=4, num_threads=1,
+                         log_dir=str(tmp_path / "log"), use_mlflow=True).compile(
+            dspy.Predict("question -> answer"), trainset=make_trainset())
+        runs.append(stored_run_id(tmp_path / "log"))
+    assert runs[0] != runs[1] and "cannot be resumed here" in caplog.text
+    assert MlflowClient().get_run(runs[1]).info.status == "FINISHED"
+
+
 CLI_CONFIG = """
 run_dir = "{run_dir}"
 [policy]
@@ -221,7 +235,7 @@ def test_the_cli_logs_compile_and_evaluation_into_one_run_in_the_run_dir(tmp_pat
     uri = new_store(empty_store, run_dir / "mlflow" / "mlflow.db")  # where the CLI's default store goes
     result = CliRunner().invoke(app, ["run", str(config)])
     assert result.exit_code == 0, result.output
-    assert "mlflow ui --backend-store-uri" in result.output
+    assert "mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri" in " ".join(result.output.split())
     again = CliRunner().invoke(app, ["evaluate", str(config), "--program", str(run_dir / "program.json")])
     assert again.exit_code == 0, again.output
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import logging
 import sys
@@ -83,12 +84,15 @@ def _tracking(cfg: Config):
     and MLflow is not imported."""
     from tfgrpo.tracking import config_run, store_uri
 
+    if cfg.tracking and cfg.tracking.enabled and importlib.util.find_spec("mlflow") is None:
+        console.print("[red][tracking] needs MLflow: pip install -e '.[mlflow]' (scripts/setup.sh installs it)")
+        raise typer.Exit(2)
     run_dir = Path(cfg.run_dir)
     with config_run(cfg.tracking, run_dir, log_dir=run_dir / "checkpoint") as run:
         yield run
     if run is not None:  # a configured URI may hold credentials: only the local default store is printed
-        see = "" if cfg.tracking.tracking_uri else \
-            f"; to see it: mlflow ui --backend-store-uri {store_uri(cfg.tracking, run_dir)} --port 5000"
+        see = "" if cfg.tracking.tracking_uri else ("; to see it: LITELLM_LOCAL_MODEL_COST_MAP=True mlflow ui --host "
+                                                    f"127.0.0.1 --port 5000 --backend-store-uri {store_uri(cfg.tracking, run_dir)}")
         console.print(f"MLflow run {run.info.run_id}{see}")
 
 

@@ -225,12 +225,12 @@ def track_compile(optimizer: Any, program: Any) -> Iterator[CompileTracker | Non
     import mlflow
 
     params = knob_params(optimizer, program)  # before a run is started: a program without an LM fails here
-    stored, owned = _existing(stored_run_id(optimizer.log_dir)), active is None
+    stored, owned = _stored_run(optimizer.log_dir), active is None
     if owned:
-        run_name = Path(optimizer.log_dir).name if optimizer.log_dir else None
-        active = mlflow.start_run(run_id=stored) if stored else mlflow.start_run(run_name=run_name)
-    elif stored and stored != active.info.run_id and _fresh_autolog_run(active):
-        active = _continue_in(stored, active.info.run_id)
+        active = _resume_or_start(stored, run_name=Path(optimizer.log_dir).name if optimizer.log_dir else None)
+    elif stored and stored.info.run_id != active.info.run_id and _fresh_autolog_run(active) \
+            and stored.info.experiment_id == active.info.experiment_id:
+        active = _continue_in(stored.info.run_id, active.info.run_id)
     try:
         tracker = CompileTracker(active.info.run_id, optimizer.log_dir)
         tracker.log_params(params)
@@ -243,17 +243,32 @@ def track_compile(optimizer: Any, program: Any) -> Iterator[CompileTracker | Non
         mlflow.end_run()
 
 
-def _existing(run_id: str | None) -> str | None:
-    """`run_id` if that run is in the current tracking store and not deleted."""
-    if run_id is None:
+def _stored_run(log_dir: str | Path | None) -> Any | None:
+    """The run this log_dir logged to, if it is in the current tracking store and not deleted."""
+    if (run_id := stored_run_id(log_dir)) is None:
         return None
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
     try:
-        return run_id if MlflowClient().get_run(run_id).info.lifecycle_stage == "active" else None
+        run = MlflowClient().get_run(run_id)
     except MlflowException:
         return None
+    return run if run.info.lifecycle_stage == "active" else None
+
+
+def _resume_or_start(stored: Any | None, run_name: str | None) -> Any:
+    """The stored run, made active again; a new run when there is none or it cannot be resumed here (it is in
+    another experiment than the one set)."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    if stored is not None:
+        try:
+            return mlflow.start_run(run_id=stored.info.run_id)
+        except MlflowException as exc:
+            logger.warning("MLflow: starting a new run, as this log_dir's run cannot be resumed here (%s)", exc)
+    return mlflow.start_run(run_name=run_name)
 
 
 def _fresh_autolog_run(run: Any) -> bool:
@@ -267,7 +282,8 @@ def _fresh_autolog_run(run: Any) -> bool:
 def _continue_in(run_id: str, fresh_id: str) -> Any:
     """Make `run_id` the active run instead of autolog's new, empty `fresh_id` (deleted, with the placeholder
     model autolog gave it). Autolog's own logging after the compile, and its end of the run, then go to
-    `run_id`."""
+    `run_id`; its trainset.json and valset.json tables (mlflow.log_table appends) then list their rows once per
+    compile of the log_dir."""
     import mlflow
 
     mlflow.end_run()
@@ -308,8 +324,8 @@ def config_run(tracking: Any, run_dir: str | Path, log_dir: str | Path) -> Itera
     experiment = client.get_experiment_by_name(tracking.experiment)  # a new one keeps a local store's artifacts in it
     experiment_id = experiment.experiment_id if experiment else client.create_experiment(
         tracking.experiment, artifact_location=None if tracking.tracking_uri else (local / "artifacts").as_uri())
-    stored = _existing(stored_run_id(log_dir))
-    with (mlflow.start_run(run_id=stored) if stored else
+    stored = _stored_run(log_dir)
+    with (mlflow.start_run(run_id=stored.info.run_id) if stored else
           mlflow.start_run(experiment_id=experiment_id, run_name=Path(run_dir).name)) as run:
         _remember(log_dir, run.info.run_id)
         yield run

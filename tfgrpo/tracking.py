@@ -222,7 +222,7 @@ def track_compile(optimizer: Any, program: Any) -> Iterator[CompileTracker | Non
     if active is None and not optimizer.use_mlflow:
         yield None
         return
-    import mlflow
+    mlflow = _import_mlflow()
 
     params = knob_params(optimizer, program)  # before a run is started: a program without an LM fails here
     stored, owned = _stored_run(optimizer.log_dir), active is None
@@ -241,6 +241,14 @@ def track_compile(optimizer: Any, program: Any) -> Iterator[CompileTracker | Non
         raise
     if owned:
         mlflow.end_run()
+
+
+def _import_mlflow() -> Any:
+    try:
+        import mlflow
+    except ImportError:
+        raise ImportError("tracking needs MLflow: pip install -e '.[mlflow]' (scripts/setup.sh installs it)") from None
+    return mlflow
 
 
 def _stored_run(log_dir: str | Path | None) -> Any | None:
@@ -311,10 +319,7 @@ def config_run(tracking: Any, run_dir: str | Path, log_dir: str | Path) -> Itera
     if tracking is None or not tracking.enabled:
         yield None
         return
-    try:
-        import mlflow
-    except ImportError:
-        raise ImportError("[tracking] needs MLflow: pip install -e '.[mlflow]' (scripts/setup.sh installs it)") from None
+    mlflow = _import_mlflow()
     logging.getLogger("mlflow").setLevel(logging.WARNING)  # no notes on creating tables in the CLI's output
     local = Path(run_dir, "mlflow").resolve()
     if not tracking.tracking_uri:

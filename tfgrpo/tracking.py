@@ -329,9 +329,8 @@ def config_run(tracking: Any, run_dir: str | Path, log_dir: str | Path) -> Itera
     experiment = client.get_experiment_by_name(tracking.experiment)  # a new one keeps a local store's artifacts in it
     experiment_id = experiment.experiment_id if experiment else client.create_experiment(
         tracking.experiment, artifact_location=None if tracking.tracking_uri else (local / "artifacts").as_uri())
-    stored = _stored_run(log_dir)
-    with (mlflow.start_run(run_id=stored.info.run_id) if stored else
-          mlflow.start_run(experiment_id=experiment_id, run_name=Path(run_dir).name)) as run:
+    mlflow.set_experiment(experiment_id=experiment_id)
+    with _resume_or_start(_stored_run(log_dir), run_name=Path(run_dir).name) as run:
         _remember(log_dir, run.info.run_id)
         yield run
 

@@ -42,6 +42,12 @@ def server():
         yield s
 
 
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path, monkeypatch):
+    """MLflow puts a SQLite store's artifacts under ./mlruns unless told otherwise: here, not in the repo."""
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.fixture(scope="module")
 def empty_store(tmp_path_factory) -> Path:
     """A new SQLite store, made once: MLflow builds its tables in seconds, a copy takes milliseconds."""

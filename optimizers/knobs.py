@@ -77,6 +77,7 @@ KNOBS: dict[str, Knob] = {
     "max_total_tokens": Knob(_optional(_int(1)), "None or an integer >= 1"),
     "log_dir": Knob(_optional(lambda v: isinstance(v, (str, os.PathLike))), "None or a folder path"),
     "progress": Knob(_optional(callable), "None or a callable progress(stage, done, total)"),
+    "use_mlflow": Knob(lambda v: isinstance(v, bool), "True or False"),
 }
 
 

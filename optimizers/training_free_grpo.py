@@ -40,6 +40,7 @@ from tfgrpo.optimizers.step import run_step
 from tfgrpo.optimizers.usage import add_usage, history_kept, over_budget
 from tfgrpo.programs.inject import resolve_targets
 from tfgrpo.programs.library import ExperienceLibrary
+from tfgrpo.tracking import track_compile
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +116,10 @@ class TrainingFreeGRPO(Teleprompter):
         progress: `progress(stage, done, total)`, called as units finish, for UIs. Default None: a tqdm bar
             per stage on stderr, as DSPy's own optimizers draw, when stderr is a terminal (pass `lambda *_: None`
             for silence).
+        use_mlflow: Log the compile to MLflow (`tfgrpo.tracking`): per step metrics, validation scores, knobs,
+            the library and program; into the active MLflow run, else one it starts (or resumes from log_dir).
+            It logs into an active run (e.g. `mlflow.dspy.autolog(log_compiles=True)`'s) even when off.
+            Default False.
     """
 
     def __init__(
@@ -149,6 +154,7 @@ class TrainingFreeGRPO(Teleprompter):
         max_total_tokens: int | None = None,  # prompt + completion tokens of all calls: stop after the step reaching it
         log_dir: str | None = None,  # where every finished unit of work is saved, and resumed from
         progress: Callable[[str, int, int], None] | None = None,  # progress(stage, done, total); None: tqdm bars
+        use_mlflow: bool = False,  # log to MLflow (a run is started); an active MLflow run is logged to anyway
     ):
         if not callable(metric):
             raise TypeError("metric must be callable: metric(example, prediction, trace=None) -> float | dspy.Prediction")
@@ -166,6 +172,13 @@ class TrainingFreeGRPO(Teleprompter):
             raise ValueError("TrainingFreeGRPO learns from the student's own attempts and takes no teacher; to have "
                              "a stronger model make the learning calls, pass reflection_lm=")
         check_program(student)
+        with track_compile(self, student) as tracker:  # MLflow, when a run is active or use_mlflow (tracking.py)
+            compiled = self._compile(student, trainset=trainset, valset=valset, tracker=tracker)
+            if tracker:
+                tracker.finish(compiled)
+        return compiled
+
+    def _compile(self, student, *, trainset, valset, tracker) -> dspy.Module:
         check_examples("trainset", trainset)
         if not trainset:
             raise ValueError("trainset is empty")
@@ -204,6 +217,8 @@ class TrainingFreeGRPO(Teleprompter):
                 library, demos, stats = run_step(self, path, path_name, program, targets, library, demos, trainset,
                                                  batch, step, epoch, reflection_lm, ckpt)
                 steps.append(stats)
+                if tracker:
+                    tracker.step(stats)
                 step += 1
                 for stage, usage in stats.usage.items():
                     role = "policy" if stage in ("rollout", "probe") else "reflection"
@@ -217,6 +232,8 @@ class TrainingFreeGRPO(Teleprompter):
             if valset:
                 record = self._validate(program, targets, library, demos, valset, epoch, ckpt)
                 epochs.append(EpochResult(epoch=epoch, library_size=len(library), **record))
+                if tracker:
+                    tracker.validation(epochs[-1].__dict__, step=step - 1)
                 if best is None or record["val_score"] >= best[0]:  # ties go to the later library
                     best = (record["val_score"], library.dump_state(), demos, epoch)
 

@@ -6,6 +6,7 @@ An error ends a command with one clear message and exit code 2; `--debug` shows 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import logging
 import sys
@@ -110,6 +111,24 @@ def _session(cfg: Config):
         yield policy, reflection, task_parts(cfg, stack, policy=policy, judge_lm=judge)
 
 
+@contextlib.contextmanager
+def _tracking(cfg: Config):
+    """The MLflow run of this command when the config has a [tracking] section (tfgrpo.tracking); else None,
+    and MLflow is not imported."""
+    from tfgrpo.tracking import config_run, store_uri
+
+    if cfg.tracking and cfg.tracking.enabled and importlib.util.find_spec("mlflow") is None:
+        console.print("[red][tracking] needs MLflow: pip install -e '.[mlflow]' (scripts/setup.sh installs it)")
+        raise typer.Exit(2)
+    run_dir = Path(cfg.run_dir)
+    with config_run(cfg.tracking, run_dir, log_dir=run_dir / "checkpoint") as run:
+        yield run
+    if run is not None:  # a configured URI may hold credentials: only the local default store is printed
+        see = "" if cfg.tracking.tracking_uri else ("; to see it: LITELLM_LOCAL_MODEL_COST_MAP=True mlflow ui --host "
+                                                    f"127.0.0.1 --port 5000 --backend-store-uri {store_uri(cfg.tracking, run_dir)}")
+        console.print(f"MLflow run {run.info.run_id}{see}")
+
+
 def _compile(config: Config, parts, policy, reflection) -> Path:
     import dspy
 
@@ -133,7 +152,8 @@ def _compile(config: Config, parts, policy, reflection) -> Path:
         compiled, steps = optimizer.compile(make(), trainset=trainset), []
     else:
         knobs = _tfgrpo_knobs(config)
-        optimizer = TrainingFreeGRPO(reward, reflection_lm=reflection, log_dir=str(run_dir / "checkpoint"), **knobs)
+        optimizer = TrainingFreeGRPO(reward, reflection_lm=reflection, log_dir=str(run_dir / "checkpoint"),
+                                     use_mlflow=bool(config.tracking and config.tracking.enabled), **knobs)
         try:
             with _progress() as progress:
                 optimizer.progress = _StageBars(progress)
@@ -170,6 +190,7 @@ def _compile(config: Config, parts, policy, reflection) -> Path:
 def _evaluate(config: Config, parts, policy, program_path: Path) -> dict:
     from tfgrpo.evaluate import evaluate_program, paired_difference, summarize, write_rows
     from tfgrpo.programs import load_program
+    from tfgrpo.tracking import log_evaluation
 
     make, metric, load = parts.make, parts.metric, parts.load
     t, e, out = config.task, config.evaluate, Path(config.run_dir) / "eval"
@@ -194,6 +215,7 @@ def _evaluate(config: Config, parts, policy, program_path: Path) -> dict:
         summary["judge_calls"] = parts.judge.calls
     summary["evalset"] = {"name": t.evalset, "offset": t.eval_offset, "limit": t.eval_limit}
     write_atomic(out / "summary.json", json.dumps(summary, indent=2))
+    log_evaluation(summary, out)  # into the command's MLflow run, if it has one
     _print_summary(summary)
     return summary
 
@@ -283,7 +305,7 @@ def compile(config: Path, verbose: bool = typer.Option(False, "--verbose", "-v")
     with _errors(debug):
         if dry_run:
             return _dry_run(cfg)
-        with _session(cfg) as (policy, reflection, parts):
+        with _session(cfg) as (policy, reflection, parts), _tracking(cfg):
             path = _compile(cfg, parts, policy, reflection)
     console.print(f"artifacts in {path.parent}")
 
@@ -294,7 +316,7 @@ def evaluate(config: Path, program: Path = typer.Option(..., "--program", help="
     """Evaluate the uncompiled baseline and a compiled program on the same held-out problems."""
     _setup_logging(verbose)
     cfg = _load_config(config)
-    with _errors(debug), _session(cfg) as (policy, _, parts):
+    with _errors(debug), _session(cfg) as (policy, _, parts), _tracking(cfg):
         _evaluate(cfg, parts, policy, program)
 
 
@@ -304,7 +326,7 @@ def run(config: Path, verbose: bool = typer.Option(False, "--verbose", "-v"), de
     _setup_logging(verbose)
     cfg = _load_config(config)
     started = time.time()
-    with _errors(debug), _session(cfg) as (policy, reflection, parts):
+    with _errors(debug), _session(cfg) as (policy, reflection, parts), _tracking(cfg):
         path = _compile(cfg, parts, policy, reflection)
         _evaluate(cfg, parts, policy, path)
     console.print(f"done in {(time.time() - started) / 60:.1f} min; artifacts in {path.parent}: program.json, "

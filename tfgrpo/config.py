@@ -163,6 +163,14 @@ class EvaluateConfig(_Strict):
     seed: int = 0  # bootstrap seed
 
 
+class TrackingConfig(_Strict):
+    """MLflow tracking of compile and evaluation (`pip install -e ".[mlflow]"`): one run per run_dir, resumed."""
+
+    enabled: bool = True  # the section turns tracking on; false turns it off again
+    tracking_uri: str | None = None  # default: a SQLite store in run_dir/mlflow (`mlflow ui --backend-store-uri ...`)
+    experiment: str = Field("tfgrpo", min_length=1)  # the MLflow experiment the run goes into
+
+
 class Config(_Strict):
     policy: LMConfig = LMConfig()
     reflection: LMConfig | None = None  # None: the policy LM also makes the learning calls
@@ -171,6 +179,7 @@ class Config(_Strict):
     web: WebConfig = WebConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
+    tracking: TrackingConfig | None = None  # MLflow; None: nothing is logged and MLflow is not imported
     run_dir: str = "runs/default"  # compiled program, library, stats, plots and evaluations go here
 
     @classmethod

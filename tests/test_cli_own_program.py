@@ -155,13 +155,13 @@ def test_the_reference_config_loads_and_documents_every_field():
     Config.load(path)
     text = path.read_text()
     sections = {"": Config, **{name: field.annotation for name, field in Config.model_fields.items()
-                               if name not in ("reflection", "judge", "run_dir")}}
+                               if name not in ("reflection", "judge", "tracking", "run_dir")}}
     for section, model in sections.items():
         body = text.split(f"\n[{section}]", 1)[-1].split("\n[", 1)[0] if section else text.split("\n[", 1)[0]
         for field in model.model_fields:
             if section == "" and field not in ("run_dir",):
                 continue
             assert f"\n{field} =" in body or f"\n# {field} =" in body, f"[{section}] {field} is not documented"
-    assert "# [reflection]" in text and "# [judge]" in text
+    assert "# [reflection]" in text and "# [judge]" in text and "# [tracking]" in text
     with pytest.raises(tomllib.TOMLDecodeError):  # the commented fields are examples, not live values
         tomllib.loads(text.replace("# metric =", "metric =").replace("# train_metric =", "metric ="))

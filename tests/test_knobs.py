@@ -17,7 +17,7 @@ from tfgrpo.optimizers.knobs import KNOBS
 CONFIG_ONLY = {"method", "num_direct_experiences"}  # the direct baseline's keys
 CLI_DEFAULTS = {"num_generations", "num_train_epochs", "batch_size", "num_threads"}  # see the comment in config.py
 NOT_IN_A_FILE = {"reflection_lm": "the [reflection] section", "log_dir": "run_dir/checkpoint",
-                 "progress": "the CLI's own progress bars"}  # knobs a TOML file cannot hold, and where the CLI gets them
+                 "progress": "the CLI's own progress bars", "use_mlflow": "the [tracking] section"}  # knobs a TOML file cannot hold, and where the CLI gets them
 
 BAD = [("num_generations", 0), ("num_generations", 2.5), ("temperature", -0.1), ("temperature", 3),
        ("num_train_epochs", -1), ("batch_size", 0), ("seed", "zero"), ("reflection_lm", "gpt-4o"),

@@ -78,7 +78,7 @@ def _progress() -> Progress:
                     TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console)
 
 
-class _StageBars:
+class _RichStageBars:
     """The optimizer's progress(stage, done, total) callback, drawn as one bar per stage."""
 
     def __init__(self, progress: Progress):
@@ -156,7 +156,7 @@ def _compile(config: Config, parts, policy, reflection) -> Path:
                                      use_mlflow=bool(config.tracking and config.tracking.enabled), **knobs)
         try:
             with _progress() as progress:
-                optimizer.progress = _StageBars(progress)
+                optimizer.progress = _RichStageBars(progress)
                 compiled = optimizer.compile(make(), trainset=trainset, valset=valset)
         except RunMismatchError as exc:  # in the config's terms: run_dir, not log_dir
             if not exc.changes:
@@ -199,7 +199,7 @@ def _evaluate(config: Config, parts, policy, program_path: Path) -> dict:
     console.print(f"[bold]evaluate[/] {len(examples)} problems x {e.num_runs} run(s), baseline and {program_path}")
     rows, seconds = {}, {}
     with _progress() as progress:
-        bars = _StageBars(progress)
+        bars = _RichStageBars(progress)
         for name, program in programs.items():
             started = time.time()
             rows[name] = evaluate_program(program, examples, metric, lm=policy, num_runs=e.num_runs,

@@ -61,7 +61,8 @@ def run_step(opt, path, path_name, program, targets, library, demos, trainset, b
     programs, rollout_lms = candidates_for(opt, program, targets, library, demos, step)
     instructions = " ".join(p.signature.instructions for _, p in program.named_predictors())
     groups: dict[int, Group] = {}
-    results: dict[int, object] = {}
+    results: dict[int, object] = {}  # what the learning path made of each informative group
+    failed_rollouts: list[str] = []  # checkpoint units of attempts that raised
 
     def rollout(job) -> Attempt:  # G distinct samples per query, each candidate with its own LM copies (rollout_id)
         qi, g = job
@@ -96,8 +97,6 @@ def run_step(opt, path, path_name, program, targets, library, demos, trainset, b
                                    attempts=tuple(scored))
         if group.informative:
             results[qi] = yield from path.learn(ctx, group)
-
-    failed_rollouts: list[str] = []  # checkpoint units of attempts that raised
 
     def check(stage):  # the stage's failure check; a flow waits at it (WaitFor)
         try:

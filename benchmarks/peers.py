@@ -14,7 +14,8 @@ search. Each arm's compile is metered (LM calls and tokens of every model call, 
 Everything lands in --out/<task>/<arm>/seed<s>/ as it finishes (program.json, compile.json, eval.jsonl; tfgrpo
 arms also checkpoint every unit), so an interrupted run resumes where it stopped. Last lines, one per arm:
   peers: task=game24 optimizer=NAME seeds=N problems=M calls=C score=0.xxx lift=+0.xxx ci_low=+0.xxx vs_best_other=+0.xxx ci_low_vs_best=+0.xxx
-and a plot, --out/<task>/peers.png: held-out score against compile calls, one point per arm with its 95% CI.
+and a plot, --out/<task>/peers.png: held-out score against compile calls, one point per arm with its 95% CI. With
+--mlflow URI every arm and seed is its own MLflow run (experiment peers-<task>), to compare them in MLflow's UI.
 """
 
 from __future__ import annotations
@@ -106,12 +107,29 @@ def compile_arm(arm: str, student, reward, trainset: list, lm: dspy.LM, seed: in
 
 
 def run_arm(arm: str, seed: int, args, lm: dspy.LM) -> None:
-    """Compile (unless saved) and evaluate (unless saved) one arm for one seed."""
-    make_student, reward, metric, load_train, load_eval = task_parts(args.task)
+    """Compile (unless saved) and evaluate (unless saved) one arm for one seed; with --mlflow, as its own MLflow run
+    (a tfgrpo arm logs its steps into it, tfgrpo.tracking), with the arm's figures at the end."""
     where = Path(args.out) / args.task / arm / f"seed{seed}"
     where.mkdir(parents=True, exist_ok=True)
     if (where / "eval.jsonl").exists():
         return
+    if not args.mlflow:
+        return _run_arm(arm, seed, args, lm, where)
+    import mlflow
+
+    mlflow.set_tracking_uri(args.mlflow)
+    mlflow.set_experiment(f"peers-{args.task}")
+    with mlflow.start_run(run_name=f"{arm} seed {seed}"):
+        mlflow.log_params({"arm": arm, "seed": seed, "train": args.train, "eval": args.eval, "model": args.model})
+        _run_arm(arm, seed, args, lm, where)
+        info = json.loads((where / "compile.json").read_text()) if (where / "compile.json").exists() else {}
+        rows = read_rows(where / "eval.jsonl")
+        mlflow.log_metrics({"heldout/score": statistics.fmean(r["score"] for r in rows),
+                            **{f"compile/{k}": float(v) for k, v in info.items() if isinstance(v, (int, float))}})
+
+
+def _run_arm(arm: str, seed: int, args, lm: dspy.LM, where: Path) -> None:
+    make_student, reward, metric, load_train, load_eval = task_parts(args.task)
     program = make_student()
     if arm != "baseline":
         if not (where / "program.json").exists():
@@ -214,6 +232,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--out", default="runs/bench-peers")
     ap.add_argument("--report", action="store_true", help="only print the lines and the plot from saved results")
+    ap.add_argument("--mlflow", default=None, metavar="URI",
+                    help="log each arm and seed as its own MLflow run in this store (e.g. sqlite:///runs/mlflow.db)")
     add_endpoint_args(ap)
     args = ap.parse_args()
     if not args.report:

@@ -91,8 +91,9 @@ PEER_ARMS = ["baseline", "bootstrap", "simba", "gepa", "mipro", "tfgrpo-rules", 
 
 def test_peers(fake, tmp_path):
     """Every optimizer compiles, is evaluated and gets its line and its point; a second run reuses what was saved."""
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     args = ["--arms", ",".join(PEER_ARMS), "--seeds", "0", "--train", "2", "--eval", "2", "--generations", "2",
-            "--batch", "2", "--out", str(tmp_path), *endpoint(fake)]
+            "--batch", "2", "--out", str(tmp_path), "--mlflow", store, *endpoint(fake)]
     lines = [line for line in run("peers.py", *args, timeout=600) if line.startswith("peers: ")]
     assert [re.search(r"optimizer=(\S+)", line).group(1) for line in lines] == sorted(
         PEER_ARMS, key=lambda a: (a != "baseline", a))
@@ -103,6 +104,14 @@ def test_peers(fake, tmp_path):
     calls = fake.stats()["calls"]
     assert [line for line in run("peers.py", *args) if line.startswith("peers: ")] == lines
     assert fake.stats()["calls"] == calls  # nothing was sent again
+    from mlflow.tracking import MlflowClient  # every arm is its own run, with its held-out score
+
+    client = MlflowClient(tracking_uri=store)
+    runs = client.search_runs([client.get_experiment_by_name("peers-game24").experiment_id])
+    assert sorted(r.data.params["arm"] for r in runs) == sorted(PEER_ARMS)
+    assert all("heldout/score" in r.data.metrics for r in runs)
+    tfgrpo_run = next(r for r in runs if r.data.params["arm"] == "tfgrpo-rules")
+    assert "train/mean_reward" in tfgrpo_run.data.metrics  # the tfgrpo arm logged its steps into its run
 
 
 def test_rule_ceiling(fake):

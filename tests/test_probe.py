@@ -173,3 +173,36 @@ def test_a_spare_probe_slot_retires_an_experience_that_does_not_help(tmp_path):
     labels = [c["edit"] for c in second.probe["candidates"]]
     assert labels[-1] == "retire E1" and second.probe["candidates"][-1]["kept"] is True
     assert LESSON not in compiled.experience_library.texts()
+
+
+class _Fixed(dspy.Module):
+    """A program without an LM: answers right on the first `right` probe queries, else `wrong`."""
+
+    def __init__(self, right, wrong):
+        super().__init__()
+        self.right, self.wrong = right, wrong
+
+    def forward(self, question):
+        n = int(question.split()[2])
+        return dspy.Prediction(answer=str(2 * n + 10) if n < self.right else self.wrong)
+
+
+def _partial(example, pred, trace=None):
+    """Full credit when right; 0.3 for any number (the Game of 24's 'an expression of the right numbers')."""
+    return 1.0 if pred.answer == example.answer else 0.3 if pred.answer.lstrip("-").isdigit() else 0.0
+
+
+def test_partial_credit_alone_does_not_buy_a_demo_its_place():
+    from tfgrpo.optimizers.probe import Candidate, run_probe
+
+    trainset = make_trainset(4)
+    programs = [_Fixed(1, "none"),  # now: 1 solved, nothing else printed
+                _Fixed(1, "7"),  # demo A: a number everywhere (partial credit), no new success
+                _Fixed(3, "none"),  # demo B: two more successes
+                _Fixed(0, "7")]  # rule C: one success fewer, higher mean
+    candidates = [Candidate("A", demo={}), Candidate("B", demo={}), Candidate("C", operations=())]
+    result = run_probe(programs, candidates, queries=[0, 1, 2, 3], trainset=trainset, metric=_partial,
+                       unit_of=lambda p, q: f"{p}_{q}", cached=lambda unit: None,
+                       run_units=lambda fn, jobs: [fn(j) for j in jobs])
+    assert result.base == (1, 0.25) and result.scores[0] == (1, 0.475) and result.scores[1] == (3, 0.75)
+    assert result.kept == [False, True, False]  # A only earns partial credit; C loses a success

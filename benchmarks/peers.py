@@ -118,7 +118,10 @@ def run_arm(arm: str, seed: int, args, lm: dspy.LM) -> None:
     import mlflow
 
     mlflow.set_tracking_uri(args.mlflow)
-    mlflow.set_experiment(f"peers-{args.task}")
+    name = f"peers-{args.task}"
+    if mlflow.get_experiment_by_name(name) is None:  # artifacts beside the results, not in ./mlruns of the cwd
+        mlflow.create_experiment(name, artifact_location=(Path(args.out).resolve() / "mlflow-artifacts").as_uri())
+    mlflow.set_experiment(name)
     with mlflow.start_run(run_name=f"{arm} seed {seed}"):
         mlflow.log_params({"arm": arm, "seed": seed, "train": args.train, "eval": args.eval, "model": args.model})
         _run_arm(arm, seed, args, lm, where)

@@ -112,6 +112,7 @@ def test_peers(fake, tmp_path):
     assert all("heldout/score" in r.data.metrics for r in runs)
     tfgrpo_run = next(r for r in runs if r.data.params["arm"] == "tfgrpo-rules")
     assert "train/mean_reward" in tfgrpo_run.data.metrics  # the tfgrpo arm logged its steps into its run
+    assert (tmp_path / "mlflow-artifacts").is_dir() and not (ROOT / "mlruns").exists()  # nothing lands in the repo
 
 
 def test_rule_ceiling(fake):

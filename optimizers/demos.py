@@ -34,19 +34,21 @@ def demo_candidates(groups: list[Group], step: int, *, min_reward: float = 1.0) 
 
 def keep_best(demos: list[dict], n: int) -> list[dict]:
     """The `n` probed demos with the highest gain on the probe (the earlier step first on ties), one per query."""
-    best_per_query: dict[str, dict] = {}
-    for demo in sorted(demos, key=lambda d: (-d.get("gain", 0.0), d["step"], d["query"])):
-        best_per_query.setdefault(demo["query"], demo)
-    return list(best_per_query.values())[: max(n, 0)]
+    return _best_per_query(demos, n, "gain")
 
 
 def select_demos(pool: list[dict], new: list[dict], max_demos: int) -> list[dict]:
     """The `max_demos` best of the pool and the new candidates: highest advantage first, then the earlier
     step; one per query."""
+    return _best_per_query(pool + new, max_demos, "advantage")
+
+
+def _best_per_query(demos: list[dict], n: int, score: str) -> list[dict]:
+    """The `n` demos with the highest `score` (the earlier step first on ties), one per query."""
     best_per_query: dict[str, dict] = {}
-    for demo in sorted(pool + new, key=lambda d: (-d["advantage"], d["step"], d["query"])):
+    for demo in sorted(demos, key=lambda d: (-d.get(score, 0.0), d["step"], d["query"])):
         best_per_query.setdefault(demo["query"], demo)
-    return list(best_per_query.values())[:max_demos]
+    return list(best_per_query.values())[: max(n, 0)]
 
 
 def apply_demos(program: dspy.Module, demos: list[dict], targets: list[str]) -> dspy.Module:

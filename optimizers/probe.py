@@ -93,7 +93,11 @@ def run_probe(programs: list[dspy.Module], candidates: list[Candidate], *, queri
     scores = [(sum(found[(p, qi)]["reward"] >= 1 for qi in queries),
                statistics.fmean(found[(p, qi)]["reward"] for qi in queries)) for p in range(len(programs))]
     result = ProbeResult(queries=queries, base=scores[0], scores=scores[1:])
-    result.kept = [keeps(c, score, result.base) for c, score in zip(candidates, result.scores)]
+    passed = [keeps(c, score, result.base) for c, score in zip(candidates, result.scores)]
+    demo_wins = [(score, i) for i, (c, score, k) in enumerate(zip(candidates, result.scores, passed))
+                 if k and c.demo is not None]
+    best_demo = max(demo_wins)[1] if demo_wins else None  # one demo candidate wins: the step keeps its set
+    result.kept = [k and (c.demo is None or i == best_demo) for i, (c, k) in enumerate(zip(candidates, passed))]
     for c, (n, m), k in zip(candidates, result.scores, result.kept):
         logger.info("Probe: %s: %d solved, mean %.3f vs %d, %.3f now -> %s", c.label, n, m, *result.base,
                     "kept" if k else "dropped")

@@ -206,3 +206,15 @@ def test_partial_credit_alone_does_not_buy_a_demo_its_place():
                        run_units=lambda fn, jobs: [fn(j) for j in jobs])
     assert result.base == (1, 0.25) and result.scores[0] == (1, 0.475) and result.scores[1] == (3, 0.75)
     assert result.kept == [False, True, False]  # A only earns partial credit; C loses a success
+
+
+def test_only_the_best_of_two_winning_demos_is_recorded_as_kept():
+    from tfgrpo.optimizers.probe import Candidate, run_probe
+
+    trainset = make_trainset(4)
+    programs = [_Fixed(1, "none"), _Fixed(2, "none"), _Fixed(3, "none")]  # now 1 solved; demo A 2; demo B 3
+    candidates = [Candidate("A", demo={}), Candidate("B", demo={})]
+    result = run_probe(programs, candidates, queries=[0, 1, 2, 3], trainset=trainset, metric=_partial,
+                       unit_of=lambda p, q: f"{p}_{q}", cached=lambda unit: None,
+                       run_units=lambda fn, jobs: [fn(j) for j in jobs])
+    assert result.kept == [False, True]  # both add successes, but the step keeps only B's demo set

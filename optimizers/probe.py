@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import random
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import dspy
 
@@ -50,11 +50,7 @@ class ProbeResult:
     queries: list[int]
     base: tuple[int, float]
     scores: list[tuple[int, float]]
-    kept: list[bool] = field(default_factory=list)
-
-    @property
-    def means(self) -> list[float]:
-        return [m for _, m in self.scores]
+    kept: list[bool]
 
     def to_dict(self, candidates: list[Candidate]) -> dict:
         return {"queries": self.queries, "base_successes": self.base[0], "base_mean": self.base[1],
@@ -92,12 +88,13 @@ def run_probe(programs: list[dspy.Module], candidates: list[Candidate], *, queri
     found.update(zip(todo, run_units(attempt, todo)))
     scores = [(sum(found[(p, qi)]["reward"] >= 1 for qi in queries),
                statistics.fmean(found[(p, qi)]["reward"] for qi in queries)) for p in range(len(programs))]
-    result = ProbeResult(queries=queries, base=scores[0], scores=scores[1:])
-    passed = [keeps(c, score, result.base) for c, score in zip(candidates, result.scores)]
-    demo_wins = [(score, i) for i, (c, score, k) in enumerate(zip(candidates, result.scores, passed))
+    base, scores = scores[0], scores[1:]
+    passed = [keeps(c, score, base) for c, score in zip(candidates, scores)]
+    demo_wins = [(score, i) for i, (c, score, k) in enumerate(zip(candidates, scores, passed))
                  if k and c.demo is not None]
     best_demo = max(demo_wins)[1] if demo_wins else None  # one demo candidate wins: the step keeps its set
-    result.kept = [k and (c.demo is None or i == best_demo) for i, (c, k) in enumerate(zip(candidates, passed))]
+    kept = [k and (c.demo is None or i == best_demo) for i, (c, k) in enumerate(zip(candidates, passed))]
+    result = ProbeResult(queries=queries, base=base, scores=scores, kept=kept)
     for c, (n, m), k in zip(candidates, result.scores, result.kept):
         logger.info("Probe: %s: %d solved, mean %.3f vs %d, %.3f now -> %s", c.label, n, m, *result.base,
                     "kept" if k else "dropped")

@@ -206,10 +206,9 @@ def probe_edits(opt, program, targets, library, demos, plan, kept, trainset, bat
                            unit_of=lambda p, qi: f"{key}/probes/{p}_{qi}", cached=ckpt.get, run_units=run_units)
     record.update(result.to_dict(candidates))
     kept_ops = [op for c, k in zip(candidates, result.kept) if k for op in c.operations]
-    kept_demos = [i for i, (c, k) in enumerate(zip(candidates, result.kept)) if k and c.demo is not None]
-    if kept_demos:  # the demo set the winning candidate demo was probed with
-        best = kept_demos[0]
-        (solved, mean) = result.scores[best]
+    best = next((i for i, (c, k) in enumerate(zip(candidates, result.kept)) if k and c.demo is not None), None)
+    if best is not None:  # the demo set the winning candidate demo was probed with
+        solved, mean = result.scores[best]
         gain = solved - result.base[0] + mean - result.base[1]
         demos = keep_best(demos, opt.max_demos - 1) + [dict(candidates[best].demo, gain=gain)]
     return kept_ops, demos, record, stage_usage(used, lms)

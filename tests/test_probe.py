@@ -192,29 +192,32 @@ def _partial(example, pred, trace=None):
     return 1.0 if pred.answer == example.answer else 0.3 if pred.answer.lstrip("-").isdigit() else 0.0
 
 
-def test_partial_credit_alone_does_not_buy_a_demo_its_place():
-    from tfgrpo.optimizers.probe import Candidate, run_probe
+def _probe(programs, candidates):
+    """run_probe on 4 training queries, every attempt run in turn, nothing cached."""
+    from tfgrpo.optimizers.probe import run_probe
 
-    trainset = make_trainset(4)
+    return run_probe(programs, candidates, queries=[0, 1, 2, 3], trainset=make_trainset(4), metric=_partial,
+                     unit_of=lambda p, q: f"{p}_{q}", cached=lambda unit: None,
+                     run_units=lambda fn, jobs: [fn(j) for j in jobs])
+
+
+def test_partial_credit_alone_does_not_buy_a_demo_its_place():
+    from tfgrpo.optimizers.probe import Candidate
+
     programs = [_Fixed(1, "none"),  # now: 1 solved, nothing else printed
                 _Fixed(1, "7"),  # demo A: a number everywhere (partial credit), no new success
                 _Fixed(3, "none"),  # demo B: two more successes
                 _Fixed(0, "7")]  # rule C: one success fewer, higher mean
     candidates = [Candidate("A", demo={}), Candidate("B", demo={}), Candidate("C", operations=())]
-    result = run_probe(programs, candidates, queries=[0, 1, 2, 3], trainset=trainset, metric=_partial,
-                       unit_of=lambda p, q: f"{p}_{q}", cached=lambda unit: None,
-                       run_units=lambda fn, jobs: [fn(j) for j in jobs])
+    result = _probe(programs, candidates)
     assert result.base == (1, 0.25) and result.scores[0] == (1, 0.475) and result.scores[1] == (3, 0.75)
     assert result.kept == [False, True, False]  # A only earns partial credit; C loses a success
 
 
 def test_only_the_best_of_two_winning_demos_is_recorded_as_kept():
-    from tfgrpo.optimizers.probe import Candidate, run_probe
+    from tfgrpo.optimizers.probe import Candidate
 
-    trainset = make_trainset(4)
     programs = [_Fixed(1, "none"), _Fixed(2, "none"), _Fixed(3, "none")]  # now 1 solved; demo A 2; demo B 3
     candidates = [Candidate("A", demo={}), Candidate("B", demo={})]
-    result = run_probe(programs, candidates, queries=[0, 1, 2, 3], trainset=trainset, metric=_partial,
-                       unit_of=lambda p, q: f"{p}_{q}", cached=lambda unit: None,
-                       run_units=lambda fn, jobs: [fn(j) for j in jobs])
+    result = _probe(programs, candidates)
     assert result.kept == [False, True]  # both add successes, but the step keeps only B's demo set

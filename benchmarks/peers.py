@@ -8,8 +8,10 @@ reflection LM where the optimizer has one), then is evaluated on the same held-o
 run as the baseline of its seed (rollout_id = seed, temperature 0.3): differences are taken per problem (the mean
 over the seeds both arms have) with a 95% bootstrap CI over problems. Budgets are matched on attempts: tfgrpo makes
 train x G rollouts; BootstrapFewShot gets as many attempts (max_rounds = G), SIMBA a batch of the whole trainset
-with G candidates, GEPA `max_metric_calls` of the same size plus one evaluation of the trainset, MIPROv2 a light
-search. Each arm's compile is metered (LM calls and tokens of every model call, cache off) and timed.
+with G candidates (`simba-solved`: the same, ranking its candidates by the held-out metric, solved or not, instead
+of the partial-credit training reward), GEPA `max_metric_calls` of the same size plus one evaluation of the
+trainset, MIPROv2 a light search. Each arm's compile is metered (LM calls and tokens of every model call, cache
+off) and timed.
 
 Everything lands in --out/<task>/<arm>/seed<s>/ as it finishes (program.json, compile.json, eval.jsonl; tfgrpo
 arms also checkpoint every unit), so an interrupted run resumes where it stopped. Last lines, one per arm:
@@ -43,10 +45,10 @@ TFGRPO_ARMS = {  # arm -> knobs on top of the shared ones; every arm that keeps 
     "tfgrpo-rules": {},
     "tfgrpo-rules+demos": {"max_demos": 2},
     "tfgrpo-probed+demos": {"max_demos": 2, "probe_size": 4},
-    "tfgrpo-excerpts": {"max_excerpt_lines": 12, "probe_size": 4},
-    "tfgrpo-excerpts+demos": {"max_excerpt_lines": 12, "probe_size": 4, "max_demos": 2},
+    "tfgrpo-excerpts": {"max_excerpt_lines": 20, "probe_size": 4},
+    "tfgrpo-excerpts+demos": {"max_excerpt_lines": 20, "probe_size": 4, "max_demos": 2},
 }
-PEER_ARMS = ("baseline", "bootstrap", "simba", "gepa", "mipro")
+PEER_ARMS = ("baseline", "bootstrap", "simba", "simba-solved", "gepa", "mipro")
 
 
 def task_parts(task: str):
@@ -84,7 +86,7 @@ def compile_arm(arm: str, student, reward, trainset: list, lm: dspy.LM, seed: in
         opt = dspy.BootstrapFewShot(metric=metric, metric_threshold=1.0, max_bootstrapped_demos=2, max_labeled_demos=0,
                                     max_rounds=G)
         return opt.compile(student, trainset=trainset)
-    if arm == "simba":
+    if arm in ("simba", "simba-solved"):  # -solved: ranks its candidates by the held-out metric (solved or not)
         opt = dspy.SIMBA(metric=metric, bsize=len(trainset), num_candidates=G, max_steps=1, max_demos=2,
                          num_threads=threads)
         return opt.compile(student, trainset=trainset, seed=seed)
@@ -138,8 +140,9 @@ def _run_arm(arm: str, seed: int, args, lm: dspy.LM, where: Path) -> None:
         if not (where / "program.json").exists():
             trainset = load_train(args.train, args.train_offset)
             t0 = time.time()
+            train_metric = metric if arm.endswith("-solved") else reward
             with metered() as used:
-                compiled = compile_arm(arm, make_student(), reward, trainset, lm, seed, args, where)
+                compiled = compile_arm(arm, make_student(), train_metric, trainset, lm, seed, args, where)
             usage = stage_usage(used, [])
             save_program(compiled, where / "program.json")
             (where / "compile.json").write_text(json.dumps({"wall_s": round(time.time() - t0, 1), **usage}))

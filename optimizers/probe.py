@@ -12,7 +12,8 @@ misleads it: measured on the Game of 24, demos chosen by mean partial reward tau
 of the four numbers (partial credit 0.3 each time), and it then solved 0 of 48 held-out puzzles (baseline 2). A
 library operation is kept when it ranks no lower than the current program; a demo only when it adds full
 successes (a demo that ties adds prompt tokens and teaches nothing known), and the demos kept are the set the best
-such candidate was probed with. A probe slot left over goes to one current experience in turn: it is retired when
+such candidate was probed with. An experience that carries an excerpt (`max_excerpt_lines`) is code the policy will
+copy, as it copies a demo, so it too must add full successes. A probe slot left over goes to one current experience in turn: it is retired when
 the program ranks no lower without it, so an experience stays only while it earns its place.
 """
 
@@ -41,6 +42,13 @@ class Candidate:
     operations: tuple[Operation, ...] = ()
     demo: dict | None = None
 
+    @property
+    def shows_code(self) -> bool:
+        """A demo, or an operation that adds or rewrites an experience with an excerpt: something the policy will
+        copy, so it is held to a demo's standard."""
+        return self.demo is not None or any(getattr(op, "excerpt", "") and op.action in ("add", "modify")
+                                            for op in self.operations)
+
 
 @dataclass
 class ProbeResult:
@@ -59,8 +67,9 @@ class ProbeResult:
 
 
 def keeps(candidate: Candidate, score: tuple[int, float], base: tuple[int, float]) -> bool:
-    """A demo must add full successes; an operation must rank no lower (successes, then mean reward)."""
-    return score[0] > base[0] if candidate.demo is not None else score >= base
+    """A demo, or an experience that carries code (an excerpt), must add full successes; any other operation must
+    rank no lower (successes, then mean reward)."""
+    return score[0] > base[0] if candidate.shows_code else score >= base
 
 
 def probe_queries(trainset_size: int, batch: list[int], size: int, *, seed: int, step: int) -> list[int]:

@@ -154,8 +154,10 @@ def run_step(opt, path, path_name, program, targets, library, demos, trainset, b
         consolidation=learned.consolidation, usage=usage, seconds=finished_at, wall_s=time.time() - t0,
         demos=[d["query"] for d in demos], probe=probe,
         details={k: v for k, v in learned.counts.items() if k not in ("learning_failures", "operations_proposed")})
-    logger.info("Step %d: %d operations proposed, applied %s, %d refused; library has %d experiences",
-                step, stats.operations_proposed, report.applied, len(report.rejected), len(library))
+    specific = stats.details.get("refused_specific", 0)  # refused by the contrast path before any plan
+    logger.info("Step %d: %d operations proposed%s, applied %s, %d refused by the library; library has %d experiences",
+                step, stats.operations_proposed, f" ({specific} refused as task-specific)" if specific else "",
+                report.applied, len(report.rejected), len(library))
     ckpt.put(f"{key}/done", {"library": library.dump_state(), "demos": demos, "stats": stats.to_dict()})
     return library, demos, stats
 

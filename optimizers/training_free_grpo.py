@@ -94,9 +94,10 @@ class TrainingFreeGRPO(Teleprompter):
             copied, not invented (programs/excerpt.py). An extension for small reflection LMs, which select code
             far better than they describe it. Default 0 (off).
         probe_size: Each step's candidate edits (library operations, demos) are tried on this many training
-            queries outside the step's batch, one attempt each, against the current program on the same queries:
-            an operation is kept only if it does not lower the mean reward, a demo only if it raises it, and demos
-            are ranked by that gain (optimizers/probe.py). Needs use_ground_truth. Default 0 (off: every valid
+            queries outside the step's batch, one attempt each, against the current program on the same queries,
+            ranked by full successes first and mean reward second: an operation is kept only if it ranks no lower;
+            a demo, or an experience carrying an excerpt, only if it adds full successes; of the winning demos the
+            best one's set is kept (optimizers/probe.py). Needs use_ground_truth. Default 0 (off: every valid
             operation is applied, as in the paper).
         max_probed_edits: Most candidate edits probed per step (half of them demos, when max_demos > 0); edits
             beyond it are dropped. Default 3.

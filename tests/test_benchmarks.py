@@ -85,7 +85,7 @@ def test_local_learning(fake, tmp_path):
                         rf"library=\d+ baseline={X} compiled={X} lift={X} ci_low={X} ci_high={X}", lines[-1])
 
 
-PEER_ARMS = ["baseline", "bootstrap", "simba", "gepa", "mipro", "tfgrpo-rules", "tfgrpo-probed+demos",
+PEER_ARMS = ["baseline", "bootstrap", "simba", "simba-solved", "gepa", "mipro", "tfgrpo-rules", "tfgrpo-probed+demos",
              "tfgrpo-excerpts"]
 
 

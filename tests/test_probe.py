@@ -221,3 +221,17 @@ def test_only_the_best_of_two_winning_demos_is_recorded_as_kept():
     candidates = [Candidate("A", demo={}), Candidate("B", demo={})]
     result = _probe(programs, candidates)
     assert result.kept == [False, True]  # both add successes, but the step keeps only B's demo set
+
+
+def test_an_excerpt_must_add_successes_like_a_demo():
+    """On the Game of 24 the 1.5B once picked a stub (`def solve(...): pass`) as an excerpt; a rule that only ties the
+    current program stays, the same rule carrying code does not."""
+    from tfgrpo.optimizers.probe import Candidate
+    from tfgrpo.signatures.operations import ExcerptOperation, Operation
+
+    rule = Operation(action="add", ids=[], text="Try every order of the numbers.")
+    coded = ExcerptOperation(action="add", ids=[], text="Try every order of the numbers.", excerpt="pass")
+    programs = [_Fixed(1, "none"), _Fixed(1, "none"), _Fixed(1, "none"), _Fixed(2, "none")]
+    candidates = [Candidate("rule", operations=(rule,)), Candidate("stub", operations=(coded,)),
+                  Candidate("solver", operations=(coded,))]
+    assert _probe(programs, candidates).kept == [True, False, True]

@@ -47,6 +47,7 @@ TFGRPO_ARMS = {  # arm -> knobs on top of the shared ones; every arm that keeps 
     "tfgrpo-probed+demos": {"max_demos": 2, "probe_size": 4},
     "tfgrpo-excerpts": {"max_excerpt_lines": 20, "probe_size": 4},
     "tfgrpo-excerpts+demos": {"max_excerpt_lines": 20, "probe_size": 4, "max_demos": 2},
+    "tfgrpo-long-excerpts": {"max_excerpt_lines": 40, "probe_size": 4},  # room for a whole solver, as Dynamic Cheatsheet
 }
 PEER_ARMS = ("baseline", "bootstrap", "simba", "simba-solved", "gepa", "mipro")
 

@@ -211,10 +211,13 @@ def plot(points, path: Path, task: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    placed: list[tuple[float, float]] = []
     for arm, calls, mean, lo, hi in points:
         color = "tab:red" if arm.startswith("tfgrpo") else "tab:gray" if arm == "baseline" else "tab:blue"
         ax.errorbar([calls], [mean], yerr=[[mean - lo], [hi - mean]], fmt="o", color=color, capsize=4)
-        ax.annotate(arm, (calls, mean), textcoords="offset points", xytext=(6, 4), fontsize=8)
+        near = sum(abs(calls - c) < 30 and abs(mean - m) < 0.05 for c, m in placed)  # stack labels of close points
+        placed.append((calls, mean))
+        ax.annotate(arm, (calls, mean), textcoords="offset points", xytext=(6, 4 + 14 * near), fontsize=8)
     ax.set_xlabel("LM calls to compile (mean per seed)")
     ax.set_ylabel("held-out score (95% CI over problems)")
     ax.set_title(f"{task}: held-out score against compile cost")

@@ -235,7 +235,9 @@ def main() -> None:
     ap.add_argument("--train", type=int, default=12, help="training examples (the main job's 12 puzzles)")
     ap.add_argument("--train-offset", type=int, default=100)
     ap.add_argument("--eval", type=int, default=48, help="held-out examples")
-    ap.add_argument("--eval-offset", type=int, default=52, help="game24 test ranks 953-1000: used by no other benchmark")
+    ap.add_argument("--eval-offset", type=int, default=None,
+                    help="first held-out example (rank - 1); default: the last 48 of the task's test set, which no other "
+                         "benchmark uses (game24 ranks 953-1000, gsm8k test 1272-1319)")
     ap.add_argument("--generations", type=int, default=4, help="G, and the matched attempts of the other arms")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
@@ -246,6 +248,8 @@ def main() -> None:
                     help="log each arm and seed as its own MLflow run in this store (e.g. sqlite:///runs/mlflow.db)")
     add_endpoint_args(ap)
     args = ap.parse_args()
+    if args.eval_offset is None:
+        args.eval_offset = {"game24": 52, "gsm8k": 1319 - args.eval}[args.task]
     if not args.report:
         with endpoint(args, n_ctx=8192) as api_base:
             lm = local_dspy_lm(args.model, api_base, temperature=0.3, max_tokens=args.max_tokens, timeout=300,

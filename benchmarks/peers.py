@@ -236,8 +236,8 @@ def main() -> None:
     ap.add_argument("--train-offset", type=int, default=100)
     ap.add_argument("--eval", type=int, default=48, help="held-out examples")
     ap.add_argument("--eval-offset", type=int, default=None,
-                    help="first held-out example (rank - 1); default: the last 48 of the task's test set, which no other "
-                         "benchmark uses (game24 ranks 953-1000, gsm8k test 1272-1319)")
+                    help="first held-out example (rank - 1); default: examples no other benchmark uses (game24 test "
+                         "ranks 953-1000; gsm8k the last --eval of its 1319 test problems)")
     ap.add_argument("--generations", type=int, default=4, help="G, and the matched attempts of the other arms")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)

@@ -45,6 +45,7 @@ TFGRPO_ARMS = {  # arm -> knobs on top of the shared ones; every arm that keeps 
     "tfgrpo-rules": {},
     "tfgrpo-rules+demos": {"max_demos": 2},
     "tfgrpo-probed+demos": {"max_demos": 2, "probe_size": 4},
+    "tfgrpo-probed-ties+demos": {"max_demos": 2, "probe_size": 4, "keep_tied_demos": True},
     "tfgrpo-excerpts": {"max_excerpt_lines": 20, "probe_size": 4},
     "tfgrpo-excerpts+demos": {"max_excerpt_lines": 20, "probe_size": 4, "max_demos": 2},
     "tfgrpo-long-excerpts": {"max_excerpt_lines": 40, "probe_size": 4},  # room for a whole solver, as Dynamic Cheatsheet

@@ -125,7 +125,8 @@ DIGESTS = {"instructions": "the program's instructions", "trainset": "the trains
 
 def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """One line per setting that differs between two fingerprints: "knob temperature: 0.7 -> 1.5". An entry the
-    old fingerprint lacks (recorded by an earlier version) is not compared."""
+    old fingerprint lacks (recorded by an earlier version, before that setting existed) is not compared, nor is a
+    knob it lacks."""
     changes = []
     for key in sorted(set(old) & set(new)):
         if old[key] == new[key]:
@@ -135,7 +136,7 @@ def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         elif isinstance(old[key], dict) and isinstance(new[key], dict):
             label = "knob" if key == "knobs" else key
             changes += [f"{label} {k}: {old[key].get(k, '(unset)')!r} -> {new[key].get(k, '(unset)')!r}"
-                        for k in sorted(set(old[key]) | set(new[key])) if old[key].get(k) != new[key].get(k)]
+                        for k in sorted(old[key]) if old[key].get(k) != new[key].get(k)]
         else:
             changes.append(f"{key}: {old[key]!r} -> {new[key]!r}")
     return changes

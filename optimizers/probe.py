@@ -12,7 +12,8 @@ misleads it: measured on the Game of 24, demos chosen by mean partial reward tau
 of the four numbers (partial credit 0.3 each time), and it then solved 0 of 48 held-out puzzles (baseline 2). A
 library operation is kept when it ranks no lower than the current program; a demo only when it adds full
 successes (a demo that ties adds prompt tokens and teaches nothing known), and the demos kept are the set the best
-such candidate was probed with. An experience that carries an excerpt (`max_excerpt_lines`) is code the policy will
+such candidate was probed with (`keep_tied_demos` also keeps a demo that ties a program which already solves some
+of the probe: a probe of a few queries on a task the model half solves is at its ceiling). An experience that carries an excerpt (`max_excerpt_lines`) is code the policy will
 copy, as it copies a demo, so it too must add full successes. A probe slot left over goes to one current experience
 in turn: it is retired when the program ranks no lower without it, so an experience stays only while it earns its
 place.
@@ -67,9 +68,12 @@ class ProbeResult:
                                for c, (s, m), k in zip(candidates, self.scores, self.kept)]}
 
 
-def keeps(candidate: Candidate, score: tuple[int, float], base: tuple[int, float]) -> bool:
+def keeps(candidate: Candidate, score: tuple[int, float], base: tuple[int, float], *, keep_ties: bool = False) -> bool:
     """A demo, or an experience that carries code (an excerpt), must add full successes; any other operation must
-    rank no lower (successes, then mean reward)."""
+    rank no lower (successes, then mean reward). With `keep_ties`, a demo that ranks no lower is kept as well when
+    the current program already solves at least one probe query."""
+    if candidate.demo is not None and keep_ties and base[0] >= 1 and score >= base:
+        return True
     return score[0] > base[0] if candidate.shows_code else score >= base
 
 
@@ -81,7 +85,7 @@ def probe_queries(trainset_size: int, batch: list[int], size: int, *, seed: int,
 
 
 def run_probe(programs: list[dspy.Module], candidates: list[Candidate], *, queries: list[int], trainset: list,
-              metric, unit_of, cached, run_units) -> ProbeResult:
+              metric, unit_of, cached, run_units, keep_ties: bool = False) -> ProbeResult:
     """Mean reward of `programs[0]` (the current program) and of `programs[1 + c]` (with candidate c) over `queries`.
 
     `unit_of(p, qi)` names a checkpoint unit, `cached(unit)` reads one, `run_units(fn, jobs)` runs the attempts on
@@ -99,7 +103,7 @@ def run_probe(programs: list[dspy.Module], candidates: list[Candidate], *, queri
     scores = [(sum(found[(p, qi)]["reward"] >= 1 for qi in queries),
                statistics.fmean(found[(p, qi)]["reward"] for qi in queries)) for p in range(len(programs))]
     base, scores = scores[0], scores[1:]
-    passed = [keeps(c, score, base) for c, score in zip(candidates, scores)]
+    passed = [keeps(c, score, base, keep_ties=keep_ties) for c, score in zip(candidates, scores)]
     demo_wins = [(score, i) for i, (c, score, k) in enumerate(zip(candidates, scores, passed))
                  if k and c.demo is not None]
     best_demo = max(demo_wins)[1] if demo_wins else None  # one demo candidate wins: the step keeps its set

@@ -205,7 +205,8 @@ def probe_edits(opt, program, targets, library, demos, plan, kept, trainset, bat
     queries = probe_queries(len(trainset), batch, opt.probe_size, seed=opt.seed, step=step)
     with metered() as used:
         result = run_probe(runnable, candidates, queries=queries, trainset=trainset, metric=opt.metric,
-                           unit_of=lambda p, qi: f"{key}/probes/{p}_{qi}", cached=ckpt.get, run_units=run_units)
+                           unit_of=lambda p, qi: f"{key}/probes/{p}_{qi}", cached=ckpt.get, run_units=run_units,
+                           keep_ties=opt.keep_tied_demos)
     record.update(result.to_dict(candidates))
     kept_ops = [op for c, k in zip(candidates, result.kept) if k for op in c.operations]
     best = next((i for i, (c, k) in enumerate(zip(candidates, result.kept)) if k and c.demo is not None), None)

@@ -99,6 +99,10 @@ class TrainingFreeGRPO(Teleprompter):
             a demo, or an experience carrying an excerpt, only if it adds full successes; of the winning demos the
             best one's set is kept (optimizers/probe.py). Needs use_ground_truth. Default 0 (off: every valid
             operation is applied, as in the paper).
+        keep_tied_demos: With probe_size, a demo that solves as many probe queries as the current program (no more)
+            is kept too, provided the program already solves at least one: on a task the model half solves, a
+            probe of a few queries is at its ceiling and a demo can rarely add a success there. A tie at zero
+            stays refused (on the Game of 24, narrow demos that tied at zero taught nothing). Default False.
         max_probed_edits: Most candidate edits probed per step (half of them demos, when max_demos > 0); edits
             beyond it are dropped. Default 3.
         num_threads: Concurrent LM calls of a step (all stages share them). Default 8.
@@ -147,6 +151,7 @@ class TrainingFreeGRPO(Teleprompter):
         max_demos: int = 0,  # keep this many winning attempts as few-shot demos (an extension; 0: the paper's method)
         max_excerpt_lines: int = 0,  # contrast path: rules carry this many lines copied from the better attempt
         probe_size: int = 0,  # try each edit on this many other training queries before keeping it (0: off)
+        keep_tied_demos: bool = False,  # probe: keep a demo that ties a program already solving some probe queries
         max_probed_edits: int = 3,  # most candidate edits probed per step
         # execution
         num_threads: int = 8,  # concurrent LM calls of a step (rollouts and learning calls share them)

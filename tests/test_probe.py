@@ -235,3 +235,23 @@ def test_an_excerpt_must_add_successes_like_a_demo():
     candidates = [Candidate("rule", operations=(rule,)), Candidate("stub", operations=(coded,)),
                   Candidate("solver", operations=(coded,))]
     assert _probe(programs, candidates).kept == [True, False, True]
+
+
+def test_keep_tied_demos_keeps_a_tie_only_above_zero():
+    """GSM8K: the program solved 3 of 4 probe queries and a demo that also solved 3 was refused; with
+    keep_tied_demos it stays. A tie at zero (the Game of 24's narrow demos) stays refused either way."""
+    from tfgrpo.optimizers.probe import Candidate, keeps
+
+    demo = Candidate("demo", demo={})
+    assert not keeps(demo, (3, 0.75), (3, 0.75)) and keeps(demo, (3, 0.75), (3, 0.75), keep_ties=True)
+    assert not keeps(demo, (0, 0.1), (0, 0.1), keep_ties=True)  # a tie at zero
+    assert not keeps(demo, (2, 0.5), (3, 0.75), keep_ties=True)  # one success fewer
+    assert not keeps(demo, (3, 0.70), (3, 0.75), keep_ties=True)  # same successes, lower mean reward
+    programs = [_Fixed(1, "none"), _Fixed(1, "none")]
+    assert _probe(programs, [Candidate("A", demo={})]).kept == [False]
+    from tfgrpo.optimizers.probe import run_probe
+
+    tied = run_probe(programs, [Candidate("A", demo={})], queries=[0, 1, 2, 3], trainset=make_trainset(4),
+                     metric=_partial, unit_of=lambda p, q: f"{p}_{q}", cached=lambda unit: None,
+                     run_units=lambda fn, jobs: [fn(j) for j in jobs], keep_ties=True)
+    assert tied.kept == [True]

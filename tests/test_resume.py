@@ -87,6 +87,16 @@ def test_changed_settings_are_refused_naming_each_field_old_and_new(tmp_path):
     assert "batch_size" not in message and "new log_dir" in message and lm.calls == []
 
 
+def test_a_knob_newer_than_the_run_is_not_compared():
+    """A run recorded before a knob existed resumes under the version that added it (an old fingerprint's missing
+    entries are not compared); a knob the run did record is."""
+    from tfgrpo.optimizers.checkpoint import fingerprint_changes
+
+    old = {"knobs": {"probe_size": 4}}
+    assert fingerprint_changes(old, {"knobs": {"probe_size": 4, "keep_tied_demos": False}}) == []
+    assert fingerprint_changes(old, {"knobs": {"probe_size": 2, "keep_tied_demos": False}}) == ["knob probe_size: 4 -> 2"]
+
+
 def test_a_different_model_is_refused_but_execution_settings_may_change(tmp_path):
     run(ScriptedLM(learner), tmp_path)
     other = ScriptedLM(learner)

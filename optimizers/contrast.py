@@ -108,7 +108,8 @@ class ContrastPath(LearningPath):
         settings = ctx.settings
         learner = ContrastLearner(max_words=settings.max_words_per_experience,
                                   constrained=constrained_mode(settings.constrained_decoding, ctx.reflection_lm),
-                                  max_excerpt_lines=settings.max_excerpt_lines)
+                                  max_excerpt_lines=settings.max_excerpt_lines,
+                                  whole_attempt=settings.excerpt_whole_attempt)
         pairs = contrast_pairs(group.rewards, settings.max_operations_per_group)
         task = format_fields(group.example.inputs())
 

@@ -68,6 +68,7 @@ KNOBS: dict[str, Knob] = {
                               "None or a non-empty list of predictor names"),
     "max_demos": Knob(_int(0), "an integer >= 0", fingerprinted=True),
     "max_excerpt_lines": Knob(_int(0), "an integer >= 0", fingerprinted=True),
+    "excerpt_whole_attempt": Knob(lambda v: isinstance(v, bool), "True or False", fingerprinted=True),
     "probe_size": Knob(_int(0), "an integer >= 0", fingerprinted=True),
     "keep_tied_demos": Knob(lambda v: isinstance(v, bool), "True or False", fingerprinted=True),
     "max_probed_edits": Knob(_int(1), "an integer >= 1", fingerprinted=True),

@@ -53,6 +53,7 @@ class PathSettings:
     use_ground_truth: bool = True
     constrained_decoding: str = "auto"
     max_excerpt_lines: int = 0
+    excerpt_whole_attempt: bool = False
     max_failure_rate: float = 0.5
 
 

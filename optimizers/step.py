@@ -35,7 +35,7 @@ def path_settings(opt) -> PathSettings:
     return PathSettings(num_generations=opt.num_generations, max_operations_per_group=opt.max_operations_per_group,
                         max_words_per_experience=opt.max_words_per_experience, use_ground_truth=opt.use_ground_truth,
                         constrained_decoding=opt.constrained_decoding, max_excerpt_lines=opt.max_excerpt_lines,
-                        max_failure_rate=opt.max_failure_rate)
+                        excerpt_whole_attempt=opt.excerpt_whole_attempt, max_failure_rate=opt.max_failure_rate)
 
 
 def candidates_for(opt, program, targets, library, demos, step):

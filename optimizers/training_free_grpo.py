@@ -93,6 +93,9 @@ class TrainingFreeGRPO(Teleprompter):
             the better attempt (code, a formula, a tool-call pattern), picked by the LM and checked in code to be
             copied, not invented (programs/excerpt.py). An extension for small reflection LMs, which select code
             far better than they describe it. Default 0 (off).
+        excerpt_whole_attempt: With max_excerpt_lines, the excerpt is the better attempt's own code (its largest
+            fenced block, less the lines that hold the query's values) when it fits, as Dynamic Cheatsheet keeps a
+            whole working solver; the reflection LM picks lines only from a longer attempt. Default False.
         probe_size: Each step's candidate edits (library operations, demos) are tried on this many training
             queries outside the step's batch, one attempt each, against the current program on the same queries,
             ranked by full successes first and mean reward second: an operation is kept only if it ranks no lower;
@@ -150,6 +153,7 @@ class TrainingFreeGRPO(Teleprompter):
         target_predictors: list[str] | None = None,  # predictor names that get the library; None: all
         max_demos: int = 0,  # keep this many winning attempts as few-shot demos (an extension; 0: the paper's method)
         max_excerpt_lines: int = 0,  # contrast path: rules carry this many lines copied from the better attempt
+        excerpt_whole_attempt: bool = False,  # an excerpt is the better attempt's code itself when it fits
         probe_size: int = 0,  # try each edit on this many other training queries before keeping it (0: off)
         keep_tied_demos: bool = False,  # probe: keep a demo that ties a program already solving some probe queries
         max_probed_edits: int = 3,  # most candidate edits probed per step

@@ -25,10 +25,12 @@ EMPTY = "(empty: no rules yet)"
 
 
 class ContrastLearner(dspy.Module):
-    def __init__(self, *, max_words: int = 32, constrained: Mode | None = None, max_excerpt_lines: int = 0):
+    def __init__(self, *, max_words: int = 32, constrained: Mode | None = None, max_excerpt_lines: int = 0,
+                 whole_attempt: bool = False):
         super().__init__()
         self.max_words = max_words  # the longest rule the library accepts
         self.max_excerpt_lines = max_excerpt_lines  # > 0: an added rule carries lines copied from the better attempt
+        self.whole_attempt = whole_attempt  # the excerpt is the better attempt itself when it fits, no LM call
         self.adapter = ConstrainedJSONAdapter(constrained) if constrained else None  # None: DSPy's default adapter
 
     def forward(self, *, task: str, better_attempt: str, worse_attempt: str, library: ExperienceLibrary,
@@ -72,7 +74,12 @@ class ContrastLearner(dspy.Module):
         return rec
 
     def _excerpt(self, rule: str, attempt: str, specific_to: str, allowed: str) -> tuple[str, str | None]:
-        """The lines of `attempt` that carry `rule` out, picked by the LM and checked in code (programs/excerpt.py)."""
+        """The lines of `attempt` that carry `rule` out, picked by the LM and checked in code (programs/excerpt.py);
+        with `whole_attempt`, the attempt's own code when it fits (less the lines that hold the query's values)."""
+        if self.whole_attempt:
+            whole = checked_excerpt(attempt, attempt, specific_to, max_lines=self.max_excerpt_lines, allowed=allowed)
+            if whole[0]:
+                return whole
         with dspy.context(adapter=ChatAdapter()):  # code reads better as plain text than inside a JSON string
             reply = call_with_one_retry(dspy.Predict(PickExcerpt), {"rule": rule, "attempt": attempt},
                                         caller="PickExcerpt")

@@ -255,3 +255,30 @@ def test_keep_tied_demos_keeps_a_tie_only_above_zero():
                      metric=_partial, unit_of=lambda p, q: f"{p}_{q}", cached=lambda unit: None,
                      run_units=lambda fn, jobs: [fn(j) for j in jobs], keep_ties=True)
     assert tied.kept == [True]
+
+
+def test_a_whole_attempt_that_fits_is_the_excerpt_with_no_lm_call():
+    """excerpt_whole_attempt: the better attempt's own lines, less those holding the query's values, are the excerpt;
+    the LM is not asked to pick (the scripted picker would invent). A longer attempt still goes to the picker."""
+    from scripted_lm import output_fields
+    from test_contrast import compile_contrast
+
+    lm = ScriptedLM(_contrast_learner_with_excerpt(invent=True))
+    compiled = compile_contrast(lm, max_excerpt_lines=4, excerpt_whole_attempt=True)
+    (exp,) = compiled.experience_library
+    assert exp.text == LESSON and exp.excerpt and "search(all_orders)" not in exp.excerpt
+    # the picker is asked once: "What is 0 + 10?" was answered "answer: 10", a line holding the query's own number,
+    # so nothing of that attempt is left, and the picker's invention is refused
+    assert sum("excerpt" in output_fields(call["messages"]) for call in lm.calls) == 1
+    step = compiled.detailed_results["steps"][0]
+    assert step["details"]["excerpts"] == 3 and step["details"]["excerpts_refused"] == 1
+    from tfgrpo.programs.contrast_learner import ContrastLearner
+
+    picked = "for a, b, c, d in permutations(nums):"
+    picker = ScriptedLM(lambda messages, kwargs: {"excerpt": picked})
+    with dspy.context(lm=picker):  # ATTEMPT's program is 7 lines: over 3, so the LM picks
+        assert ContrastLearner(max_excerpt_lines=3, whole_attempt=True)._excerpt(
+            "Try every order.", ATTEMPT, "numbers: [3, 7, 7, 7]", "") == (picked, None)
+        whole, why = ContrastLearner(max_excerpt_lines=8, whole_attempt=True)._excerpt(
+            "Try every order.", ATTEMPT, "numbers: [3, 7, 7, 7]", "")
+    assert len(picker.calls) == 1 and why is None and whole.startswith("from itertools") and "3, 7" not in whole

@@ -140,6 +140,7 @@ class OptimizerConfig(_Strict):
     target_predictors: list[str] | None = None
     max_demos: int = 0  # winning attempts kept as few-shot demos (an extension of the paper; 0: off)
     max_excerpt_lines: int = 0  # contrast path: rules carry up to this many lines copied from the better attempt
+    excerpt_whole_attempt: bool = False  # an excerpt is the better attempt's code itself when it fits
     probe_size: int = 0  # try each edit on this many other training queries before keeping it (0: off)
     keep_tied_demos: bool = False  # probe: keep a demo that ties a program already solving some probe queries
     max_probed_edits: int = 3  # most candidate edits probed per step

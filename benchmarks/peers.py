@@ -49,7 +49,8 @@ TFGRPO_ARMS = {  # arm -> knobs on top of the shared ones; every arm that keeps 
     "tfgrpo-excerpts": {"max_excerpt_lines": 20, "probe_size": 4},
     "tfgrpo-excerpts+demos": {"max_excerpt_lines": 20, "probe_size": 4, "max_demos": 2},
     "tfgrpo-long-excerpts": {"max_excerpt_lines": 40, "probe_size": 4},  # room for a whole solver, as Dynamic Cheatsheet
-    "tfgrpo-solver-excerpts": {"max_excerpt_lines": 40, "excerpt_whole_attempt": True, "probe_size": 4},  # the solver itself
+    # the better attempt's whole program as the excerpt, no LM pick
+    "tfgrpo-solver-excerpts": {"max_excerpt_lines": 40, "excerpt_whole_attempt": True, "probe_size": 4},
 }
 PEER_ARMS = ("baseline", "bootstrap", "simba", "simba-solved", "gepa", "mipro")
 

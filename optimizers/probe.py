@@ -13,10 +13,10 @@ of the four numbers (partial credit 0.3 each time), and it then solved 0 of 48 h
 library operation is kept when it ranks no lower than the current program; a demo only when it adds full
 successes (a demo that ties adds prompt tokens and teaches nothing known), and the demos kept are the set the best
 such candidate was probed with (`keep_tied_demos` also keeps a demo that ties a program which already solves some
-of the probe: a probe of a few queries on a task the model half solves is at its ceiling). An experience that carries an excerpt (`max_excerpt_lines`) is code the policy will
-copy, as it copies a demo, so it too must add full successes. A probe slot left over goes to one current experience
-in turn: it is retired when the program ranks no lower without it, so an experience stays only while it earns its
-place.
+of the probe: a probe of a few queries on a task the model half solves is at its ceiling). An experience that
+carries an excerpt (`max_excerpt_lines`) is code the policy will copy, as it copies a demo, so it too must add full
+successes. A probe slot left over goes to one current experience in turn: it is retired when the program ranks no
+lower without it, so an experience stays only while it earns its place.
 """
 
 from __future__ import annotations

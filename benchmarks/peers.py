@@ -214,13 +214,15 @@ def plot(points, path: Path, task: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    placed: list[tuple[float, float]] = []
+    placed: list[tuple[float, float, int]] = []  # (calls, mean, label row) of the points labelled so far
     for arm, calls, mean, lo, hi in points:
         color = "tab:red" if arm.startswith("tfgrpo") else "tab:gray" if arm == "baseline" else "tab:blue"
         ax.errorbar([calls], [mean], yerr=[[mean - lo], [hi - mean]], fmt="o", color=color, capsize=4)
-        near = sum(abs(calls - c) < 30 and abs(mean - m) < 0.05 for c, m in placed)  # stack labels of close points
-        placed.append((calls, mean))
-        ax.annotate(arm, (calls, mean), textcoords="offset points", xytext=(6, 4 + 14 * near), fontsize=8)
+        taken = {row for c, m, row in placed if abs(calls - c) < 40 and abs(mean - m) < 0.05}  # close points' rows
+        row = min(set(range(len(taken) + 1)) - taken)  # the lowest free row: close labels never share one
+        placed.append((calls, mean, row))
+        ax.annotate(arm, (calls, mean), textcoords="offset points", xytext=(6, 4 + 13 * row), fontsize=8,
+                    arrowprops=dict(arrowstyle="-", color="0.6", lw=0.6) if row else None)  # a line to a raised label
     ax.set_xlabel("LM calls to compile (mean per seed)")
     ax.set_ylabel("held-out score (95% CI over problems)")
     ax.set_title(f"{task}: held-out score against compile cost")

@@ -82,5 +82,5 @@ def test_the_fingerprint_holds_the_knobs_that_change_what_a_run_computes():
     fingerprinted = {k for k, knob in KNOBS.items() if knob.fingerprinted}
     assert fingerprinted == {"num_generations", "temperature", "num_train_epochs", "batch_size", "seed",
                              "max_operations_per_group", "use_ground_truth", "max_experiences",
-                             "max_words_per_experience", "learning_path", "max_demos", "max_excerpt_lines", "excerpt_whole_attempt", "probe_size",
-                             "keep_tied_demos", "max_probed_edits"}
+                             "max_words_per_experience", "learning_path", "max_demos", "max_excerpt_lines",
+                             "excerpt_whole_attempt", "probe_size", "keep_tied_demos", "max_probed_edits"}

@@ -40,6 +40,11 @@ def _is_path(v: Any) -> bool:
     return isinstance(v, LearningPath)
 
 
+def _flag(*, fingerprinted: bool = False) -> Knob:
+    """A True-or-False knob."""
+    return Knob(lambda v: isinstance(v, bool), "True or False", fingerprinted=fingerprinted)
+
+
 def _optional(valid: Callable[[Any], bool]) -> Callable[[Any], bool]:
     return lambda v: v is None or valid(v)
 
@@ -55,7 +60,7 @@ KNOBS: dict[str, Knob] = {
     # learning calls
     "reflection_lm": Knob(_optional(lambda v: isinstance(v, dspy.BaseLM)), "None or a dspy.BaseLM"),
     "max_operations_per_group": Knob(_int(1), "an integer >= 1", fingerprinted=True),
-    "use_ground_truth": Knob(lambda v: isinstance(v, bool), "True or False", fingerprinted=True),
+    "use_ground_truth": _flag(fingerprinted=True),
     "learning_path": Knob(lambda v: _is_path(v) or (isinstance(v, str) and v in ("auto", "paper", "contrast")),
                           "'auto', 'paper', 'contrast' or a LearningPath instance", fingerprinted=True),
     "constrained_decoding": Knob(lambda v: v in ("auto", "json_object", "json_schema", "off"),
@@ -68,9 +73,9 @@ KNOBS: dict[str, Knob] = {
                               "None or a non-empty list of predictor names"),
     "max_demos": Knob(_int(0), "an integer >= 0", fingerprinted=True),
     "max_excerpt_lines": Knob(_int(0), "an integer >= 0", fingerprinted=True),
-    "excerpt_whole_attempt": Knob(lambda v: isinstance(v, bool), "True or False", fingerprinted=True),
+    "excerpt_whole_attempt": _flag(fingerprinted=True),
     "probe_size": Knob(_int(0), "an integer >= 0", fingerprinted=True),
-    "keep_tied_demos": Knob(lambda v: isinstance(v, bool), "True or False", fingerprinted=True),
+    "keep_tied_demos": _flag(fingerprinted=True),
     "max_probed_edits": Knob(_int(1), "an integer >= 1", fingerprinted=True),
     # execution
     "num_threads": Knob(_int(1), "an integer >= 1"),
@@ -79,7 +84,7 @@ KNOBS: dict[str, Knob] = {
     "max_total_tokens": Knob(_optional(_int(1)), "None or an integer >= 1"),
     "log_dir": Knob(_optional(lambda v: isinstance(v, (str, os.PathLike))), "None or a folder path"),
     "progress": Knob(_optional(callable), "None or a callable progress(stage, done, total)"),
-    "use_mlflow": Knob(lambda v: isinstance(v, bool), "True or False"),
+    "use_mlflow": _flag(),
 }
 
 

@@ -135,8 +135,8 @@ def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
             changes.append(f"{DIGESTS[key]}: not the same as before")
         elif isinstance(old[key], dict) and isinstance(new[key], dict):
             label = "knob" if key == "knobs" else key
-            changes += [f"{label} {k}: {old[key].get(k, '(unset)')!r} -> {new[key].get(k, '(unset)')!r}"
-                        for k in sorted(old[key]) if old[key].get(k) != new[key].get(k)]
+            changes += [f"{label} {k}: {old[key][k]!r} -> {new[key].get(k, '(unset)')!r}"
+                        for k in sorted(old[key]) if old[key][k] != new[key].get(k)]
         else:
             changes.append(f"{key}: {old[key]!r} -> {new[key]!r}")
     return changes

@@ -51,6 +51,8 @@ TFGRPO_ARMS = {  # arm -> knobs on top of the shared ones; every arm that keeps 
     "tfgrpo-long-excerpts": {"max_excerpt_lines": 40, "probe_size": 4},  # room for a whole solver, as Dynamic Cheatsheet
     # the better attempt's whole program as the excerpt, no LM pick
     "tfgrpo-solver-excerpts": {"max_excerpt_lines": 40, "excerpt_whole_attempt": True, "probe_size": 4},
+    # the same, probed on every training query outside the batch (8 of 12), so a narrow solver shows how narrow it is
+    "tfgrpo-solver-excerpts-wide": {"max_excerpt_lines": 40, "excerpt_whole_attempt": True, "probe_size": 8},
 }
 PEER_ARMS = ("baseline", "bootstrap", "simba", "simba-solved", "gepa", "mipro")
 

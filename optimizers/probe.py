@@ -15,7 +15,8 @@ successes (a demo that ties adds prompt tokens and teaches nothing known), and t
 such candidate was probed with (`keep_tied_demos` also keeps a demo that ties a program which already solves some
 of the probe: a probe of a few queries on a task the model half solves is at its ceiling). An experience that
 carries an excerpt (`max_excerpt_lines`) is code the policy will copy, as it copies a demo, so it too must add full
-successes. A probe slot left over goes to one current experience in turn: it is retired when the program ranks no
+successes, and only the best such experience of a step is kept (two programs in the prompt teach the policy to mix
+them). A probe slot left over goes to one current experience in turn: it is retired when the program ranks no
 lower without it, so an experience stays only while it earns its place.
 """
 
@@ -104,10 +105,14 @@ def run_probe(programs: list[dspy.Module], candidates: list[Candidate], *, queri
                statistics.fmean(found[(p, qi)]["reward"] for qi in queries)) for p in range(len(programs))]
     base, scores = scores[0], scores[1:]
     passed = [keeps(c, score, base, keep_ties=keep_ties) for c, score in zip(candidates, scores)]
-    demo_wins = [(score, i) for i, (c, score, k) in enumerate(zip(candidates, scores, passed))
-                 if k and c.demo is not None]
-    best_demo = max(demo_wins)[1] if demo_wins else None  # one demo candidate wins: the step keeps its set
-    kept = [k and (c.demo is None or i == best_demo) for i, (c, k) in enumerate(zip(candidates, passed))]
+
+    def best_of(kind) -> int | None:  # the candidate of a kind that passed and ranks highest
+        wins = [(score, i) for i, (c, score, k) in enumerate(zip(candidates, scores, passed)) if k and kind(c)]
+        return max(wins)[1] if wins else None
+
+    # code competes: one demo (the step keeps the set it was probed with) and one experience with an excerpt
+    winners = {best_of(lambda c: c.demo is not None), best_of(lambda c: c.demo is None and c.shows_code)}
+    kept = [k and (not c.shows_code or i in winners) for i, (c, k) in enumerate(zip(candidates, passed))]
     result = ProbeResult(queries=queries, base=base, scores=scores, kept=kept)
     for c, (n, m), k in zip(candidates, result.scores, result.kept):
         logger.info("Probe: %s: %d solved, mean %.3f vs %d, %.3f now -> %s", c.label, n, m, *result.base,

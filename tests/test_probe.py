@@ -237,6 +237,20 @@ def test_an_excerpt_must_add_successes_like_a_demo():
     assert _probe(programs, candidates).kept == [True, False, True]
 
 
+def test_only_the_best_of_two_winning_excerpts_is_kept_and_a_plain_rule_beside_them_too():
+    """Game of 24, seed 0: two sum-only solvers each added a success on the probe and both went into the library. Code
+    competes as demos do: one excerpt per step, the best; a rule without code is judged on its own."""
+    from tfgrpo.optimizers.probe import Candidate
+    from tfgrpo.signatures.operations import ExcerptOperation, Operation
+
+    rule = Operation(action="add", ids=[], text="Try every order of the numbers.")
+    coded = ExcerptOperation(action="add", ids=[], text="Try every order of the numbers.", excerpt="print(24)")
+    programs = [_Fixed(1, "none"), _Fixed(2, "none"), _Fixed(3, "none"), _Fixed(1, "none"), _Fixed(4, "none")]
+    candidates = [Candidate("narrow", operations=(coded,)), Candidate("search", operations=(coded,)),
+                  Candidate("rule", operations=(rule,)), Candidate("demo", demo={})]
+    assert _probe(programs, candidates).kept == [False, True, True, True]  # a demo does not compete with an excerpt
+
+
 def test_keep_tied_demos_keeps_a_tie_only_above_zero():
     """GSM8K: the program solved 3 of 4 probe queries and a demo that also solved 3 was refused; with
     keep_tied_demos it stays. A tie at zero (the Game of 24's narrow demos) stays refused either way."""

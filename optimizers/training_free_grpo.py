@@ -100,7 +100,8 @@ class TrainingFreeGRPO(Teleprompter):
             queries outside the step's batch, one attempt each, against the current program on the same queries,
             ranked by full successes first and mean reward second: an operation is kept only if it ranks no lower;
             a demo, or an experience carrying an excerpt, only if it adds full successes; of the winning demos the
-            best one's set is kept (optimizers/probe.py). Needs use_ground_truth. Default 0 (off: every valid
+            best one's set is kept, and of the winning experiences with an excerpt the best one
+            (optimizers/probe.py). Needs use_ground_truth. Default 0 (off: every valid
             operation is applied, as in the paper).
         keep_tied_demos: With probe_size, a demo that solves as many probe queries as the current program (no more)
             is kept too, provided the program already solves at least one: on a task the model half solves, a

@@ -94,7 +94,7 @@ class TrainingFreeGRPO(Teleprompter):
             copied, not invented (programs/excerpt.py). An extension for small reflection LMs, which select code
             far better than they describe it. Default 0 (off).
         excerpt_whole_attempt: With max_excerpt_lines, the excerpt is the better attempt's own code (its largest
-            fenced block, less the lines that hold the query's values) when it fits, as Dynamic Cheatsheet keeps a
+            fenced block, the query's own values masked as `<?>`) when it fits, as Dynamic Cheatsheet keeps a
             whole working solver; the reflection LM picks lines only from a longer attempt. Default False.
         probe_size: Each step's candidate edits (library operations, demos) are tried on this many training
             queries outside the step's batch, one attempt each, against the current program on the same queries,

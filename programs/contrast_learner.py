@@ -75,7 +75,7 @@ class ContrastLearner(dspy.Module):
 
     def _excerpt(self, rule: str, attempt: str, specific_to: str, allowed: str) -> tuple[str, str | None]:
         """The lines of `attempt` that carry `rule` out, picked by the LM and checked in code (programs/excerpt.py);
-        with `whole_attempt`, the attempt's own code when it fits (less the lines that hold the query's values)."""
+        with `whole_attempt`, the attempt's own code when it fits (the query's values masked)."""
         if self.whole_attempt:
             whole = checked_excerpt(attempt, attempt, specific_to, max_lines=self.max_excerpt_lines, allowed=allowed)
             if whole[0]:

@@ -3,8 +3,10 @@
 A small reflection model states a procedure vaguely ("use an efficient search"), but it selects code well, and a
 small policy model copies a working example faithfully. So an experience may carry an excerpt: the reflection LM
 picks the lines (`PickExcerpt`), and this module checks in code that they were copied, not invented: most lines
-must occur in the attempt as written (a few may be generalised, a value replaced by a variable), and a line that
-still holds the query's own values (its names, its numbers) is dropped, as a rule that repeats them is refused.
+must occur in the attempt as written (a few may be generalised, a value replaced by a variable), and the query's own
+values (its names, its numbers) are masked as `<?>`, so the excerpt shows where another query's values go. (Dropping
+those lines instead left a whole solver calling a list it never defined: `permutations_of_numbers = permutations([3,
+3, 4, 6])` is the line that holds the query's numbers.)
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import re
 from tfgrpo.programs.generality import specific_terms
 
 MIN_COPIED = 0.7  # share of an excerpt's lines that must occur in the attempt as written
+MASK = "<?>"  # stands for a value of the query in an excerpt
 
 
 def _code_lines(text: str) -> list[str]:
@@ -23,14 +26,25 @@ def _code_lines(text: str) -> list[str]:
     return [line.rstrip() for line in body.splitlines() if line.strip() and not line.strip().startswith("```")]
 
 
+def masked(line: str, task: str, *, allowed: str = "") -> str:
+    """`line` with each of the query's own values it holds (names, numbers: `specific_terms`) replaced by `MASK`."""
+    for term in specific_terms(line, task, allowed=allowed):
+        if not term.startswith('"'):  # a run of the query's words is not a value to mask
+            line = re.sub(rf"(?<![\w.]){re.escape(term)}(?![\w])", MASK, line)
+    return line
+
+
 def checked_excerpt(excerpt: str, attempt: str, task: str, *, max_lines: int, allowed: str = "") -> tuple[str, str | None]:
-    """(the excerpt to keep, None), or ("", why it was refused)."""
-    lines = [line for line in _code_lines(excerpt) if not specific_terms(line, task, allowed=allowed)]
+    """(the excerpt, with the query's values masked, None), or ("", why it was refused)."""
+    lines = [masked(line, task, allowed=allowed) for line in _code_lines(excerpt)]
+    lines = [line for line in lines if line.strip() and not specific_terms(line, task, allowed=allowed)]
     if not lines:
         return "", "empty excerpt"
+    if all(MASK in line for line in lines):
+        return "", "only the query's own values"
     if len(lines) > max_lines:
         return "", f"{len(lines)} lines, over max_excerpt_lines={max_lines}"
-    source = {line.strip() for line in attempt.splitlines()}
+    source = {masked(line, task, allowed=allowed).strip() for line in attempt.splitlines()}
     copied = sum(line.strip() in source for line in lines) / len(lines)
     if copied < MIN_COPIED:
         return "", f"only {copied:.0%} of its lines occur in the attempt: not copied"

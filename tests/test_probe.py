@@ -79,11 +79,16 @@ for a, b, c, d in permutations(nums):
 output: ((3+7)*7)-7"""
 
 
-def test_an_excerpt_is_copied_and_loses_the_querys_own_values():
+def test_an_excerpt_is_copied_and_masks_the_querys_own_values():
     picked = "```python\nnums = [3, 7, 7, 7]\nfor a, b, c, d in permutations(nums):\n    for o1, o2, o3 in product('+-*/', repeat=3):\n```"
     excerpt, why = checked_excerpt(picked, ATTEMPT, "numbers: [3, 7, 7, 7]", max_lines=8)
-    assert why is None
-    assert excerpt == "for a, b, c, d in permutations(nums):\n    for o1, o2, o3 in product('+-*/', repeat=3):"
+    assert why is None  # the line stays (a solver without it calls a list it never made), its values masked
+    assert excerpt == ("nums = [<?>, <?>, <?>, <?>]\nfor a, b, c, d in permutations(nums):\n"
+                       "    for o1, o2, o3 in product('+-*/', repeat=3):")
+    assert checked_excerpt("nums = [3, 7, 7, 7]", ATTEMPT, "numbers: [3, 7, 7, 7]", max_lines=8) == (
+        "", "only the query's own values")
+    # a lone digit the query shares is not its value (an index, a count): nothing else is masked
+    assert "perm[1]" in checked_excerpt("x = perm[1] + 3", "x = perm[1] + 3", "numbers: 1 6 6 11", max_lines=2)[0]
 
 
 def test_an_invented_or_long_excerpt_is_refused():
@@ -131,7 +136,7 @@ def test_contrast_rules_carry_an_excerpt_copied_from_the_better_attempt():
     (exp,) = compiled.experience_library
     assert exp.text == LESSON and exp.excerpt.startswith("answer: ")
     step = compiled.detailed_results["steps"][0]
-    # "What is 0 + 10?" is answered "answer: 10", a line holding the query's own number: dropped, nothing left
+    # "What is 0 + 10?" is answered "answer: 10": masked, only the query's own value is left, refused
     assert step["details"]["excerpts"] == 3 and step["details"]["excerpts_refused"] == 1
     assert exp.excerpt in compiled.signature.instructions  # the policy sees the lines
 
@@ -272,7 +277,7 @@ def test_keep_tied_demos_keeps_a_tie_only_above_zero():
 
 
 def test_a_whole_attempt_that_fits_is_the_excerpt_with_no_lm_call():
-    """excerpt_whole_attempt: the better attempt's own lines, less those holding the query's values, are the excerpt;
+    """excerpt_whole_attempt: the better attempt's own lines, the query's values masked, are the excerpt;
     the LM is not asked to pick (the scripted picker would invent). A longer attempt still goes to the picker."""
     from scripted_lm import output_fields
     from test_contrast import compile_contrast
@@ -281,8 +286,8 @@ def test_a_whole_attempt_that_fits_is_the_excerpt_with_no_lm_call():
     compiled = compile_contrast(lm, max_excerpt_lines=4, excerpt_whole_attempt=True)
     (exp,) = compiled.experience_library
     assert exp.text == LESSON and exp.excerpt and "search(all_orders)" not in exp.excerpt
-    # the picker is asked once: "What is 0 + 10?" was answered "answer: 10", a line holding the query's own number,
-    # so nothing of that attempt is left, and the picker's invention is refused
+    # the picker is asked once: "What is 0 + 10?" was answered "answer: 10", a line holding only the query's own
+    # number, so nothing of that attempt is left, and the picker's invention is refused
     assert sum("excerpt" in output_fields(call["messages"]) for call in lm.calls) == 1
     step = compiled.detailed_results["steps"][0]
     assert step["details"]["excerpts"] == 3 and step["details"]["excerpts_refused"] == 1

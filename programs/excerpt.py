@@ -37,7 +37,7 @@ def masked(line: str, task: str, *, allowed: str = "") -> str:
 def checked_excerpt(excerpt: str, attempt: str, task: str, *, max_lines: int, allowed: str = "") -> tuple[str, str | None]:
     """(the excerpt, with the query's values masked, None), or ("", why it was refused)."""
     lines = [masked(line, task, allowed=allowed) for line in _code_lines(excerpt)]
-    lines = [line for line in lines if line.strip() and not specific_terms(line, task, allowed=allowed)]
+    lines = [line for line in lines if not specific_terms(line, task, allowed=allowed)]
     if not lines:
         return "", "empty excerpt"
     if all(MASK in line for line in lines):

@@ -104,6 +104,14 @@ class ContrastPath(LearningPath):
         actions = tool_actions(attempt.outputs)
         return f"{clip(chr(10).join(actions) if actions else attempt.text, 2000)}\nresult: {outcome(attempt)}"
 
+    @staticmethod
+    def _code(attempt: Scored) -> str:
+        """Where an excerpt is copied from: the output that holds fenced code (a program's code field) when there is
+        one, so a fence the model never closed ends with that field, not with the rendered fields after it
+        (`output:`, `answer:`); otherwise the whole attempt as recorded."""
+        fenced = [v for v in (attempt.outputs or {}).values() if isinstance(v, str) and "```" in v]
+        return max(fenced, key=len) if fenced else attempt.text
+
     def learn(self, ctx, group):
         settings = ctx.settings
         learner = ContrastLearner(max_words=settings.max_words_per_experience,
@@ -120,7 +128,7 @@ class ContrastPath(LearningPath):
             def call():
                 with dspy.context(lm=ctx.lm("contrast")):
                     return learner(task=task, better_attempt=self._shown(better), worse_attempt=self._shown(worse),
-                                   library=ctx.library, allowed=ctx.instructions, seen=seen, better_code=better.text)
+                                   library=ctx.library, allowed=ctx.instructions, seen=seen, better_code=self._code(better))
 
             return ctx.call(f"contrasts/{group.index}_{pair[0]}_{pair[1]}", call)
 

@@ -16,8 +16,9 @@ such candidate was probed with (`keep_tied_demos` also keeps a demo that ties a 
 of the probe: a probe of a few queries on a task the model half solves is at its ceiling). An experience that
 carries an excerpt (`max_excerpt_lines`) is code the policy will copy, as it copies a demo, so it too must add full
 successes, and only the best such experience of a step is kept (two programs in the prompt teach the policy to mix
-them). A probe slot left over goes to one current experience in turn: it is retired when the program ranks no
-lower without it, so an experience stays only while it earns its place.
+them); of two edits of the same experience (a rewrite, a retirement) only the better is kept. A probe slot left
+over goes to one current experience in turn: it is retired when the program ranks no lower without it, so an
+experience stays only while it earns its place.
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ class Candidate:
         copy, so it is held to a demo's standard."""
         return self.demo is not None or any(getattr(op, "excerpt", "") and op.action in ("add", "modify")
                                             for op in self.operations)
+
+    @property
+    def targets(self) -> set[str]:
+        """The current experiences this edit rewrites, merges or retires."""
+        return {i for op in self.operations if op.action != "add" for i in op.ids}
 
 
 @dataclass
@@ -106,13 +112,18 @@ def run_probe(programs: list[dspy.Module], candidates: list[Candidate], *, queri
     base, scores = scores[0], scores[1:]
     passed = [keeps(c, score, base, keep_ties=keep_ties) for c, score in zip(candidates, scores)]
 
-    def best_of(kind) -> int | None:  # the candidate of a kind that passed and ranks highest
-        wins = [(score, i) for i, (c, score, k) in enumerate(zip(candidates, scores, passed)) if k and kind(c)]
+    def best_of(kind, kept) -> int | None:  # the candidate of a kind still kept that ranks highest
+        wins = [(score, i) for i, (c, score, k) in enumerate(zip(candidates, scores, kept)) if k and kind(c)]
         return max(wins)[1] if wins else None
 
-    # code competes: one demo (the step keeps the set it was probed with) and one experience with an excerpt
-    winners = {best_of(lambda c: c.demo is not None), best_of(lambda c: c.demo is None and c.shows_code)}
-    kept = [k and (not c.shows_code or i in winners) for i, (c, k) in enumerate(zip(candidates, passed))]
+    # code competes: one demo (the step keeps the set it was probed with) and one experience with an excerpt; and
+    # one edit per current experience (a rewrite and a retirement of it cannot both be kept)
+    kinds = [lambda c: c.demo is not None, lambda c: c.demo is None and c.shows_code]
+    kinds += [lambda c, t=t: t in c.targets for t in sorted({t for c in candidates for t in c.targets})]
+    kept = list(passed)
+    for kind in kinds:
+        best = best_of(kind, kept)
+        kept = [k and (not kind(c) or i == best) for i, (c, k) in enumerate(zip(candidates, kept))]
     result = ProbeResult(queries=queries, base=base, scores=scores, kept=kept)
     for c, (n, m), k in zip(candidates, result.scores, result.kept):
         logger.info("Probe: %s: %d solved, mean %.3f vs %d, %.3f now -> %s", c.label, n, m, *result.base,

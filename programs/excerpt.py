@@ -12,11 +12,14 @@ those lines instead left a whole solver calling a list it never defined: `permut
 from __future__ import annotations
 
 import re
+from collections import Counter
 
-from tfgrpo.programs.generality import specific_terms
+from tfgrpo.programs.generality import number_values, specific_terms
 
 MIN_COPIED = 0.7  # share of an excerpt's lines that must occur in the attempt as written
 MASK = "<?>"  # stands for a value of the query in an excerpt
+MIN_LISTED = 3  # a bracketed list of this many of the query's numbers is its values, whatever the numbers
+_LISTED = re.compile(r"[\[(]\s*[-\d.]+(?:\s*,\s*[-\d.]+)+\s*,?\s*[\])]")  # [3, 7, 7, 7] or (3, 7, 7, 7)
 
 
 def _code_lines(text: str) -> list[str]:
@@ -27,7 +30,18 @@ def _code_lines(text: str) -> list[str]:
 
 
 def masked(line: str, task: str, *, allowed: str = "") -> str:
-    """`line` with each of the query's own values it holds (names, numbers: `specific_terms`) replaced by `MASK`."""
+    """`line` with each of the query's own values it holds replaced by `MASK`: a bracketed list of its numbers as a
+    whole (even one-digit numbers, or ones the instructions also hold: `[3, 7, 7, 7]` is a puzzle, "Python 3" is
+    not), then its names and numbers as `specific_terms` finds them."""
+    query = Counter(number_values(task))
+
+    def listed(m: re.Match) -> str:
+        values = number_values(m.group())
+        if len(values) < MIN_LISTED or Counter(values) - query:  # an index, a range, or numbers of its own
+            return m.group()
+        return re.sub(r"[-\d.]+", MASK, m.group())
+
+    line = _LISTED.sub(listed, line)
     for term in specific_terms(line, task, allowed=allowed):
         if not term.startswith('"'):  # a run of the query's words is not a value to mask
             line = re.sub(rf"(?<![\w.]){re.escape(term)}(?![\w])", MASK, line)

@@ -26,8 +26,13 @@ _NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?![\w])")
 _WORD = re.compile(r"[A-Za-z][A-Za-z'-]*")
 
 
+def number_values(text: str) -> list[str]:
+    """The numbers of `text` in order, normalized (`07` and `7.0` read as `7`)."""
+    return [n.rstrip("0").rstrip(".") if "." in n else n.lstrip("0") or "0" for n in _NUMBER.findall(text)]
+
+
 def _numbers(text: str) -> set[str]:
-    return {n.rstrip("0").rstrip(".") if "." in n else n.lstrip("0") or "0" for n in _NUMBER.findall(text)}
+    return set(number_values(text))
 
 
 def _names(text: str) -> set[str]:

@@ -91,6 +91,39 @@ def test_an_excerpt_is_copied_and_masks_the_querys_own_values():
     assert "perm[1]" in checked_excerpt("x = perm[1] + 3", "x = perm[1] + 3", "numbers: 1 6 6 11", max_lines=2)[0]
 
 
+def test_a_list_of_the_querys_numbers_is_masked_as_a_whole():
+    """Game of 24, the masked arm's kept solvers: `numbers = [4, 8, 11, 11]` had only its 11s masked, then was dropped
+    for its 4 and 8; `[3, 7, 7, 7]` stayed as written, since 3 is in the instructions ("Python 3") and 7 is one digit.
+    A bracketed list of three or more of the query's numbers is its values; an index, a range, another list is not."""
+    from tfgrpo.programs.excerpt import masked
+
+    assert masked("numbers = [4, 8, 11, 11]", "numbers: 4 8 11 11") == "numbers = [<?>, <?>, <?>, <?>]"
+    assert masked("print(solve((3, 7, 7, 7)))", "numbers: 3 7 7 7", allowed="Python 3") == (
+        "print(solve((<?>, <?>, <?>, <?>)))")
+    assert masked("for p in permutations([7, 3, 7]):", "numbers: 3 7 7 7") == "for p in permutations([<?>, <?>, <?>]):"
+    for kept in ("x = perm[1] + perm[2]", "for i in range(1, 4):", "ops = [1, 2, 3]", "pairs = [3, 3, 7]"):
+        assert masked(kept, "numbers: 3 7 7 7", allowed="Python 3 perm[2]") == kept, kept
+
+
+def test_a_whole_attempt_excerpt_is_taken_from_the_code_field_alone():
+    """Game of 24, seed 0: the attempt's fence was never closed, so the whole-attempt excerpt ran on into the
+    rendered fields after the code (`output: (nothing printed)`, `answer:`, `ran: true`)."""
+    from tfgrpo.optimizers.attempts import Attempt, Scored
+    from tfgrpo.optimizers.contrast import ContrastPath
+    from tfgrpo.programs.excerpt import checked_excerpt
+
+    code = "```python\nfor p in permutations(nums):\n    print(p)"
+    outputs = {"code": code, "output": "(nothing printed)", "answer": "", "ran": True}
+    text = "\n".join(f"{k}: {v}" for k, v in outputs.items())
+    attempt = Scored(Attempt(outputs=outputs, error=None, trace=[], tool_calls=0, text=text), reward=1.0)
+    source = ContrastPath._code(attempt)
+    assert source == code
+    assert checked_excerpt(source, source, "numbers: 3 7 7 7", max_lines=8) == (
+        "for p in permutations(nums):\n    print(p)", None)
+    plain = Scored(Attempt(outputs={"answer": "12"}, error=None, trace=[], tool_calls=0, text="answer: 12"), 1.0)
+    assert ContrastPath._code(plain) == "answer: 12"  # no code field: the attempt as recorded
+
+
 def test_an_invented_or_long_excerpt_is_refused():
     invented = "def solve(xs):\n    return search_all(xs)\nprint(solve(xs))"
     assert checked_excerpt(invented, ATTEMPT, "numbers: [3, 7, 7, 7]", max_lines=8)[1].endswith("not copied")
@@ -254,6 +287,20 @@ def test_only_the_best_of_two_winning_excerpts_is_kept_and_a_plain_rule_beside_t
     candidates = [Candidate("narrow", operations=(coded,)), Candidate("search", operations=(coded,)),
                   Candidate("rule", operations=(rule,)), Candidate("demo", demo={})]
     assert _probe(programs, candidates).kept == [False, True, True, True]  # a demo does not compete with an excerpt
+
+
+def test_a_rewrite_and_a_retirement_of_the_same_experience_are_not_both_kept():
+    """Game of 24, seed 0: `modify E1` and `retire E1` both tied the program at 0 solved and both were applied."""
+    from tfgrpo.optimizers.probe import Candidate
+    from tfgrpo.signatures.operations import Operation
+
+    modify = Operation(action="modify", ids=["E1"], text="Try every order of the numbers.")
+    retire = Operation(action="delete", ids=["E1"], text="")
+    other = Operation(action="modify", ids=["E2"], text="Check for a division by zero.")
+    programs = [_Fixed(1, "none"), _Fixed(2, "none"), _Fixed(1, "none"), _Fixed(1, "none")]
+    candidates = [Candidate("modify E1", operations=(modify,)), Candidate("retire E1", operations=(retire,)),
+                  Candidate("modify E2", operations=(other,))]
+    assert _probe(programs, candidates).kept == [True, False, True]  # both pass; the better edit of E1 stays
 
 
 def test_keep_tied_demos_keeps_a_tie_only_above_zero():

@@ -149,9 +149,13 @@ def _run_arm(arm: str, seed: int, args, lm: dspy.LM, where: Path) -> None:
             train_metric = metric if arm.endswith("-solved") else reward
             with metered() as used:
                 compiled = compile_arm(arm, make_student(), train_metric, trainset, lm, seed, args, where)
-            usage = stage_usage(used, [])
+            usage, resumed = stage_usage(used, []), {}
+            run = getattr(getattr(compiled, "detailed_results", None), "run_usage", None)
+            if run and sum(u.get("calls", 0) for u in run.values()) > usage["calls"]:  # tfgrpo resumed from its log
+                usage = {k: sum(u.get(k, 0) for u in run.values()) for k in usage}  # what the whole run spent
+                resumed = {"resumed": True}  # wall_s is this process's alone
             save_program(compiled, where / "program.json")
-            (where / "compile.json").write_text(json.dumps({"wall_s": round(time.time() - t0, 1), **usage}))
+            (where / "compile.json").write_text(json.dumps({"wall_s": round(time.time() - t0, 1), **usage, **resumed}))
             print(json.dumps({"arm": arm, "seed": seed, "compile_s": round(time.time() - t0), **usage}), flush=True)
         program.load(str(where / "program.json"))
     t0 = time.time()

@@ -75,10 +75,11 @@ class StepContext:
 
     def __init__(self, *, step: int, settings: PathSettings, reflection_lm: dspy.BaseLM, library: ExperienceLibrary,
                  trainset: list, instructions: str, ckpt: Checkpoint, key: str, meters: dict,
-                 progress: Callable[[str, int, int], None] | None = None):
+                 progress: Callable[[str, int, int], None] | None = None, saved: Callable[[], None] | None = None):
         self.step, self.settings, self.reflection_lm, self.library = step, settings, reflection_lm, library
         self.trainset, self.instructions, self.progress = trainset, instructions, progress
         self._ckpt, self._key, self._meters = ckpt, key, meters
+        self._saved = saved or (lambda: None)  # told after each saved call (the step keeps what it has spent)
         self._lms: dict[str, dspy.BaseLM] = {}
         self._failures: dict[str, tuple[list[str], int]] = {}
 
@@ -101,6 +102,7 @@ class StepContext:
         except Exception as exc:  # a failed learning call is counted, not fatal
             return Failed(exc)
         self._ckpt.put(name, rec)
+        self._saved()
         return rec
 
     def count_failures(self, stage: str, errors: list[str], total: int) -> None:

@@ -35,6 +35,8 @@ class StepResult:
     demos: list[str] = field(default_factory=list)  # the queries of the demos kept after the step
     probe: dict[str, Any] | None = None  # with probe_size: the probed edits, their mean rewards and the verdicts
     details: dict[str, Any] = field(default_factory=dict)  # path-specific counts
+    usage_before_resume: dict[str, dict[str, float]] = field(default_factory=dict)  # of `usage`, what a run stopped
+    # in this step had spent on the units a resume then reused (calls and tokens; their cost is not known)
 
     def to_dict(self) -> dict:
         return asdict(self)

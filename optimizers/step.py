@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+import threading
 import time
 
 from tfgrpo.optimizers.attempts import Attempt, Group, Scored
@@ -24,7 +25,7 @@ from tfgrpo.optimizers.render import format_attempt, query_key
 from tfgrpo.optimizers.result import StepResult
 from tfgrpo.optimizers.rewards import reference_example, score_attempt
 from tfgrpo.optimizers.rollout import run_program, with_own_lms
-from tfgrpo.optimizers.usage import metered, metered_stages, stage_usage
+from tfgrpo.optimizers.usage import add_usage, meter_totals, metered, metered_stages, stage_usage
 from tfgrpo.programs.library import ExperienceLibrary
 from tfgrpo.signatures.operations import Operation
 
@@ -64,6 +65,15 @@ def run_step(opt, path, path_name, program, targets, library, demos, trainset, b
     results: dict[int, object] = {}  # what the learning path made of each informative group
     failed_rollouts: list[str] = []  # checkpoint units of attempts that raised
 
+    spent_key = f"{key}/spent"  # calls and tokens of the step's finished units, saved as each one is
+    before = ckpt.get(spent_key) or {}  # what a run stopped in this step had spent: a resume reuses its units
+    spent_lock = threading.Lock()  # units save from their threads: the latest totals win
+
+    def save_spent(more: dict | None = None):  # cost is left out: it is read from the LMs' history at the end
+        with spent_lock:
+            totals = {**{s: meter_totals(m) for s, m in meters.items()}, **(more or {})}
+            ckpt.put(spent_key, {**before, **{s: add_usage(dict(before.get(s, {})), u) for s, u in totals.items()}})
+
     def rollout(job) -> Attempt:  # G distinct samples per query, each candidate with its own LM copies (rollout_id)
         qi, g = job
         unit = f"{key}/rollouts/{qi}_{g}"
@@ -74,6 +84,7 @@ def run_step(opt, path, path_name, program, targets, library, demos, trainset, b
                           text=format_attempt(dict(trainset[qi].inputs().items()), rec["outputs"], rec["trace"],
                                               rec["error"]))
         ckpt.put(unit, attempt.to_record())
+        save_spent()
         return attempt
 
     def reward(job) -> Scored:  # against the ground truth, or against the group's majority answer
@@ -82,6 +93,7 @@ def run_step(opt, path, path_name, program, targets, library, demos, trainset, b
         if (rec := ckpt.get(unit)) is None:
             rec = score_attempt(opt.metric, reference, attempt.to_record())
             ckpt.put(unit, rec)
+            save_spent()
         return Scored(attempt=attempt, reward=rec["reward"], feedback=rec["feedback"])
 
     def flow(qi):
@@ -116,7 +128,7 @@ def run_step(opt, path, path_name, program, targets, library, demos, trainset, b
     with metered_stages(stages) as meters:
         ctx = StepContext(step=step, settings=path_settings(opt), reflection_lm=reflection_lm, library=library,
                           trainset=trainset, instructions=instructions, ckpt=ckpt, key=key, meters=meters,
-                          progress=opt.progress)
+                          progress=opt.progress, saved=save_spent)
         try:
             run_flows([flow(qi) for qi in batch], num_threads=opt.num_threads, progress=progress, meters=meters,
                       on_stage_done=check)
@@ -137,9 +149,10 @@ def run_step(opt, path, path_name, program, targets, library, demos, trainset, b
     plan, probe = learned.plan, None
     if opt.probe_size:  # each edit tried on other training queries first (optimizers/probe.py)
         plan, demos, probe, usage["probe"] = probe_edits(opt, program, targets, library, demos, plan, kept, trainset,
-                                                         batch, step, key, ckpt)
+                                                         batch, step, key, ckpt, save_spent)
     elif opt.max_demos:  # winning attempts as demos (optimizers/demos.py)
         demos = select_demos(demos, demo_candidates(kept, step), opt.max_demos)
+    usage = {stage: add_usage(dict(before.get(stage, {})), u) for stage, u in usage.items()}
     # the plan is validated and applied in code, all or nothing, to a new library
     library = ExperienceLibrary.from_state(library.dump_state())
     report = library.apply(plan, step=step, sources=sorted({q for q, _ in learned.proposals}))
@@ -152,7 +165,7 @@ def run_step(opt, path, path_name, program, targets, library, demos, trainset, b
         operations_proposed=learned.counts.get("operations_proposed", len(learned.proposals)),
         operations_applied=report.applied, operations_rejected=len(report.rejected), library_size=len(library),
         consolidation=learned.consolidation, usage=usage, seconds=finished_at, wall_s=time.time() - t0,
-        demos=[d["query"] for d in demos], probe=probe,
+        demos=[d["query"] for d in demos], probe=probe, usage_before_resume=before,
         details={k: v for k, v in learned.counts.items() if k not in ("learning_failures", "operations_proposed")})
     specific = stats.details.get("refused_specific", 0)  # refused by the contrast path before any plan
     logger.info("Step %d: %d operations proposed%s, applied %s, %d refused by the library; library has %d experiences",
@@ -162,9 +175,10 @@ def run_step(opt, path, path_name, program, targets, library, demos, trainset, b
     return library, demos, stats
 
 
-def probe_edits(opt, program, targets, library, demos, plan, kept, trainset, batch, step, key, ckpt):
+def probe_edits(opt, program, targets, library, demos, plan, kept, trainset, batch, step, key, ckpt, save_spent):
     """The plan's operations and the step's demo candidates, each tried against the current program on the same
-    training queries outside the batch. Returns the kept plan, the demos, the probe's record and its usage."""
+    training queries outside the batch. Returns the kept plan, the demos, the probe's record and its usage
+    (`save_spent` keeps what the probe has spent so far with the step's checkpoint)."""
     found = demo_candidates(kept, step, min_reward=0.0) if opt.max_demos else []
     found = sorted(found, key=lambda d: (-d["reward"], -d["advantage"], d["query"]))[: (opt.max_probed_edits + 1) // 2]
     candidates = [Candidate(label=f"demo from {d['query']} (reward {d['reward']:.2f})", demo=d) for d in found]
@@ -199,6 +213,7 @@ def probe_edits(opt, program, targets, library, demos, plan, kept, trainset, bat
         def unit(job):
             rec = fn(job)
             ckpt.put(f"{key}/probes/{job[0]}_{job[1]}", rec)
+            save_spent({"probe": meter_totals(used)})
             return rec
         return run_parallel(unit, jobs, num_threads=opt.num_threads, stage="probe", progress=opt.progress)
 

@@ -234,8 +234,9 @@ class TrainingFreeGRPO(Teleprompter):
                 for stage, usage in stats.usage.items():
                     role = "policy" if stage in ("rollout", "probe") else "reflection"
                     add_usage(run_totals[role], usage)
-                    if not reused:
-                        add_usage(totals[role], usage)
+                    if not reused:  # nor what a stopped run had spent in this step
+                        before = stats.usage_before_resume.get(stage, {})
+                        add_usage(totals[role], {k: v - before.get(k, 0) for k, v in usage.items()})
                 stopped = over_budget(run_totals, max_total_tokens=self.max_total_tokens, max_cost=self.max_cost)
             if stopped:
                 logger.warning("Stopping early: %s", stopped)

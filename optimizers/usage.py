@@ -64,16 +64,22 @@ def history_kept() -> bool:
 def stage_usage(meter: UsageMeter, lms: list[dspy.BaseLM]) -> dict[str, float]:
     """Calls and tokens the meter saw; cost (USD, where LiteLLM knows the price) from the history of `lms`, the
     stage's own LM copies, which then forget it. Without a history the cost is left out, not reported as 0."""
-    entries = [e for lm_entries in meter.usage_data.values() for e in lm_entries]
-    usage = {"calls": len(entries),
-             "prompt_tokens": sum(int(e.get("prompt_tokens") or 0) for e in entries),
-             "completion_tokens": sum(int(e.get("completion_tokens") or 0) for e in entries),
-             "cached_tokens": sum(int((e.get("prompt_tokens_details") or {}).get("cached_tokens") or 0) for e in entries)}
+    usage = meter_totals(meter)
     if history_kept():  # a reply from the cache has no usage and cost nothing now
         usage["cost"] = sum(float(h.get("cost") or 0.0) for lm in lms for h in lm.history if h.get("usage"))
     for lm in lms:
         lm.history.clear()
     return usage
+
+
+def meter_totals(meter: UsageMeter) -> dict[str, float]:
+    """Calls and tokens the meter has seen so far; safe to read while a stage's threads still report to it."""
+    with meter._lock:
+        entries = [e for lm_entries in list(meter.usage_data.values()) for e in lm_entries]
+    return {"calls": len(entries),
+            "prompt_tokens": sum(int(e.get("prompt_tokens") or 0) for e in entries),
+            "completion_tokens": sum(int(e.get("completion_tokens") or 0) for e in entries),
+            "cached_tokens": sum(int((e.get("prompt_tokens_details") or {}).get("cached_tokens") or 0) for e in entries)}
 
 
 def add_usage(total: dict[str, float], more: dict[str, float]) -> dict[str, float]:

@@ -65,6 +65,11 @@ def test_resume_after_a_crash_redoes_nothing_and_ends_the_same(tmp_path, at_kind
     # every call that returned before the crash was kept: together the two runs made the calls of one
     assert len(first.calls) + len(resumed_lm.calls) == len(reference_lm.calls)
     assert resumed.detailed_results["reused_units"] > 0
+    # and the run's cost counts them: a step stopped halfway keeps what its finished units spent
+    calls = lambda result: {role: u.get("calls", 0) for role, u in result.detailed_results["run_usage"].items()}  # noqa: E731
+    assert calls(resumed) == calls(reference)
+    new = sum(u.get("calls", 0) for u in resumed.detailed_results["usage"].values())
+    assert new == len(resumed_lm.calls)  # and this compile's own calls are those it made
 
 
 def test_a_finished_run_resumes_with_zero_calls_and_reports_none_as_new(tmp_path):

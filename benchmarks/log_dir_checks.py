@@ -37,8 +37,8 @@ def signature(path: Path) -> tuple[int, int]:
 
 
 def unit_files(log_dir: Path) -> dict[str, tuple[int, int]]:
-    """Finished units on disk: relative path -> signature."""
-    return {str(p.relative_to(log_dir)): signature(p) for p in log_dir.rglob("*.json")}
+    """Finished units on disk: relative path -> signature (a step's `spent.json` is a running tally, not a unit)."""
+    return {str(p.relative_to(log_dir)): signature(p) for p in log_dir.rglob("*.json") if p.name != "spent.json"}
 
 
 def torn_files(log_dir: Path) -> list[str]:

@@ -89,6 +89,19 @@ def test_constrained_adapter_sends_the_schema(mode, shape):
         ConstrainedJSONAdapter("grammar")
 
 
+def test_length_bounds_reach_the_grammar_but_not_strict_schemas():
+    """A field's max_length becomes maxLength for llama.cpp's grammar (a looping thought must close and the
+    action still comes), and is left out of OpenAI's strict form, which rejects length keywords."""
+    from tfgrpo.tasks.web.agent import WebStep
+    kwargs = {}
+    ConstrainedJSONAdapter("json_object")._prepare_response_format(None, kwargs, WebStep)
+    props = kwargs["response_format"]["schema"]["properties"]
+    assert props["thought"]["maxLength"] == props["argument"]["maxLength"] == 200
+    assert props["action"]["enum"] == ["search", "open_page", "answer"] and "maxLength" not in props["action"]
+    ConstrainedJSONAdapter("json_schema")._prepare_response_format(None, kwargs, WebStep)
+    assert "maxLength" not in kwargs["response_format"]["json_schema"]["schema"]["properties"]["thought"]
+
+
 def test_model_size_from_name():
     assert model_size_b("openai/qwen2.5-coder-1.5b") == 1.5
     assert model_size_b("ollama/llama3.1:8b") == 8

@@ -133,6 +133,22 @@ def test_game24_compiles_on_the_contrast_path(local_lm, tmp_path):
 
 
 @pytest.mark.local_model
+def test_a_bounded_field_closes_under_the_grammar_on_the_real_model(local_lm):
+    """Asked for a long text in a field bounded to 40 characters, the real server's grammar closes the string
+    at the bound and the field after it is still written: the reply parses."""
+    from tfgrpo.programs.constrained import ConstrainedJSONAdapter
+
+    class Essay(dspy.Signature):
+        topic: str = dspy.InputField()
+        essay: str = dspy.OutputField(desc="a long essay, at least 300 words", max_length=40)
+        done: bool = dspy.OutputField()
+
+    with dspy.context(lm=local_lm, adapter=ConstrainedJSONAdapter("json_object")):
+        pred = dspy.Predict(Essay)(topic="the history of the bicycle")
+    assert 0 < len(pred.essay) <= 40 and isinstance(pred.done, bool)
+
+
+@pytest.mark.local_model
 def test_web_step_agent_and_judge_on_the_real_model(local_lm):
     """The offline web task on the real model: every step is decoded under its JSON schema (llama.cpp's
     json_object form), so each turn is a legal action whatever the model writes, and the run ends in an answer

@@ -40,9 +40,9 @@ class WebStep(dspy.Signature):
 
     question: str = dspy.InputField()
     history: str = dspy.InputField(desc="your earlier actions and what they returned")
-    thought: str = dspy.OutputField(desc="one short sentence: what you know and what you need next")
+    thought: str = dspy.OutputField(desc="one short sentence: what you know and what you need next", max_length=200)
     action: Literal["search", "open_page", "answer"] = dspy.OutputField()
-    argument: str = dspy.OutputField(desc="the search query, the URL, or the final answer")
+    argument: str = dspy.OutputField(desc="the search query, the URL, or the final answer", max_length=200)
 
 
 NO_HISTORY = "(nothing yet)"

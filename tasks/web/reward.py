@@ -61,7 +61,7 @@ class JudgeAnswer(dspy.Signature):
     question: str = dspy.InputField()
     reference_answer: str = dspy.InputField()
     response: str = dspy.InputField(desc="the answer to grade")
-    reason: str = dspy.OutputField(desc="one short sentence")
+    reason: str = dspy.OutputField(desc="one short sentence", max_length=200)
     verdict: Literal["correct", "incorrect"] = dspy.OutputField()
 
 

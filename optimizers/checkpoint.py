@@ -89,11 +89,12 @@ class Checkpoint:
         """Whether a readable unit is saved under `key` (not counted as reused)."""
         return self.enabled and self._read(self.root / f"{key}.json") is not None
 
-    def get(self, key: str) -> Any | None:
+    def get(self, key: str, *, unit: bool = True) -> Any | None:
+        """The value saved under `key`, or None; a found unit counts as reused (`unit=False`: a tally, not work)."""
         if not self.enabled:
             return None
         value = self._read(self.root / f"{key}.json")
-        if value is not None:
+        if value is not None and unit:
             with self._lock:
                 self.reused += 1
         return value

@@ -66,7 +66,7 @@ def run_step(opt, path, path_name, program, targets, library, demos, trainset, b
     failed_rollouts: list[str] = []  # checkpoint units of attempts that raised
 
     spent_key = f"{key}/spent"  # calls and tokens of the step's finished units, saved as each one is
-    before = ckpt.get(spent_key) or {}  # what a run stopped in this step had spent: a resume reuses its units
+    before = ckpt.get(spent_key, unit=False) or {}  # what a run stopped in this step had spent: a resume reuses its units
     spent_lock = threading.Lock()  # units save from their threads: the latest totals win
 
     def save_spent(more: dict | None = None):  # cost is left out: it is read from the LMs' history at the end

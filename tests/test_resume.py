@@ -59,12 +59,15 @@ def test_resume_after_a_crash_redoes_nothing_and_ends_the_same(tmp_path, at_kind
     first = ScriptedLM(crashing(at_kind, nth))
     with pytest.raises(Crash):
         run(first, tmp_path / "run")
+    steps = sorted((tmp_path / "run" / "steps").iterdir())
+    done = [s for s in steps if (s / "done.json").exists()]
+    units = len(done) + sum(1 for s in steps if s not in done for f in s.rglob("*.json") if f.name != "spent.json")
     resumed_lm = ScriptedLM(learner)
     resumed = run(resumed_lm, tmp_path / "run")
     assert resumed.experience_library.dump_state() == reference.experience_library.dump_state()
     # every call that returned before the crash was kept: together the two runs made the calls of one
     assert len(first.calls) + len(resumed_lm.calls) == len(reference_lm.calls)
-    assert resumed.detailed_results["reused_units"] > 0
+    assert resumed.detailed_results["reused_units"] == units > 0  # a finished step is one unit; a tally is none
     # and the run's cost counts them: a step stopped halfway keeps what its finished units spent
     calls = lambda result: {role: u.get("calls", 0) for role, u in result.detailed_results["run_usage"].items()}  # noqa: E731
     assert calls(resumed) == calls(reference)

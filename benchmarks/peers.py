@@ -53,6 +53,9 @@ TFGRPO_ARMS = {  # arm -> knobs on top of the shared ones; every arm that keeps 
     "tfgrpo-solver-excerpts": {"max_excerpt_lines": 40, "excerpt_whole_attempt": True, "probe_size": 4},
     # the same, probed on every training query outside the batch (8 of 12), so a narrow solver shows how narrow it is
     "tfgrpo-solver-excerpts-wide": {"max_excerpt_lines": 40, "excerpt_whole_attempt": True, "probe_size": 8},
+    # the same experiences beside probed demos: the two mechanisms that each cleared the baseline, together
+    "tfgrpo-solver-excerpts-wide+demos": {"max_excerpt_lines": 40, "excerpt_whole_attempt": True, "probe_size": 8,
+                                          "max_demos": 2},
 }
 PEER_ARMS = ("baseline", "bootstrap", "simba", "simba-solved", "gepa", "mipro")
 

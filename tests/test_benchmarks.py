@@ -86,7 +86,7 @@ def test_local_learning(fake, tmp_path):
 
 
 PEER_ARMS = ["baseline", "bootstrap", "simba", "simba-solved", "gepa", "mipro", "tfgrpo-rules", "tfgrpo-probed+demos",
-             "tfgrpo-excerpts"]
+             "tfgrpo-excerpts", "tfgrpo-solver-excerpts-wide+demos"]
 
 
 def test_peers(fake, tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tfgrpo.optimizers.checkpoint import TALLY
 from tfgrpo.testing import KINDS
 
 UNIT_KIND = {"rollouts": "student", "summaries": "summary", "advantages": "advantage", "plan": "consolidation"}
@@ -37,8 +38,8 @@ def signature(path: Path) -> tuple[int, int]:
 
 
 def unit_files(log_dir: Path) -> dict[str, tuple[int, int]]:
-    """Finished units on disk: relative path -> signature (a step's `spent.json` is a running tally, not a unit)."""
-    return {str(p.relative_to(log_dir)): signature(p) for p in log_dir.rglob("*.json") if p.name != "spent.json"}
+    """Finished units on disk: relative path -> signature (a step's running tally of what it spent is not a unit)."""
+    return {str(p.relative_to(log_dir)): signature(p) for p in log_dir.rglob("*.json") if p.stem != TALLY}
 
 
 def torn_files(log_dir: Path) -> list[str]:

@@ -41,6 +41,9 @@ class RunMismatchError(ValueError):
         self.changes = changes or []
 
 
+TALLY = "spent"  # the key, inside a step, of its running tally of calls and tokens: saved beside its units, not one
+
+
 class Checkpoint:
     def __init__(self, log_dir: str | Path | None):
         self.root = Path(log_dir) if log_dir is not None else None

@@ -16,7 +16,7 @@ import threading
 import time
 
 from tfgrpo.optimizers.attempts import Attempt, Group, Scored
-from tfgrpo.optimizers.checkpoint import digest
+from tfgrpo.optimizers.checkpoint import TALLY, digest
 from tfgrpo.optimizers.demos import demo_candidates, keep_best, select_demos, with_learned
 from tfgrpo.optimizers.learning_paths import PathSettings, StepContext
 from tfgrpo.optimizers.parallel import StageBars, TooManyFailuresError, WaitFor, run_flows, run_parallel
@@ -65,7 +65,7 @@ def run_step(opt, path, path_name, program, targets, library, demos, trainset, b
     results: dict[int, object] = {}  # what the learning path made of each informative group
     failed_rollouts: list[str] = []  # checkpoint units of attempts that raised
 
-    spent_key = f"{key}/spent"  # calls and tokens of the step's finished units, saved as each one is
+    spent_key = f"{key}/{TALLY}"  # calls and tokens of the step's finished units, saved as each one is
     before = ckpt.get(spent_key, unit=False) or {}  # what a run stopped in this step had spent: a resume reuses its units
     spent_lock = threading.Lock()  # units save from their threads: the latest totals win
 

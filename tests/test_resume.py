@@ -8,7 +8,7 @@ import pytest
 from scripted_lm import ScriptedLM, kind_of, output_fields
 from test_optimizer import make_trainset, metric
 from tfgrpo.optimizers import TrainingFreeGRPO
-from tfgrpo.optimizers.checkpoint import RunMismatchError
+from tfgrpo.optimizers.checkpoint import TALLY, RunMismatchError
 
 
 class Crash(BaseException):
@@ -61,7 +61,7 @@ def test_resume_after_a_crash_redoes_nothing_and_ends_the_same(tmp_path, at_kind
         run(first, tmp_path / "run")
     steps = sorted((tmp_path / "run" / "steps").iterdir())
     done = [s for s in steps if (s / "done.json").exists()]
-    units = len(done) + sum(1 for s in steps if s not in done for f in s.rglob("*.json") if f.name != "spent.json")
+    units = len(done) + sum(1 for s in steps if s not in done for f in s.rglob("*.json") if f.stem != TALLY)
     resumed_lm = ScriptedLM(learner)
     resumed = run(resumed_lm, tmp_path / "run")
     assert resumed.experience_library.dump_state() == reference.experience_library.dump_state()

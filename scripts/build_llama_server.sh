@@ -9,9 +9,10 @@ VENV=${VENV:-.venv}
 OUT="$VENV/bin/llama-server"
 PIN=$(grep -A1 '^llama-cpp-python==' requirements.lock)  # name==version and its sha256
 VERSION=$(head -1 <<<"$PIN" | sed 's/^llama-cpp-python==\([^ ]*\).*/\1/')
-STAMP="$OUT.source"  # which sdist the binary was built from
-if [ -x "$OUT" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "llama-cpp-python==$VERSION" ]; then
-    echo "llama-server (llama-cpp-python==$VERSION source) is built"; exit 0
+STAMP="$OUT.source"  # which sdist, with which compiler flags (CXXFLAGS, set by setup.sh), the binary was built from
+BUILT="llama-cpp-python==$VERSION CXXFLAGS=${CXXFLAGS:-}"
+if [ -x "$OUT" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$BUILT" ]; then
+    echo "llama-server ($BUILT) is built"; exit 0
 fi
 command -v cmake >/dev/null || { echo "cmake is needed to build llama-server (apt install cmake)" >&2; exit 1; }
 WORK=$(mktemp -d)
@@ -30,5 +31,5 @@ cmake -S "$SRC" -B "$WORK/build" -G "$GEN" -DCMAKE_BUILD_TYPE=Release -DBUILD_SH
 cmake --build "$WORK/build" --target llama-server -j "${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
     > "$WORK/build.log" || { tail -30 "$WORK/build.log" >&2; exit 1; }
 install -m 755 "$WORK/build/bin/llama-server" "$OUT.tmp" && mv "$OUT.tmp" "$OUT"
-echo "llama-cpp-python==$VERSION" > "$STAMP"
+echo "$BUILT" > "$STAMP"
 echo "built $OUT"

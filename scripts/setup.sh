@@ -9,6 +9,13 @@ PY=${PYTHON:-python3}
 # llama-cpp-python has no binary wheel for this platform: build only the library we load (no tools,
 # examples, tests, server binaries or multimodal helper), which roughly halves the compile time.
 export CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF}"
+# Both llama.cpp builds are native but without Intel AMX: some VMs list AMX in /proc/cpuinfo yet fault on its first
+# tile instruction (seen here: llama.cpp died with SIGSEGV at `ldtilecfg` in its first matrix product). An explicit
+# -mno-* wins over the -march=native that llama.cpp adds, whatever their order.
+if [ "$(uname -m)" = x86_64 ]; then
+    export CFLAGS="${CFLAGS:-} -mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    export CXXFLAGS="${CXXFLAGS:-} -mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+fi
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
 .venv/bin/python -m pip install -q --disable-pip-version-check --require-hashes -r requirements.lock
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .

@@ -299,3 +299,18 @@ def test_early_death_reports_log_tail(tmp_path, monkeypatch, engine):
     with pytest.raises(LocalServerError, match=r"(?s)exited with code \d+ during startup.*(Failed to load model|failed to load)"):
         server.start()
     assert server.proc is None
+
+
+def test_a_server_that_crashes_says_which_signal_and_what_to_rebuild(tmp_path, monkeypatch):
+    """A llama-server built with CPU features the machine cannot run dies by a signal, not with an error code."""
+    crashing = tmp_path / "llama-server"
+    crashing.write_text("#!/bin/sh\nkill -SEGV $$\n")
+    crashing.chmod(0o755)
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF" + b"\0" * 64)
+    monkeypatch.setattr(lm, "ensure_model", lambda *a, **k: model)
+    monkeypatch.setenv("TFGRPO_LLAMA_SERVER", str(crashing))
+    server = LocalServer(SMALL, cache_dir=tmp_path, startup_timeout_s=30, engine="llama-server")
+    with pytest.raises(LocalServerError, match=r"exited with code -11 during startup \(Segmentation fault; .*AMX"):
+        server.start()
+    assert server.proc is None

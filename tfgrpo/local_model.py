@@ -92,6 +92,8 @@ if sys.argv[1] == "--exec":
     os.execv(sys.argv[2], sys.argv[2:])
 runpy.run_module("llama_cpp.server", run_name="__main__", alter_sys=True)
 """
+_CRASH_HINT = ("; likely a llama.cpp built for another CPU, or using a CPU feature this machine lists but cannot run "
+               "(Intel AMX in some VMs): `bash scripts/setup.sh` rebuilds llama-server natively without AMX")
 _SERVER_MARKS = (b"llama_cpp.server", b"llama-server")  # in the cmdline of our servers (guards against pid reuse)
 # Environment variables either server would prefer to our command line.
 _SCRUB_ENV = {"HOST", "PORT", "CONFIG_FILE", "MODEL", "MODEL_ALIAS", "N_CTX", "N_THREADS", "API_KEY"}
@@ -293,6 +295,9 @@ class LocalServer:
             code = self.proc.poll()
             if code is not None:
                 problem = f"exited with code {code} during startup"
+                if code < 0:  # a crash, not a refusal: say which signal, and the likely cause of a SIGSEGV/SIGILL
+                    hint = _CRASH_HINT if -code in (signal.SIGILL, signal.SIGSEGV) else ""
+                    problem += f" ({signal.strsignal(-code) or f'signal {-code}'}{hint})"
             elif _probe(self.api_base, timeout=2.0) == "ok":
                 return
             elif time.monotonic() - t0 > self.startup_timeout_s:

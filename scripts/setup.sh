@@ -11,10 +11,10 @@ PY=${PYTHON:-python3}
 export CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF}"
 # Both llama.cpp builds are native but without Intel AMX: some VMs list AMX in /proc/cpuinfo yet fault on its first
 # tile instruction (seen here: llama.cpp died with SIGSEGV at `ldtilecfg` in its first matrix product). An explicit
-# -mno-* wins over the -march=native that llama.cpp adds, whatever their order.
-if [ "$(uname -m)" = x86_64 ]; then
-    export CFLAGS="${CFLAGS:-} -mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-    export CXXFLAGS="${CXXFLAGS:-} -mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+# -mno-* wins over the -march=native that llama.cpp adds, whatever their order (compilers before gcc 11 know no AMX).
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+if [ "$(uname -m)" = x86_64 ] && echo | "${CC:-cc}" $NO_AMX -E - > /dev/null 2>&1; then
+    export CFLAGS="${CFLAGS:-} $NO_AMX" CXXFLAGS="${CXXFLAGS:-} $NO_AMX"
 fi
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
 .venv/bin/python -m pip install -q --disable-pip-version-check --require-hashes -r requirements.lock

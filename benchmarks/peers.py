@@ -46,6 +46,8 @@ TFGRPO_ARMS = {  # arm -> knobs on top of the shared ones; every arm that keeps 
     "tfgrpo-rules+demos": {"max_demos": 2},
     "tfgrpo-probed+demos": {"max_demos": 2, "probe_size": 4},
     "tfgrpo-probed-ties+demos": {"max_demos": 2, "probe_size": 4, "keep_tied_demos": True},
+    # demos probed on every training query outside the batch (8 of 12): room to tell a flat search from a bracketed one
+    "tfgrpo-probed-wide+demos": {"max_demos": 2, "probe_size": 8},
     "tfgrpo-excerpts": {"max_excerpt_lines": 20, "probe_size": 4},
     "tfgrpo-excerpts+demos": {"max_excerpt_lines": 20, "probe_size": 4, "max_demos": 2},
     "tfgrpo-long-excerpts": {"max_excerpt_lines": 40, "probe_size": 4},  # room for a whole solver, as Dynamic Cheatsheet

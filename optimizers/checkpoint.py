@@ -86,7 +86,7 @@ class Checkpoint:
         if not self.enabled:
             return 0
         return sum(1 for folder in ("steps", "epochs") for p in (self.root / folder).rglob("*.json")
-                   if not p.name.startswith("."))
+                   if not p.name.startswith(".") and p.stem != TALLY)
 
     def has(self, key: str) -> bool:
         """Whether a readable unit is saved under `key` (not counted as reused)."""

@@ -9,8 +9,8 @@ VENV=${VENV:-.venv}
 OUT="$VENV/bin/llama-server"
 PIN=$(grep -A1 '^llama-cpp-python==' requirements.lock)  # name==version and its sha256
 VERSION=$(head -1 <<<"$PIN" | sed 's/^llama-cpp-python==\([^ ]*\).*/\1/')
-STAMP="$OUT.source"  # which sdist, with which compiler flags (CXXFLAGS, set by setup.sh), the binary was built from
-BUILT="llama-cpp-python==$VERSION CXXFLAGS=${CXXFLAGS:-}"
+STAMP="$OUT.source"  # which sdist, with which compiler flags (CFLAGS and CXXFLAGS, set by setup.sh), the binary was built from
+BUILT="llama-cpp-python==$VERSION CFLAGS=${CFLAGS:-} CXXFLAGS=${CXXFLAGS:-}"
 if [ -x "$OUT" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$BUILT" ]; then
     echo "llama-server ($BUILT) is built"; exit 0
 fi

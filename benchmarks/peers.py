@@ -42,24 +42,38 @@ from tfgrpo.optimizers.usage import metered, stage_usage  # noqa: E402
 from tfgrpo.programs import save_program  # noqa: E402
 
 TFGRPO_ARMS = {  # arm -> knobs on top of the shared ones; every arm that keeps demos has "demos" in its name
-    "tfgrpo-rules": {},
-    "tfgrpo-rules+demos": {"max_demos": 2},
+    "tfgrpo-rules": {},  # the contrast path's rules only: no probe, no excerpt, no demo
+    "tfgrpo-rules+demos": {"max_demos": 2},  # demos picked by their own reward, as in the issue's hand measurement
     "tfgrpo-probed+demos": {"max_demos": 2, "probe_size": 4},
-    "tfgrpo-probed-ties+demos": {"max_demos": 2, "probe_size": 4, "keep_tied_demos": True},
-    # demos probed on every training query outside the batch (8 of 12): room to tell a flat search from a bracketed one
+    # demos probed on every training query outside the batch (8 of 12): room to tell a flat search from a bracketed
+    # one; the main job (configs/local.toml)
     "tfgrpo-probed-wide+demos": {"max_demos": 2, "probe_size": 8},
-    "tfgrpo-excerpts": {"max_excerpt_lines": 20, "probe_size": 4},
-    "tfgrpo-excerpts+demos": {"max_excerpt_lines": 20, "probe_size": 4, "max_demos": 2},
-    "tfgrpo-long-excerpts": {"max_excerpt_lines": 40, "probe_size": 4},  # room for a whole solver, as Dynamic Cheatsheet
-    # the better attempt's whole program as the excerpt, no LM pick
-    "tfgrpo-solver-excerpts": {"max_excerpt_lines": 40, "excerpt_whole_attempt": True, "probe_size": 4},
-    # the same, probed on every training query outside the batch (8 of 12), so a narrow solver shows how narrow it is
+    # experiences only: a rule carries the better attempt's whole program (query values masked), probed on 8 queries
     "tfgrpo-solver-excerpts-wide": {"max_excerpt_lines": 40, "excerpt_whole_attempt": True, "probe_size": 8},
     # the same experiences beside probed demos: the two mechanisms that each cleared the baseline, together
     "tfgrpo-solver-excerpts-wide+demos": {"max_excerpt_lines": 40, "excerpt_whole_attempt": True, "probe_size": 8,
                                           "max_demos": 2},
+    # a probe keeps a demo that ties a program already solving some of it: for a task the model half solves (GSM8K)
+    "tfgrpo-probed-ties+demos": {"max_demos": 2, "probe_size": 4, "keep_tied_demos": True},
+}
+ONLY_FOR = {"tfgrpo-probed-ties+demos": "gsm8k"}  # arms made for one task; elsewhere they are not in the menu
+# Arms measured once and superseded, kept on disk with their results (the README tells what each taught): the report
+# prints them as explored, apart from the menu, and never takes one as the best other arm.
+EXPLORED = {
+    "tfgrpo-probed-by-mean+demos": "probe ranked by mean reward (first version of probe_size)",
+    "tfgrpo-excerpts": "max_excerpt_lines=20, the LM picks the lines; superseded by tfgrpo-solver-excerpts-wide",
+    "tfgrpo-excerpts-ties": "the same, an excerpt kept when it only ties",
+    "tfgrpo-long-excerpts": "max_excerpt_lines=40, the LM picks the lines",
+    "tfgrpo-solver-excerpts": "the whole attempt as the excerpt, probed on 4 queries",
+    "tfgrpo-solver-excerpts-wide-dropped": "probed on 8, the line holding the query's values dropped, not masked",
+    "tfgrpo-solver-excerpts-wide-lists-unmasked": "probed on 8, the query's values masked one by one",
 }
 PEER_ARMS = ("baseline", "bootstrap", "simba", "simba-solved", "gepa", "mipro")
+
+
+def menu(task: str) -> list[str]:
+    """The arms the benchmark runs and reports on `task`."""
+    return [a for a in (*PEER_ARMS, *TFGRPO_ARMS) if ONLY_FOR.get(a, task) == task]
 
 
 def task_parts(task: str):
@@ -116,7 +130,7 @@ def compile_arm(arm: str, student, reward, trainset: list, lm: dspy.LM, seed: in
                            num_threads=threads, seed=seed, verbose=False)
         return opt.compile(student, trainset=trainset, valset=trainset, num_trials=G, minibatch=False,
                            requires_permission_to_run=False)
-    raise SystemExit(f"unknown arm {arm!r}: one of {', '.join(PEER_ARMS + tuple(TFGRPO_ARMS))}")
+    raise AssertionError(f"arm {arm!r} has no compile step")  # main() lets only the menu's arms through
 
 
 def run_arm(arm: str, seed: int, args, lm: dspy.LM) -> None:
@@ -196,12 +210,20 @@ def report(args) -> None:
     if "baseline" not in results:
         raise SystemExit(f"no baseline evaluation under {args.out}/{args.task}: run --arms baseline first")
     score = {arm: statistics.fmean(r["score"] for s in seeds.values() for r in s["rows"]) for arm, seeds in results.items()}
+    arms = [a for a in menu(args.task) if a in results]  # the menu's measured arms; the rest were explored
+    for arm in sorted(set(results) - set(arms)):
+        lift = paired(results, arm, "baseline")
+        print(f"# explored, not in the menu: {arm} ({EXPLORED.get(arm, 'no longer an arm')}): seeds "
+              f"{sorted(results[arm])}, score {score[arm]:.3f}, lift {lift['difference']:+.3f} (CI "
+              f"{lift['ci95'][0]:+.3f} .. {lift['ci95'][1]:+.3f})")
+    if missing := [a for a in menu(args.task) if a not in results]:
+        print(f"# not measured on {args.task}: {', '.join(missing)}")
     points = []
-    for arm in sorted(results, key=lambda a: (a != "baseline", a)):
+    for arm in sorted(arms, key=lambda a: (a != "baseline", a)):
         seeds = results[arm]
         calls = statistics.fmean(s["compile"].get("calls", 0) for s in seeds.values())
         lift = paired(results, arm, "baseline")
-        others = [o for o in results if o != arm]
+        others = [o for o in arms if o != arm]
         best = max(others, key=lambda o: score[o]) if others else None
         vs = paired(results, arm, best) if best else {"difference": 0.0, "ci95": (0.0, 0.0)}
         means = list(per_problem([r for s in seeds.values() for r in s["rows"]]).values())
@@ -210,8 +232,10 @@ def report(args) -> None:
         wall = statistics.fmean(s["compile"].get("wall_s", 0) for s in seeds.values())
         tokens = statistics.fmean(s["compile"].get("prompt_tokens", 0) + s["compile"].get("completion_tokens", 0)
                                   for s in seeds.values())
-        print(f"# {arm}: seeds {sorted(seeds)}, compile {wall:.0f} s and {tokens:.0f} tokens per seed, best other arm "
-              f"{best} ({vs['difference']:+.3f}, CI {vs['ci95'][0]:+.3f} .. {vs['ci95'][1]:+.3f})")
+        solved = ", ".join(f"{sum(r['score'] for r in seeds[s]['rows']):g}" for s in sorted(seeds))
+        print(f"# {arm}: seeds {sorted(seeds)} scored {solved} of {lift['problems']}, compile {wall:.0f} s and "
+              f"{tokens:.0f} tokens per seed, best other arm {best} ({vs['difference']:+.3f}, CI {vs['ci95'][0]:+.3f} .. "
+              f"{vs['ci95'][1]:+.3f})")
         print(f"peers: task={args.task} optimizer={arm} seeds={len(seeds)} problems={lift['problems']} calls={calls:.0f} "
               f"score={score[arm]:.3f} lift={lift['difference']:+.3f} ci_low={lift['ci95'][0]:+.3f} "
               f"vs_best_other={vs['difference']:+.3f} ci_low_vs_best={vs['ci95'][0]:+.3f}", flush=True)
@@ -246,7 +270,7 @@ def plot(points, path: Path, task: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", default="game24", choices=["game24", "gsm8k"])
-    ap.add_argument("--arms", default="baseline,bootstrap,simba,tfgrpo-rules,tfgrpo-rules+demos,tfgrpo-probed+demos")
+    ap.add_argument("--arms", default=None, help="comma-separated arms; default: every arm of the task's menu")
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
     ap.add_argument("--train", type=int, default=12, help="training examples (the main job's 12 puzzles)")
     ap.add_argument("--train-offset", type=int, default=100)
@@ -266,14 +290,19 @@ def main() -> None:
     args = ap.parse_args()
     if args.eval_offset is None:
         args.eval_offset = {"game24": 52, "gsm8k": 1319 - args.eval}[args.task]
+    arms = [a.strip() for a in args.arms.split(",")] if args.arms else menu(args.task)
+    if not args.report and (unknown := [a for a in arms if a not in menu(args.task)]):
+        why = [f"{a} was explored and superseded ({EXPLORED[a]})" if a in EXPLORED else
+               f"{a} is made for {ONLY_FOR[a]}" if a in ONLY_FOR else f"{a} is no arm" for a in unknown]
+        raise SystemExit(f"{'; '.join(why)}: the arms on {args.task} are {', '.join(menu(args.task))}")
     if not args.report:
         with endpoint(args, n_ctx=8192) as api_base:
             lm = local_dspy_lm(args.model, api_base, temperature=0.3, max_tokens=args.max_tokens, timeout=300,
                                num_retries=2, cache=False)
             dspy.configure(lm=lm)
             for seed in [int(s) for s in args.seeds.split(",")]:
-                for arm in args.arms.split(","):
-                    run_arm(arm.strip(), seed, args, lm)
+                for arm in arms:
+                    run_arm(arm, seed, args, lm)
     report(args)
 
 

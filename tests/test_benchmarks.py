@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -86,7 +87,7 @@ def test_local_learning(fake, tmp_path):
 
 
 PEER_ARMS = ["baseline", "bootstrap", "simba", "simba-solved", "gepa", "mipro", "tfgrpo-rules", "tfgrpo-probed+demos",
-             "tfgrpo-excerpts", "tfgrpo-solver-excerpts-wide+demos"]
+             "tfgrpo-probed-wide+demos", "tfgrpo-solver-excerpts-wide+demos"]
 
 
 def test_peers(fake, tmp_path):
@@ -113,6 +114,20 @@ def test_peers(fake, tmp_path):
     tfgrpo_run = next(r for r in runs if r.data.params["arm"] == "tfgrpo-rules")
     assert "train/mean_reward" in tfgrpo_run.data.metrics  # the tfgrpo arm logged its steps into its run
     assert (tmp_path / "mlflow-artifacts").is_dir() and not (ROOT / "mlruns").exists()  # nothing lands in the repo
+    # an arm measured once and superseded keeps its results, reported apart from the menu and never the best other
+    shutil.copytree(tmp_path / "game24" / "tfgrpo-rules", tmp_path / "game24" / "tfgrpo-excerpts")
+    report = run("peers.py", "--report", "--out", str(tmp_path))
+    assert any(line.startswith("# explored, not in the menu: tfgrpo-excerpts (") for line in report)
+    assert [line for line in report if line.startswith("peers: ")] == lines
+    assert "# not measured on game24: tfgrpo-rules+demos, tfgrpo-solver-excerpts-wide" in report
+
+
+def test_peers_refuses_an_arm_outside_the_tasks_menu():
+    for arm, why in [("tfgrpo-excerpts", "was explored and superseded"), ("tfgrpo-probed-ties+demos", "is made for gsm8k"),
+                     ("tfgrpo-nothing", "is no arm")]:
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peers.py"), "--arms", arm], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0 and f"{arm} {why}" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_rule_ceiling(fake):

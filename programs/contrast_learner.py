@@ -15,7 +15,7 @@ from dspy.adapters import ChatAdapter
 
 from tfgrpo.programs.constrained import ConstrainedJSONAdapter, Mode
 from tfgrpo.programs.excerpt import checked_excerpt
-from tfgrpo.programs.generality import parroted_phrases, specific_terms
+from tfgrpo.programs.generality import parroted_phrases, restated_words, specific_terms
 from tfgrpo.programs.learning import call_with_one_retry, single_call_adapter
 from tfgrpo.programs.library import ExperienceLibrary
 from tfgrpo.signatures.contrast import GeneralizeRule, PickExcerpt, contrast_signature
@@ -50,13 +50,12 @@ class ContrastLearner(dspy.Module):
         if rec["action"] == "modify" and rec["target_id"] == "none":
             rec["refused"] = "modify without a target id"
             return rec
-        specific_to = f"{task}\n{seen}" if seen else task
-        terms = specific_terms(rec["rule"], specific_to, allowed=allowed) + parroted_phrases(rec["rule"])
+        terms = self._specific(rec["rule"], task, seen, allowed)
         if terms:  # one chance to say it generally
             rec["specific"], rec["rewritten"] = terms, True
             rec["rule"] = str(self._call(GeneralizeRule, rule=rec["rule"], details=", ".join(terms)).general_rule
                               or "").strip()
-            still = specific_terms(rec["rule"], specific_to, allowed=allowed) + parroted_phrases(rec["rule"])
+            still = self._specific(rec["rule"], task, seen, allowed)
             if still:
                 rec["refused"] = f"repeats task-specific terms: {', '.join(still)}"
                 return rec
@@ -65,6 +64,7 @@ class ContrastLearner(dspy.Module):
             return rec
         ids = [rec["target_id"]] if rec["action"] == "modify" else []
         if self.max_excerpt_lines and better_code:
+            specific_to = f"{task}\n{seen}" if seen else task
             rec["excerpt"], rec["excerpt_refused"] = self._excerpt(rec["rule"], better_code, specific_to, allowed)
             if rec["excerpt"]:
                 rec["operation"] = ExcerptOperation(action=rec["action"], ids=ids, text=rec["rule"],
@@ -72,6 +72,14 @@ class ContrastLearner(dspy.Module):
                 return rec
         rec["operation"] = Operation(action=rec["action"], ids=ids, text=rec["rule"]).model_dump()
         return rec
+
+    @staticmethod
+    def _specific(rule: str, task: str, seen: str, allowed: str) -> list[str]:
+        """What makes `rule` a restatement of its query (or of what the tools returned: names and numbers only, as
+        a page's common words are anyone's) or of the learning prompt; empty when it reads as general."""
+        specific_to = f"{task}\n{seen}" if seen else task
+        terms = specific_terms(rule, specific_to, allowed=allowed) or restated_words(rule, task, allowed=allowed)
+        return terms + parroted_phrases(rule)
 
     def _excerpt(self, rule: str, attempt: str, specific_to: str, allowed: str) -> tuple[str, str | None]:
         """The lines of `attempt` that carry `rule` out, picked by the LM and checked in code (programs/excerpt.py);

@@ -2,9 +2,10 @@
 
 Small models copy what they see: asked for a lesson, they often restate the problem ("When Betty saves for
 a wallet, ..."). Prompts alone do not stop this, so it is checked in code against the query's distinctive
-tokens: its names (capitalized words that are not common sentence openers), its numbers, and long runs of
-its words. Tokens that also appear in the program's own instructions (say "24" in the Game of 24) are
-part of the task, not of one query, and are allowed.
+tokens: its names (capitalized words that are not common sentence openers), its numbers, long runs of its
+words, and (`restated_words`) its content words when they make up most of the experience ("Each person ate
+twice as many chicken nuggets as the person before them."). Tokens that also appear in the program's own
+instructions (say "24" in the Game of 24) are part of the task, not of one query, and are allowed.
 """
 
 from __future__ import annotations
@@ -22,6 +23,15 @@ _OPENERS = {"a", "an", "the", "if", "how", "what", "when", "where", "which", "wh
             "use", "write", "solve", "all", "one", "two", "three", "four", "some", "his", "her", "their", "its", "if,",
             "is", "are", "was", "were", "do", "does", "can", "assume", "show", "prove", "note", "also", "but", "and",
             "so", "to", "of", "from", "with", "by", "as", "during", "while", "since", "because", "however"}
+# Words any lesson about quantities may use whatever the problem: they never count as the problem's own.
+_GENERIC = _OPENERS | {"not", "than", "then", "more", "less", "many", "much", "each", "number", "numbers", "total",
+                       "sum", "difference", "product", "times", "twice", "half", "double", "amount", "value",
+                       "values", "first", "second", "last", "other", "same", "another", "given", "get", "add",
+                       "subtract", "multiply", "divide", "result", "answer", "answers", "problem", "question",
+                       "step", "steps", "have", "has", "had", "will", "would", "should", "must", "need", "needs",
+                       "into", "over", "under", "per", "out", "about", "any", "only", "them", "him", "our", "your",
+                       "make", "makes", "made", "take", "takes", "use", "uses", "using", "find", "finds", "left"}
+RESTATED_SHARE, MIN_RESTATED = 1 / 3, 3  # this share of an experience's content words, and this many, from its query
 _NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?![\w])")
 _WORD = re.compile(r"[A-Za-z][A-Za-z'-]*")
 
@@ -64,6 +74,26 @@ def specific_terms(experience: str, query: str, *, allowed: str = "") -> list[st
             found.append(f'"{run}"')
             break
     return found
+
+
+def _content_words(text: str, ignored: set[str]) -> set[str]:
+    """The words of `text` that carry content: three letters or more, not generic, not `ignored`; a plural `s` dropped."""
+    words = {w.lower().strip("'-") for w in _WORD.findall(text)}
+    return {w[:-1] if len(w) > 3 and w.endswith("s") and not w.endswith("ss") else w
+            for w in words if len(w) >= 3 and w not in _GENERIC and w not in ignored}
+
+
+def restated_words(experience: str, query: str, *, allowed: str = "") -> list[str]:
+    """The query's content words `experience` repeats, when they are at least `MIN_RESTATED` and `RESTATED_SHARE` of
+    its own: it restates the problem ("Each pack contains 5 uncommon cards.") instead of teaching a method. Empty
+    otherwise. Words of `allowed` (the program's instructions) never count. Quoted, as `specific_terms` quotes a run
+    of words: they are words to avoid, not values to mask."""
+    ignored = _content_words(allowed, set())
+    own = _content_words(experience, ignored)
+    shared = own & _content_words(query, ignored)
+    if len(shared) >= MIN_RESTATED and len(shared) >= RESTATED_SHARE * len(own):
+        return [f'"{w}"' for w in sorted(shared)]
+    return []
 
 
 def parroted_phrases(experience: str) -> list[str]:

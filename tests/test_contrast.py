@@ -14,7 +14,8 @@ from tfgrpo.optimizers.contrast import contrast_pairs, fold, overlap
 from tfgrpo.optimizers.contrast import model_size_b
 from tfgrpo.programs import ExperienceLibrary
 from tfgrpo.programs.constrained import ConstrainedJSONAdapter, output_schema
-from tfgrpo.programs.generality import specific_terms
+from tfgrpo.programs.contrast_learner import ContrastLearner
+from tfgrpo.programs.generality import restated_words, specific_terms
 from tfgrpo.signatures.contrast import contrast_signature
 from tfgrpo.signatures.operations import Operation
 
@@ -31,6 +32,59 @@ BETTY = ("Betty is saving money for a new wallet which costs $100. Betty has onl
 ])
 def test_specific_terms_of_a_word_problem(rule, specific):
     assert bool(specific_terms(rule, BETTY)) is specific
+
+
+NUGGETS = ("Alyssa, Keely, and Kendall ordered 100 chicken nuggets from a fast-food restaurant. Keely and Kendall "
+           "each ate twice as many as Alyssa. How many did Alyssa eat?")
+CARDS = ("John buys 10 packs of magic cards.  Each pack has 20 cards and 1/4 of those cards are uncommon.  How many "
+         "uncommon cards did he get?")
+BIKE = ("Ellie has found an old bicycle in a field and thinks it just needs some oil to work well again. She needs "
+        "10ml of oil to fix each wheel and will need another 5ml of oil to fix the rest of the bike. How much oil "
+        "does she need in total to fix the bike?")
+
+
+@pytest.mark.parametrize("rule,query", [  # rules the 1.5B wrote on GSM8K that named no one and no number
+    ("Each person ate twice as many chicken nuggets as the person before them.", NUGGETS),
+    ("Each pack contains 5 uncommon cards, which is consistent with the information provided in the task.", CARDS),
+    ("Add 10ml of oil to each wheel and 5ml of oil to the rest of the bike. This will fix the bike.", BIKE),
+])
+def test_a_rule_made_of_its_problems_words_restates_it(rule, query):
+    assert specific_terms(rule, query) == [] and restated_words(rule, query)
+
+
+@pytest.mark.parametrize("rule", [
+    "When amounts are given as fractions of a total, compute each part first.",
+    "When a problem says 'twice as many', multiply the smaller quantity by two.",
+    "When a fraction of a group has a property, multiply the group size by the fraction.",
+    "Write each quantity with its unit and convert units before combining them.",
+    "Compute the cost of each item separately, then add the costs to get the total cost.",
+])
+def test_a_general_rule_shares_few_words_with_any_problem(rule):
+    assert not any(restated_words(rule, query) for query in (BETTY, NUGGETS, CARDS, BIKE))
+
+
+def test_words_of_the_instructions_are_the_tasks_own():
+    rule = "Each pack contains cards; count the uncommon cards."
+    assert restated_words(rule, CARDS)
+    assert not restated_words(rule, CARDS, allowed="Count the uncommon cards in a pack of magic cards.")
+
+
+def test_a_restated_rule_is_rewritten_once_then_refused():
+    def replies(general):
+        def respond(messages, kwargs):
+            if output_fields(messages) == ["general_rule"]:
+                return {"general_rule": general}
+            return {"difference": "the better attempt doubled", "action": "add",
+                    "rule": "Each person ate twice as many chicken nuggets as the person before them."}
+        return respond
+
+    for general, kept in [("When one amount is twice another, write both in terms of the smaller.", True),
+                          ("Everyone ate twice as many chicken nuggets as the one before.", False)]:
+        with dspy.context(lm=ScriptedLM(replies(general))):
+            rec = ContrastLearner()(task=f"question: {NUGGETS}", better_attempt="answer: 20",
+                                    worse_attempt="answer: 25", library=ExperienceLibrary())
+        assert rec["rewritten"] and '"nugget"' in rec["specific"]
+        assert (rec["operation"] is not None, rec["refused"] is None) == (kept, kept), rec
 
 
 def test_specific_terms_allow_the_tasks_own_numbers():

@@ -77,10 +77,11 @@ def specific_terms(experience: str, query: str, *, allowed: str = "") -> list[st
 
 
 def _content_words(text: str, ignored: set[str]) -> set[str]:
-    """The words of `text` that carry content: three letters or more, not generic, not `ignored`; a plural `s` dropped."""
+    """The words of `text` that carry content (three letters or more, not generic), a plural `s` dropped, less
+    `ignored` (words in the same form)."""
     words = {w.lower().strip("'-") for w in _WORD.findall(text)}
     return {w[:-1] if len(w) > 3 and w.endswith("s") and not w.endswith("ss") else w
-            for w in words if len(w) >= 3 and w not in _GENERIC and w not in ignored}
+            for w in words if len(w) >= 3 and w not in _GENERIC} - ignored
 
 
 def restated_words(experience: str, query: str, *, allowed: str = "") -> list[str]:

@@ -67,6 +67,8 @@ def test_words_of_the_instructions_are_the_tasks_own():
     rule = "Each pack contains cards; count the uncommon cards."
     assert restated_words(rule, CARDS)
     assert not restated_words(rule, CARDS, allowed="Count the uncommon cards in a pack of magic cards.")
+    rule, query = "Cards, packs, boxes and sleeves hold uncommon cards.", "John buys cards, packs, boxes and sleeves."
+    assert restated_words(rule, query) and not restated_words(rule, query, allowed="cards packs boxes sleeves")
 
 
 def test_a_restated_rule_is_rewritten_once_then_refused():

@@ -50,12 +50,13 @@ class ContrastLearner(dspy.Module):
         if rec["action"] == "modify" and rec["target_id"] == "none":
             rec["refused"] = "modify without a target id"
             return rec
-        terms = self._specific(rec["rule"], task, seen, allowed)
+        specific_to = f"{task}\n{seen}" if seen else task
+        terms = self._specific(rec["rule"], task, specific_to, allowed)
         if terms:  # one chance to say it generally
             rec["specific"], rec["rewritten"] = terms, True
             rec["rule"] = str(self._call(GeneralizeRule, rule=rec["rule"], details=", ".join(terms)).general_rule
                               or "").strip()
-            still = self._specific(rec["rule"], task, seen, allowed)
+            still = self._specific(rec["rule"], task, specific_to, allowed)
             if still:
                 rec["refused"] = f"repeats task-specific terms: {', '.join(still)}"
                 return rec
@@ -64,7 +65,6 @@ class ContrastLearner(dspy.Module):
             return rec
         ids = [rec["target_id"]] if rec["action"] == "modify" else []
         if self.max_excerpt_lines and better_code:
-            specific_to = f"{task}\n{seen}" if seen else task
             rec["excerpt"], rec["excerpt_refused"] = self._excerpt(rec["rule"], better_code, specific_to, allowed)
             if rec["excerpt"]:
                 rec["operation"] = ExcerptOperation(action=rec["action"], ids=ids, text=rec["rule"],
@@ -74,10 +74,10 @@ class ContrastLearner(dspy.Module):
         return rec
 
     @staticmethod
-    def _specific(rule: str, task: str, seen: str, allowed: str) -> list[str]:
-        """What makes `rule` a restatement of its query (or of what the tools returned: names and numbers only, as
-        a page's common words are anyone's) or of the learning prompt; empty when it reads as general."""
-        specific_to = f"{task}\n{seen}" if seen else task
+    def _specific(rule: str, task: str, specific_to: str, allowed: str) -> list[str]:
+        """What makes `rule` a restatement of its query, or of `specific_to` (the query and what the tools returned:
+        names and numbers only, as a page's common words are anyone's), or of the learning prompt; empty when it
+        reads as general."""
         terms = specific_terms(rule, specific_to, allowed=allowed) or restated_words(rule, task, allowed=allowed)
         return terms + parroted_phrases(rule)
 

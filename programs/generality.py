@@ -24,13 +24,13 @@ _OPENERS = {"a", "an", "the", "if", "how", "what", "when", "where", "which", "wh
             "is", "are", "was", "were", "do", "does", "can", "assume", "show", "prove", "note", "also", "but", "and",
             "so", "to", "of", "from", "with", "by", "as", "during", "while", "since", "because", "however"}
 # Words any lesson about quantities may use whatever the problem: they never count as the problem's own.
-_GENERIC = _OPENERS | {"not", "than", "then", "more", "less", "many", "much", "each", "number", "numbers", "total",
-                       "sum", "difference", "product", "times", "twice", "half", "double", "amount", "value",
-                       "values", "first", "second", "last", "other", "same", "another", "given", "get", "add",
+_GENERIC = _OPENERS | {"not", "than", "more", "less", "many", "much", "number", "numbers", "total", "sum",
+                       "difference", "product", "times", "twice", "half", "double", "amount", "value", "values",
+                       "first", "second", "last", "other", "same", "another", "get", "add",
                        "subtract", "multiply", "divide", "result", "answer", "answers", "problem", "question",
                        "step", "steps", "have", "has", "had", "will", "would", "should", "must", "need", "needs",
                        "into", "over", "under", "per", "out", "about", "any", "only", "them", "him", "our", "your",
-                       "make", "makes", "made", "take", "takes", "use", "uses", "using", "find", "finds", "left"}
+                       "make", "makes", "made", "take", "takes", "uses", "using", "finds", "left"}
 RESTATED_SHARE, MIN_RESTATED = 1 / 3, 3  # this share of an experience's content words, and this many, from its query
 _NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?![\w])")
 _WORD = re.compile(r"[A-Za-z][A-Za-z'-]*")

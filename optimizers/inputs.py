@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import dspy
@@ -41,6 +42,32 @@ def check_examples(name: str, examples) -> None:
         except ValueError:
             raise ValueError(f"{name}[{i}] has no input fields marked; mark them with .with_inputs(...), e.g. "
                              f"{EXAMPLE_HINT}") from None
+
+
+def required_inputs(program: dspy.Module) -> list[str] | None:
+    """The input fields every call of `program` needs: the named parameters without a default of its `forward`,
+    or, for a `forward(**kwargs)` (Predict, ChainOfThought, ReAct), its signature's input fields (a module with one
+    predictor: that predictor's). None when they cannot be told."""
+    params = list(inspect.signature(type(program).forward).parameters.values())[1:]  # without self
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        return [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    signature = getattr(program, "signature", None)
+    predictors = program.predictors()
+    if signature is None and len(predictors) == 1:
+        signature = predictors[0].signature
+    return list(signature.input_fields) if signature is not None else None
+
+
+def check_inputs(name: str, examples, program: dspy.Module) -> None:
+    """A ValueError, before anything is spent, when an example lacks an input the program needs: the program would
+    run without it (DSPy only logs "Missing: [...]") and score 0, which reads like a bad library."""
+    needed = required_inputs(program)
+    for i, example in enumerate(examples if needed else []):
+        missing = [k for k in needed if k not in example.inputs()]
+        if missing:
+            raise ValueError(f"{name}[{i}] has no input {missing} that the program needs (its inputs are "
+                             f"{needed}); the example's inputs are {list(example.inputs().keys())}. Rename the "
+                             f"fields, or mark the right ones with .with_inputs(...)")
 
 
 def has_price(lm: dspy.BaseLM) -> bool:

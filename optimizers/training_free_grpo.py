@@ -29,7 +29,8 @@ from dspy.teleprompt.teleprompt import Teleprompter
 from tfgrpo.optimizers.checkpoint import Checkpoint, digest
 from tfgrpo.optimizers.contrast import SMALL_REFLECTOR_B, ContrastPath, model_size_b
 from tfgrpo.optimizers.demos import with_learned
-from tfgrpo.optimizers.inputs import check_examples, check_prices, check_program, explain_learning_path, starting_library
+from tfgrpo.optimizers.inputs import (check_examples, check_inputs, check_prices, check_program, explain_learning_path,
+                                      starting_library)
 from tfgrpo.optimizers.knobs import KNOBS, check_knob, fingerprinted_knobs
 from tfgrpo.optimizers.learning_paths import LearningPath, PaperPath
 from tfgrpo.optimizers.parallel import TooManyFailuresError, run_parallel
@@ -197,6 +198,8 @@ class TrainingFreeGRPO(Teleprompter):
             check_examples("valset", valset)
         program = student.deepcopy()
         targets = resolve_targets(program, self.target_predictors)
+        for name, examples in (("trainset", trainset), ("valset", valset or [])):
+            check_inputs(name, examples, student)  # before any call: a missing input would only score 0
         policy_lms = self._policy_lms(program)  # fail early, with a clear message, when no LM is configured
         reflection_lm = self._reflection_lm(program)
         if self.max_cost is not None:

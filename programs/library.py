@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import logging
 import re
+import unicodedata
 from dataclasses import dataclass, field
 
 from dspy.predict.parameter import Parameter
@@ -59,12 +60,29 @@ def _fenced(excerpt: str) -> str:
     return "\n" + "\n".join("    " + line for line in ["```", *excerpt.splitlines(), "```"])
 
 
+# Chinese and Japanese put no spaces between words: each of these characters counts as one word
+_CJK = re.compile("[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002ffff]")
+CHARS_PER_WORD = 10  # and any text counts at least one word per this many characters (Thai, a long URL, ...)
+
+
 def _words(text: str) -> int:
-    return len(text.split())
+    """The length of `text` in words, for every script: words between spaces, a CJK character as one word, and at
+    least one word per CHARS_PER_WORD characters."""
+    return max(len(_CJK.sub(" ", text).split()) + len(_CJK.findall(text)), len(text) // CHARS_PER_WORD)
+
+
+def _kept(char: str) -> bool:
+    """Whether a character is content for `_canonical`: a letter or digit of any script, a combining mark (the
+    vowel signs of Hindi or Arabic), or a symbol beyond ASCII (an emoji)."""
+    kind = unicodedata.category(char)
+    return char.isalnum() or kind[0] == "M" or (kind[0] == "S" and not char.isascii())
 
 
 def _canonical(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", " ", text.lower()).strip()
+    """The text as duplicates are compared: Unicode-normalised (NFKC), case-folded, its content characters kept and
+    every run of others (spaces, punctuation) made one space."""
+    text = unicodedata.normalize("NFKC", text).casefold()
+    return " ".join("".join(c if _kept(c) else " " for c in text).split())
 
 
 class ExperienceLibrary(Parameter):
@@ -168,8 +186,10 @@ class ExperienceLibrary(Parameter):
             return "empty text"
         if "..." in text or "\u2026" in text:
             return "placeholder text ('...')"
-        if _words(text) > self.max_words:
-            return f"{_words(text)} words, over the limit of {self.max_words}"
+        if (words := _words(text)) > self.max_words:
+            how = "" if words == len(text.split()) else \
+                f" (a CJK character counts as one, and every {CHARS_PER_WORD} characters as at least one)"
+            return f"{words} words{how}, over the limit of {self.max_words}"
         key = _canonical(text)
         for e in self.active.values():
             if e.id not in ignore and _canonical(e.text) == key:

@@ -1,0 +1,58 @@
+"""Issue 37: inputs a run must not trust in silence. Each test is one way a run used to go wrong without a word."""
+
+import dspy
+import pytest
+
+from scripted_lm import ScriptedLM
+from test_optimizer import learner, make_trainset, metric
+from tfgrpo.optimizers import TrainingFreeGRPO
+from tfgrpo.programs.library import ExperienceLibrary
+from tfgrpo.signatures.operations import Operation
+
+
+def add(*texts):
+    return [Operation(action="add", ids=[], text=t) for t in texts]
+
+
+# 2 ----------------------------------------------------------------------------------------------------------
+def test_experiences_in_every_script_are_kept_and_duplicates_still_found():
+    lib = ExperienceLibrary()
+    texts = ["Add the ones first, then carry.", "先加个位再进位。", "检查结果是否正确。", "تحقق من النتيجة دائما.",
+             "בדוק את התוצאה תמיד.", "🔢 ➕ ✅"]
+    report = lib.apply(add(*texts), step=0)
+    assert report.rejected == [] and lib.texts() == texts
+    again = lib.apply(add("ADD the ones first -- then carry", "先加个位再进位", "检查结果是否正确!", "🔢  ➕ ✅!",
+                          "ＡＤＤ ｔｈｅ ｏｎｅｓ ｆｉｒｓｔ, then carry."), step=1)
+    assert [reason for _, reason in again.rejected] == ["duplicate of E1", "duplicate of E2", "duplicate of E3",
+                                                         "duplicate of E6", "duplicate of E1"]
+
+
+def test_the_length_bound_holds_for_scripts_without_spaces():
+    lib = ExperienceLibrary(max_words=32)
+    report = lib.apply(add("先" * 3000, "先加个位再进位。" * 5, "ตรวจสอบ" * 100, "检查结果是否正确。"), step=0)
+    assert [reason.split(",")[-1].strip() for _, reason in report.rejected] == ["over the limit of 32"] * 3
+    assert "3000 words" in report.rejected[0][1] and "CJK character" in report.rejected[0][1]
+    assert lib.texts() == ["检查结果是否正确。"]
+    assert lib.apply(add(" ".join(["word"] * 32)), step=1).rejected == [], "32 words of English still fit"
+
+
+# 5 ----------------------------------------------------------------------------------------------------------
+class Solver(dspy.Module):
+    def __init__(self):
+        super().__init__()
+        self.solve = dspy.ChainOfThought("question -> answer")
+
+    def forward(self, question):
+        return self.solve(question=question)
+
+
+@pytest.mark.parametrize("program", [dspy.Predict("question -> answer"), dspy.ChainOfThought("question -> answer"),
+                                     Solver()], ids=["Predict", "ChainOfThought", "own module"])
+def test_a_valset_without_the_programs_inputs_is_refused_before_any_call(program):
+    lm = ScriptedLM(learner())
+    dspy.configure(lm=lm)
+    valset = [dspy.Example(query=x.question, answer=x.answer).with_inputs("query") for x in make_trainset()[:4]]
+    with pytest.raises(ValueError, match=r"valset\[0\] has no input \['question'\].*'query'"):
+        TrainingFreeGRPO(metric, num_generations=4, num_train_epochs=1).compile(program, trainset=make_trainset(),
+                                                                               valset=valset)
+    assert lm.calls == [], "nothing is spent on a run that could only score 0"

@@ -48,7 +48,10 @@ def required_inputs(program: dspy.Module) -> list[str] | None:
     """The input fields every call of `program` needs: the named parameters without a default of its `forward`,
     or, for a `forward(**kwargs)` (Predict, ChainOfThought, ReAct), its signature's input fields (a module with one
     predictor: that predictor's). None when they cannot be told."""
-    params = list(inspect.signature(type(program).forward).parameters.values())[1:]  # without self
+    try:
+        params = list(inspect.signature(type(program).forward).parameters.values())[1:]  # without self
+    except (AttributeError, TypeError, ValueError):  # no forward, or one inspect cannot read
+        return None
     if not any(p.kind is p.VAR_KEYWORD for p in params):
         return [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     signature = getattr(program, "signature", None)

@@ -56,3 +56,24 @@ def test_a_valset_without_the_programs_inputs_is_refused_before_any_call(program
         TrainingFreeGRPO(metric, num_generations=4, num_train_epochs=1).compile(program, trainset=make_trainset(),
                                                                                valset=valset)
     assert lm.calls == [], "nothing is spent on a run that could only score 0"
+
+
+# 6 ----------------------------------------------------------------------------------------------------------
+def test_two_user_files_of_the_same_name_are_each_imported_as_themselves(tmp_path, monkeypatch):
+    from tfgrpo.user_task import import_object, metric_function, program_factory
+
+    for team, score in (("team_a", 0.0), ("team_b", 1.0)):
+        (tmp_path / team).mkdir()
+        (tmp_path / team / "agent.py").write_text(
+            "import dspy\n\n\nclass Agent(dspy.Module):\n    def __init__(self):\n        super().__init__()\n"
+            "        self.gen = dspy.Predict('question -> answer')\n\n    def forward(self, question):\n"
+            "        return self.gen(question=question)\n\n\n"
+            f"TEAM = {team!r}\n\n\ndef metric(example, pred, trace=None):\n    return {score}\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.path", list(__import__("sys").path))
+    assert isinstance(program_factory("team_a/agent.py:Agent")(), dspy.Module)
+    assert metric_function("team_b/agent.py:metric")(None, None) == 1.0, "team_b's metric, not team_a's"
+    assert import_object("team_a/agent.py:metric", "metric")(None, None) == 0.0
+    assert import_object("team_b/agent.py:TEAM", "x") == "team_b" and import_object("team_a/agent.py:TEAM", "x") == "team_a"
+    assert import_object("team_a/agent.py:Agent", "program") is import_object("./team_a/agent.py:Agent", "program"), \
+        "one file is imported once"

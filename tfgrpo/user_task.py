@@ -6,14 +6,18 @@
     input_keys = ["question"]           # the fields of a row the program is called with; the rest are labels
 
 `module:name` is imported with the current folder on `sys.path` (as `python -m` would); `path/to/file.py:name`
-imports that file, with its folder on `sys.path`. Data paths are relative to the current folder too.
+imports that file, with its folder on `sys.path`, as a module of its own named after its full path (two files both
+called agent.py stay two modules). Data paths are relative to the current folder too.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.util
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -36,12 +40,12 @@ def import_object(spec: str, field: str) -> Any:
             path = Path(module_name).resolve()
             if not path.is_file():
                 raise ValueError(f"task.{field} = {spec!r}: no such file {path}")
-            folder, module_name = str(path.parent), path.stem
+            folder = str(path.parent)
         else:
             folder = os.getcwd()
         if folder not in sys.path:
             sys.path.insert(0, folder)
-        module = importlib.import_module(module_name)
+        module = import_file(path) if module_name.endswith(".py") else importlib.import_module(module_name)
     except ValueError:
         raise
     except Exception as exc:  # ImportError, or whatever the module raises while it is imported
@@ -53,6 +57,24 @@ def import_object(spec: str, field: str) -> Any:
             raise ValueError(f"task.{field} = {spec!r}: {module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
     return obj
+
+
+def import_file(path: Path) -> Any:
+    """The module of the file at `path`, imported under a name made from its full path (once: the program and the
+    metric may come from one file), so that another file of the same name elsewhere is never taken for it."""
+    stem, tag = re.sub(r"\W", "_", path.stem), hashlib.sha1(str(path).encode()).hexdigest()[:12]
+    name = f"tfgrpo_user_{stem}_{tag}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # before it runs, as `import` does (dataclasses and pickling look it up)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 def program_factory(spec: str) -> Callable[[], dspy.Module]:

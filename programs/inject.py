@@ -17,7 +17,7 @@ from pathlib import Path
 
 import dspy
 
-from tfgrpo.programs.library import ExperienceLibrary
+from tfgrpo.programs.library import ID, ExperienceLibrary
 from tfgrpo.util import write_atomic
 
 OPEN_TAG, CLOSE_TAG = "<experiences>", "</experiences>"
@@ -25,7 +25,8 @@ PREAMBLE = "Lessons learned from earlier attempts at this task; apply the ones t
 LIBRARY_KEY = "experience_library"  # attribute on the program and key in the saved JSON
 
 _BLOCK = re.compile(r"\s*" + re.escape(OPEN_TAG) + r".*?" + re.escape(CLOSE_TAG) + r"\s*$", re.DOTALL)
-_LINE = re.compile(r"^\[(E\d+)\] (.*)$")  # one experience as `ExperienceLibrary.render` writes it
+_LINE = re.compile(r"^\[([A-Za-z]*\d+)\] (.*)$")  # an experience as `ExperienceLibrary.render` writes it (or an ID
+# that only looks like one, [X1] or [e2]: refused, not read as more text of the experience before)
 
 
 def strip_experiences(instructions: str) -> str:
@@ -46,6 +47,10 @@ def rendered_experiences(instructions: str) -> list[tuple[str, str, str]] | None
     block. A line that does not start a new `[E<n>] ` item continues the text of the one before (multi-line texts),
     except an indented fenced block right after it, which is its excerpt (`ExperienceLibrary.render`)."""
     match = _BLOCK.search(instructions or "")
+    tags = (instructions or "").count(OPEN_TAG), (instructions or "").count(CLOSE_TAG)
+    if tags != ((1, 1) if match else (0, 0)):
+        raise ValueError(f"the instructions hold {tags[0]} {OPEN_TAG} and {tags[1]} {CLOSE_TAG} tags; an experience "
+                         "block is one of each, at the end of the instructions: mend the tags or remove the block")
     if match is None:
         return None
     lines = match.group(0).strip()[len(OPEN_TAG):-len(CLOSE_TAG)].strip("\n").split("\n")
@@ -59,7 +64,12 @@ def rendered_experiences(instructions: str) -> list[tuple[str, str, str]] | None
             else:
                 items[-1][2].append(line[4:] if line.startswith("    ") else line)
         elif (found := _LINE.match(line)) is not None:
-            items.append([found.group(1), found.group(2), None, False])
+            exp_id = found.group(1)
+            if not ID.fullmatch(exp_id):
+                raise ValueError(f"malformed experience ID [{exp_id}] in {line[:80]!r}: IDs are E1, E2, ...")
+            if any(item[0] == exp_id for item in items):
+                raise ValueError(f"the experience block gives the ID {exp_id} to more than one experience")
+            items.append([exp_id, found.group(2), None, False])
         elif items and line == "    ```" and items[-1][2] is None:
             items[-1][2], items[-1][3] = [], True
         elif items:
@@ -94,8 +104,6 @@ def library_from_instructions(program: dspy.Module, targets: list[str], *, max_w
                          "attach the library to recover (program.experience_library = ...) or strip the blocks "
                          "(tfgrpo.programs.strip_experiences)")
     ids = [i for i, _, _ in items]
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"predictor {first!r}: an experience ID appears twice in its experience block ({ids})")
     return ExperienceLibrary.from_state({
         "format": "tfgrpo.experience_library/1", "max_words": max_words, "max_experiences": max_experiences,
         "next_id": max(int(i[1:]) for i in ids) + 1, "retired": [],
@@ -166,6 +174,9 @@ def load_program(program: dspy.Module, path: str | Path, target_predictors: list
     missing = [n for n in names if not isinstance(state.get(n), dict)]
     if missing:
         raise ValueError(f"{path}: no saved state for predictors {missing}; was it saved from this program?")
+    for name, predictor in program.named_predictors():
+        if problem := _saved_disagrees(state[name], predictor, library):
+            raise ValueError(f"{path}: predictor {name!r}: {problem}")
     def load_into(target: dspy.Module) -> None:
         for name, predictor in target.named_predictors():
             predictor.load_state(state[name])
@@ -181,6 +192,39 @@ def load_program(program: dspy.Module, path: str | Path, target_predictors: list
         raise ValueError(f"{path}: malformed predictor state ({type(exc).__name__}: {exc})") from exc
     load_into(program)
     return program
+
+
+def _saved_disagrees(saved: dict, predictor: dspy.Predict, library: ExperienceLibrary | None) -> str | None:
+    """Why a predictor's saved state cannot be loaded as it stands, or None: its signature's fields differ from the
+    predictor's (another program's predictor of the same name), its experience block is malformed, or the block
+    and the stored library say different things (a hand edit of one of them: neither is taken over the other)."""
+    signature = saved.get("signature")
+    if not isinstance(signature, dict) or not isinstance(signature.get("instructions"), str):
+        return None  # malformed: refused by the load itself
+    fields = signature.get("fields")
+    if isinstance(fields, list) and all(isinstance(f, dict) for f in fields):
+        own = [f.json_schema_extra["prefix"] for f in predictor.signature.fields.values()]
+        if (shown := [f.get("prefix") for f in fields]) != own:
+            return (f"it was saved with the fields {shown}, and this program's predictor has {own}: the file holds "
+                    "another program's predictor of the same name")
+    try:
+        items = rendered_experiences(signature["instructions"])
+    except ValueError as exc:
+        return str(exc)
+    if library is None or items is None:
+        return None
+    if _BLOCK.search(signature["instructions"]).group(0).strip() == with_experiences("", library).strip():
+        return None
+    in_block, stored = {i: text for i, text, _ in items}, {e.id: e.text for e in library}
+    if list(in_block) != list(stored):
+        what = f"the block lists {list(in_block)} and the library {list(stored)}"
+    else:
+        changed = next((i for i in stored if in_block[i] != stored[i]), None)
+        what = f"[{changed}] reads {in_block[changed]!r} in the block and {stored[changed]!r} in the library" \
+            if changed else "their excerpts differ"
+    return (f"the experience block in its instructions and the stored experience_library disagree ({what}). Neither "
+            f"is taken over the other: edit both alike, or delete the {LIBRARY_KEY!r} key to keep the block as "
+            "written (the experiences' history is then lost)")
 
 
 def _targets_with_block(program: dspy.Module) -> list[str] | None:

@@ -53,6 +53,7 @@ class ApplyReport:
         return sum(self.applied.values())
 
 
+ID = re.compile(r"E[1-9]\d*")  # an experience's ID: E1, E2, ...
 MAX_EXCERPT_LINES = 40  # an excerpt longer than this is refused: it is a whole program, not an excerpt
 
 
@@ -226,15 +227,23 @@ class ExperienceLibrary(Parameter):
             raise ValueError("not a tfgrpo experience library (missing or unknown 'format')")
         try:
             lib = cls(max_words=int(state["max_words"]), max_experiences=state.get("max_experiences"))
-            lib.active = {e.id: e for e in (Experience.model_validate(x) for x in state["experiences"])}
-            lib.retired = {e.id: e for e in (Experience.model_validate(x) for x in state.get("retired", []))}
+            active = [Experience.model_validate(x) for x in state["experiences"]]
+            retired = [Experience.model_validate(x) for x in state.get("retired", [])]
             lib.next_id = int(state["next_id"])
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise ValueError(f"corrupt experience library: {exc}") from exc
+        for e in active + retired:
+            if not ID.fullmatch(e.id):
+                raise ValueError(f"corrupt experience library: the ID {e.id!r} is not of the form E1, E2, ...")
+        for group in (active, retired):  # one in both lists is refused below
+            if twice := sorted({e.id for e in group if [x.id for x in group].count(e.id) > 1}):
+                raise ValueError(f"corrupt experience library: the ID {', '.join(twice)} is given to more than one "
+                                 "experience; each needs an ID of its own")
+        lib.active, lib.retired = {e.id: e for e in active}, {e.id: e for e in retired}
         cap = lib.max_experiences
         if lib.max_words < 1 or not (cap is None or (type(cap) is int and cap >= 0)):
             raise ValueError("corrupt experience library: max_words must be >= 1 and max_experiences null or an integer >= 0")
-        used = [int(i[1:]) for i in [*lib.active, *lib.retired] if re.fullmatch(r"E\d+", i)]
+        used = [int(i[1:]) for i in [*lib.active, *lib.retired]]
         if len(set(lib.active) | set(lib.retired)) != len(lib.active) + len(lib.retired):
             raise ValueError("corrupt experience library: an ID is both active and retired")
         if used and lib.next_id <= max(used):

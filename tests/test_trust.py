@@ -77,3 +77,79 @@ def test_two_user_files_of_the_same_name_are_each_imported_as_themselves(tmp_pat
     assert import_object("team_b/agent.py:TEAM", "x") == "team_b" and import_object("team_a/agent.py:TEAM", "x") == "team_a"
     assert import_object("team_a/agent.py:Agent", "program") is import_object("./team_a/agent.py:Agent", "program"), \
         "one file is imported once"
+
+
+# 4 and 7: loading a saved program -------------------------------------------------------------------------------
+def saved_program(tmp_path, signature="question -> answer"):
+    from tfgrpo.programs import apply_library, save_program
+
+    program = Solver() if signature == "question -> answer" else Labeller()
+    library = ExperienceLibrary()
+    library.apply(add("Add the ones first, then carry.", "Check the sum by subtracting."), step=0)
+    return save_program(apply_library(program, library), tmp_path / "program.json")
+
+
+class Labeller(dspy.Module):
+    def __init__(self):
+        super().__init__()
+        self.solve = dspy.ChainOfThought("text -> label")  # the same predictor name as Solver's, other fields
+
+    def forward(self, text):
+        return self.solve(text=text)
+
+
+def test_a_program_json_of_another_program_is_refused(tmp_path):
+    from tfgrpo.programs import load_program
+
+    path = saved_program(tmp_path, "text -> label")
+    with pytest.raises(ValueError, match=r"solve.predict.*\['Text:', 'Reasoning:.*', 'Label:'\].*another program"):
+        load_program(Solver(), path)
+    assert load_program(Labeller(), path).experience_library.texts()[0] == "Add the ones first, then carry."
+
+
+def edited(path, instructions=None, library=None):
+    import json
+
+    state = json.loads(path.read_text())
+    if instructions:
+        old = state["solve.predict"]["signature"]["instructions"]
+        state["solve.predict"]["signature"]["instructions"] = instructions(old)
+    if library:
+        library(state["experience_library"])
+    path.write_text(json.dumps(state))
+    return path
+
+
+def reword(lib):
+    lib["experiences"][1]["text"] = "Check the sum by adding it again."
+
+
+@pytest.mark.parametrize("edit, says", [
+    (dict(instructions=lambda s: s.replace("by subtracting", "by adding it again")),
+     r"disagree \(\[E2\] reads 'Check the sum by adding it again.' in the block and 'Check the sum by subtracting.'"),
+    (dict(instructions=lambda s: s.replace("</experiences>", "")), "1 <experiences> and 0 </experiences> tags"),
+    (dict(instructions=lambda s: s.replace("[E2]", "[E1]")), "gives the ID E1 to more than one experience"),
+    (dict(instructions=lambda s: s.replace("[E1]", "[X1]")), r"malformed experience ID \[X1\]"),
+    (dict(library=lambda lib: lib["experiences"][1].update(id="E1")), "the ID E1 is given to more than one"),
+    (dict(library=lambda lib: lib["experiences"][0].update(id="X1")), "the ID 'X1' is not of the form E1, E2"),
+    (dict(library=reword), r"\[E2\] reads 'Check the sum by subtracting.' in the block"),
+], ids=["reworded-line", "no-close-tag", "duplicate-id-block", "X1-block", "duplicate-id-library", "X1-library",
+        "reworded-library"])
+def test_a_hand_edit_that_the_two_copies_disagree_on_is_refused(tmp_path, edit, says):
+    from tfgrpo.programs import load_program
+
+    path = edited(saved_program(tmp_path), **edit)
+    program = Solver()
+    with pytest.raises(ValueError, match=says):
+        load_program(program, path)
+    assert "<experiences>" not in program.solve.predict.signature.instructions, "nothing was loaded"
+
+
+def test_an_edit_made_to_both_copies_loads_as_edited(tmp_path):
+    from tfgrpo.programs import load_program
+
+    path = edited(saved_program(tmp_path), instructions=lambda s: s.replace("by subtracting", "by adding it again"),
+                  library=reword)
+    program = load_program(Solver(), path)
+    assert program.experience_library.texts()[1] == "Check the sum by adding it again."
+    assert program.solve.predict.signature.instructions.count("Check the sum by adding it again.") == 1

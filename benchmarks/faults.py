@@ -19,6 +19,10 @@ and a token budget under `dspy.configure(disable_history=True)`. The last line i
 `silent_failures: metric_error=<raised|silent> reflection_outage=<not_done|done> calls_per_bad_reply=<n>
 budget_without_history=<stopped|ignored>`.
 
+Rows `non_latin_rules`, `other_program_json`, `valset_input_keys`, `same_file_name` and `hand_edited_json` (issue 37,
+benchmarks/trust_rows.py) each try one input a run must not trust in silence; their status says refused, recovered
+or nothing lost.
+
 The helpers here are shared with tests/test_faults.py. The student program puts its sample number
 (`rollout_id`) in the prompt, so every rollout is a distinct request and the fake's answers depend on the
 request alone: a resumed run sees the same answers as an uninterrupted one.
@@ -45,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 from tfgrpo.testing import FAULTS, KINDS, FakeLMServer
 from benchmarks.log_dir_checks import library_problems, signature, torn_files, unit_files, units_per_kind
+from benchmarks.trust_rows import trust_rows
 
 STOPPED = 3  # exit code of a child stopped by a documented error (TooManyFailuresError, MetricError)
 LEARNING = ("summary", "advantage", "consolidation")
@@ -338,6 +343,7 @@ def bench(rate: float, names: list[str], share: float) -> int:
         rows.append(_shown(run_json_row(folder("run_json"), opts, share)))
         rows.append(_shown(metric_error_row(folder("metric_error"), opts)))
         rows.append(_shown(outage_row(folder("outage"), opts)))
+        rows += [_shown(row) for row in trust_rows(folder)]  # issue 37: inputs not to be trusted in silence
         per_reply = calls_per_bad_reply(folder("bad_replies"), opts)
         budget = budget_without_history(folder("no_history"), opts)
     print("extra calls: LM calls of the killed + resumed runs beyond the uninterrupted run's (calls in flight at "

@@ -1,5 +1,8 @@
 """Issue 37: inputs a run must not trust in silence. Each test is one way a run used to go wrong without a word."""
 
+import sys
+from pathlib import Path
+
 import dspy
 import pytest
 
@@ -8,6 +11,10 @@ from test_optimizer import learner, make_trainset, metric
 from tfgrpo.optimizers import TrainingFreeGRPO
 from tfgrpo.programs.library import ExperienceLibrary
 from tfgrpo.signatures.operations import Operation
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # benchmarks.trust_rows
 
 
 def add(*texts):
@@ -70,7 +77,7 @@ def test_two_user_files_of_the_same_name_are_each_imported_as_themselves(tmp_pat
             "        return self.gen(question=question)\n\n\n"
             f"TEAM = {team!r}\n\n\ndef metric(example, pred, trace=None):\n    return {score}\n")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("sys.path", list(__import__("sys").path))
+    monkeypatch.setattr("sys.path", list(sys.path))
     assert isinstance(program_factory("team_a/agent.py:Agent")(), dspy.Module)
     assert metric_function("team_b/agent.py:metric")(None, None) == 1.0, "team_b's metric, not team_a's"
     assert import_object("team_a/agent.py:metric", "metric")(None, None) == 0.0
@@ -153,3 +160,21 @@ def test_an_edit_made_to_both_copies_loads_as_edited(tmp_path):
     program = load_program(Solver(), path)
     assert program.experience_library.texts()[1] == "Check the sum by adding it again."
     assert program.solve.predict.signature.instructions.count("Check the sum by adding it again.") == 1
+
+
+# the rows of benchmarks/faults.py ---------------------------------------------------------------------------------
+def test_the_faults_benchmark_rows_say_each_case_is_caught(tmp_path):
+    from benchmarks.trust_rows import trust_rows
+
+    def folder(name):
+        (tmp_path / name).mkdir()
+        return tmp_path / name
+
+    rows = {row["name"]: row for row in trust_rows(folder)}
+    assert {name: row["status"] for name, row in rows.items()} == {
+        "non_latin_rules": "nothing lost: 5 of 5 non-Latin rules kept; the 3,000-character rule refused",
+        "other_program_json": "refused: the saved fields differ",
+        "valset_input_keys": "refused, nothing sent",
+        "same_file_name": "nothing lost: each file imported as itself",
+        "hand_edited_json": "refused: 4 of 4 edits"}
+    assert not any(row["crashes"] for row in rows.values())

@@ -1,27 +1,29 @@
-"""How fast the embedded model serves: one request at a time vs N at once, prefix reuse in a real compile step,
-and (with --main-job) the README's main job end to end.
+"""How fast the embedded model serves the main job's requests, per speculative decoding mode, and at what quality.
 
-    .venv/bin/python benchmarks/local_throughput.py               # ~8 min on 2 cores
-    .venv/bin/python benchmarks/local_throughput.py --main-job    # + the main job in a fresh DSPy cache (~10-20 min)
-    .venv/bin/python benchmarks/local_throughput.py --model qwen2.5-coder-0.5b --parallel 1 --rounds 1 --tokens 8 \
-        --step-batch 1 --step-generations 2                       # the smallest run (CI: tests/test_benchmarks.py)
+    .venv/bin/python benchmarks/local_throughput.py                    # ~20 min on 2 cores
+    .venv/bin/python benchmarks/local_throughput.py --main-job         # + the main job end to end, fresh cache
+    .venv/bin/python benchmarks/local_throughput.py --model qwen2.5-coder-0.5b --modes off ngram-mod --puzzles 1 \
+        --max-tokens 48                                                # the smallest run (CI: tests/test_benchmarks.py)
 
-1. Decode throughput. For each N of --parallel, a llama-server with N slots gets --rounds x N requests from N
-   client threads at once; each request has its own prompt (no cache hit) and decodes exactly --tokens tokens
-   (ignore_eos). Rate = completion tokens / wall seconds. single_tok_s is N=1 on the same binary; the ratio is
-   taken at the best N. With --engines both, llama-cpp-python's server (one request at a time) is timed too.
-2. Prefix reuse. One optimization step of the main job (configs/local.toml: Game24, batch 4, G=4, contrast
-   path; --step-batch and --step-generations shrink it) against a fresh server with the chosen N, DSPy's cache off; prefix_saved = prompt tokens the server
-   took from a slot's KV cache / all prompt tokens, read from its own /metrics counters.
+1. Speculative decoding. For each mode of --modes (tfgrpo.local_model.SPECULATIVE), a fresh llama-server with that
+   mode serves the main job's own kind of request: the Game of 24 program with the demo a probe kept
+   (--program: the main job's arm of benchmarks/peers.py, seed 0) and the program without it, each on --puzzles
+   held-out puzzles (test ranks from --offset + 1; never the peers' or the main job's), at the evaluation
+   temperature of configs/local.toml, DSPy's cache off. From the server's own /metrics: completion tokens per
+   second of wall time (prompt processing included), and the share of drafted tokens the model accepted. Quality:
+   the puzzles solved, paired per request against mode "off" (difference with a 95% bootstrap CI): speculation
+   must change how fast a reply comes, not what it says.
+2. With --slots N...: decode rate with N slots and N requests in flight (the batching question, answered earlier:
+   little on 2 cores).
 3. With --main-job: `tfgrpo run configs/local.toml` as a subprocess in a temp run dir and an empty DSPy cache.
 
-Last line: local_throughput: model=... single_tok_s=X parallel=N parallel_tok_s=Y ratio=Y/X prefix_saved=0.xx main_job_s=Z
+Last lines: one `throughput: mode=M tok_s=X acceptance=0.xx solved=S/N quality_diff=+0.xxx ci=[lo,hi]` per mode,
+then `throughput: mode=BEST speedup=X.XXx quality_diff=+0.xxx ci=[lo,hi] main_job_s=Z` for the fastest mode.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
@@ -36,38 +38,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import tfgrpo  # noqa: E402,F401
-import dspy  # noqa: E402
-
 from tfgrpo.config import Config  # noqa: E402
+from tfgrpo.evaluate import evaluate_program, paired_difference  # noqa: E402
 from tfgrpo.lms import local_dspy_lm  # noqa: E402
-from tfgrpo.local_model import LocalServer  # noqa: E402
+from tfgrpo.local_model import SPECULATIVE, LocalServer  # noqa: E402
+from tfgrpo.tasks.game24 import Game24Solver, game24_metric, load_game24  # noqa: E402
 
-TOPICS = ["rivers", "volcanoes", "bridges", "comets", "forests", "deserts", "harbors", "glaciers", "canyons",
-          "islands", "tunnels", "lighthouses", "orchards", "caves", "reefs", "meadows"]
-
-
-def _post(api_base: str, body: dict) -> dict:
-    req = urllib.request.Request(f"{api_base}/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        return json.loads(resp.read())
-
-
-def decode_rate(server: LocalServer, clients: int, rounds: int, tokens: int, salt: str) -> float:
-    """Completion tokens per second with `clients` requests in flight, each decoding exactly `tokens` tokens."""
-    def one(i: int) -> int:
-        topic = TOPICS[i % len(TOPICS)]
-        body = {"model": server.model_alias, "max_tokens": tokens, "temperature": 0.7, "ignore_eos": True,
-                "messages": [{"role": "user", "content": f"[{salt}-{i}] Write a long essay about {topic} "
-                              f"number {i}: their history, how they form, and why people visit them."}]}
-        return _post(server.api_base, body)["usage"]["completion_tokens"]
-
-    one(-1)  # warm-up: the first request pays for loading pages of the weights
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(clients) as pool:
-        done = sum(pool.map(one, range(clients * rounds)))
-    return done / (time.perf_counter() - t0)
+MAIN_JOB_PROGRAM = ROOT / "benchmarks/results/peers/game24/tfgrpo-probed-wide+demos/seed0/program.json"
 
 
 def metrics(api_base: str) -> dict[str, float]:
@@ -75,31 +52,44 @@ def metrics(api_base: str) -> dict[str, float]:
     return {m[1]: float(m[2]) for m in re.finditer(r"^llamacpp:(\w+) ([0-9.e+-]+)$", text, re.M)}
 
 
-def one_step_prefix_saved(args, parallel: int) -> tuple[float, float]:
-    """(prefix_saved, seconds) of one optimization step of the main job's task on a fresh server."""
-    from tfgrpo.cli import _tfgrpo_knobs
-    from tfgrpo.optimizers import TrainingFreeGRPO
-    from tfgrpo.task import task_parts
-
-    config = Config.load(ROOT / "configs" / "local.toml")
-    t = config.task
-    knobs = {**_tfgrpo_knobs(config), "num_train_epochs": 1, "num_threads": max(parallel, 2)}
-    knobs["batch_size"] = args.step_batch or knobs["batch_size"]
-    knobs["num_generations"] = args.step_generations or knobs["num_generations"]
-    with contextlib.ExitStack() as stack, \
-            LocalServer(args.model, n_ctx=config.policy.n_ctx, parallel=parallel, engine="llama-server") as server:
-        parts = task_parts(config, stack)
-        trainset = parts.load(t.trainset, limit=knobs["batch_size"], offset=t.train_offset)
-        lm = local_dspy_lm(server.model_alias, server.api_base, max_tokens=config.policy.max_tokens,
-                           temperature=config.policy.temperature, cache=False, timeout=600)
+def serve_requests(mode: str, args, temperature: float) -> dict:
+    """The main job's two programs on the held-out puzzles, served by a fresh server in `mode`."""
+    puzzles = load_game24("game24_test", limit=args.puzzles, offset=args.offset)
+    compiled = Game24Solver()
+    compiled.load(str(args.program))
+    with LocalServer(args.model, n_ctx=4096, speculative=mode) as server:
+        lm = local_dspy_lm(server.model_alias, server.api_base, max_tokens=args.max_tokens, temperature=temperature,
+                           cache=False, timeout=600)
         before, t0 = metrics(server.api_base), time.perf_counter()
-        with dspy.context(lm=lm):
-            TrainingFreeGRPO(parts.reward, progress=lambda *_: None, **knobs).compile(parts.make(), trainset=trainset)
+        rows = []
+        for name, program in (("with-demo", compiled), ("plain", Game24Solver())):
+            found = evaluate_program(program, puzzles, game24_metric, lm=lm, num_threads=args.threads, name=name)
+            rows += [dict(r, problem=f"{name}/{r['problem']}") for r in found]
         seconds, after = time.perf_counter() - t0, metrics(server.api_base)
-    cached = after["prompt_tokens_cached_total"] - before.get("prompt_tokens_cached_total", 0)
-    processed = after["prompt_tokens_total"] - before.get("prompt_tokens_total", 0)
-    print(f"  one step: {seconds:.0f} s, prompt tokens {processed:.0f} processed + {cached:.0f} from cache", flush=True)
-    return cached / max(1.0, cached + processed), seconds
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    drafted = delta.get("spec_decode_num_draft_tokens_total", 0)
+    return {"mode": mode, "seconds": seconds, "tokens": delta["tokens_predicted_total"],
+            "tok_s": delta["tokens_predicted_total"] / seconds,
+            "acceptance": delta.get("spec_decode_num_accepted_tokens_total", 0) / drafted if drafted else 0.0,
+            "rows": rows}
+
+
+def decode_rate(model: str, slots: int, tokens: int = 96) -> float:
+    """Completion tokens per second with `slots` slots and as many requests in flight, each `tokens` long."""
+    def one(server, i: int) -> int:
+        body = {"model": server.model_alias, "max_tokens": tokens, "temperature": 0.7, "ignore_eos": True,
+                "messages": [{"role": "user", "content": f"[{slots}-{i}] Write a long essay about river {i}."}]}
+        req = urllib.request.Request(f"{server.api_base}/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as resp:
+            return json.loads(resp.read())["usage"]["completion_tokens"]
+
+    with LocalServer(model, n_ctx=2048, parallel=slots, speculative="off") as server:
+        one(server, -1)  # warm-up: the first request pays for loading pages of the weights
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(slots) as pool:
+            done = sum(pool.map(lambda i: one(server, i), range(2 * slots)))
+    return done / (time.perf_counter() - t0)
 
 
 def main_job_seconds() -> float:
@@ -122,29 +112,35 @@ def main_job_seconds() -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
-    ap.add_argument("--parallel", type=int, nargs="+", default=[1, 2, 4, 8], help="slot counts to time")
-    ap.add_argument("--rounds", type=int, default=2, help="requests per client thread")
-    ap.add_argument("--tokens", type=int, default=96, help="completion tokens per request")
-    ap.add_argument("--engines", choices=["llama-server", "both"], default="llama-server")
-    ap.add_argument("--step-batch", type=int, default=None, help="queries in the prefix-reuse step (default: the config's)")
-    ap.add_argument("--step-generations", type=int, default=None, help="G of the prefix-reuse step (default: the config's)")
+    ap.add_argument("--modes", nargs="+", default=["off", "ngram-simple", "ngram-mod", "ngram-map-k", "draft"],
+                    choices=list(SPECULATIVE), help="speculative modes to time; off is always timed")
+    ap.add_argument("--program", type=Path, default=MAIN_JOB_PROGRAM, help="a saved Game24Solver with its demo")
+    ap.add_argument("--puzzles", type=int, default=12, help="held-out puzzles per program")
+    ap.add_argument("--offset", type=int, default=24, help="first held-out puzzle (test rank - 901)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=None, help="default: the main job's (configs/local.toml)")
+    ap.add_argument("--slots", type=int, nargs="*", default=[], help="also time decoding with these slot counts")
     ap.add_argument("--main-job", action="store_true", help="also time README command 1 (fresh DSPy cache)")
     args = ap.parse_args()
+    policy = Config.load(ROOT / "configs" / "local.toml").policy
+    args.max_tokens = args.max_tokens or policy.max_tokens
 
-    rates = {}
-    for n in sorted(set(args.parallel) | {1}):
-        with LocalServer(args.model, n_ctx=2048, parallel=n, engine="llama-server") as server:
-            rates[n] = decode_rate(server, n, args.rounds, args.tokens, salt=f"p{n}")
-        print(f"  llama-server, {n} slot(s), {n} request(s) in flight: {rates[n]:.1f} completion tok/s", flush=True)
-    if args.engines == "both":
-        with LocalServer(args.model, n_ctx=2048, engine="llama-cpp-python") as server:
-            rate = decode_rate(server, 2, args.rounds, args.tokens, salt="lcp")
-        print(f"  llama-cpp-python (one at a time), 2 requests in flight: {rate:.1f} completion tok/s", flush=True)
-    best = max(rates, key=rates.get)
-    prefix_saved, _ = one_step_prefix_saved(args, best)
+    for slots in args.slots:
+        print(f"  {slots} slot(s), {slots} request(s) in flight: {decode_rate(args.model, slots):.1f} tok/s", flush=True)
+    runs = {}
+    for mode in ["off", *[m for m in args.modes if m != "off"]]:
+        runs[mode] = run = serve_requests(mode, args, policy.temperature)
+        solved = sum(r["score"] >= 1 for r in run["rows"])
+        diff = paired_difference(runs["off"]["rows"], run["rows"])
+        run["diff"] = diff
+        print(f"throughput: mode={mode} tok_s={run['tok_s']:.1f} acceptance={run['acceptance']:.2f} "
+              f"solved={solved}/{len(run['rows'])} tokens={run['tokens']:.0f} seconds={run['seconds']:.0f} "
+              f"quality_diff={diff['difference']:+.3f} ci=[{diff['ci95'][0]:+.3f},{diff['ci95'][1]:+.3f}]", flush=True)
+    best = max(runs, key=lambda m: runs[m]["tok_s"])
+    diff = runs[best]["diff"]
     main_s = f"{main_job_seconds():.0f}" if args.main_job else "not-run"
-    print(f"local_throughput: model={args.model} single_tok_s={rates[1]:.1f} parallel={best} "
-          f"parallel_tok_s={rates[best]:.1f} ratio={rates[best] / rates[1]:.2f} prefix_saved={prefix_saved:.2f} "
+    print(f"throughput: mode={best} speedup={runs[best]['tok_s'] / runs['off']['tok_s']:.2f}x "
+          f"quality_diff={diff['difference']:+.3f} ci=[{diff['ci95'][0]:+.3f},{diff['ci95'][1]:+.3f}] "
           f"main_job_s={main_s}")
 
 

@@ -68,7 +68,8 @@ EXPLORED = {
     "tfgrpo-solver-excerpts-wide-dropped": "probed on 8, the line holding the query's values dropped, not masked",
     "tfgrpo-solver-excerpts-wide-lists-unmasked": "probed on 8, the query's values masked one by one",
 }
-PEER_ARMS = ("baseline", "bootstrap", "simba", "simba-solved", "gepa", "mipro")
+PEER_ARMS = ("baseline", "bootstrap", "bootstrap-rs", "infer-rules", "knn", "simba", "simba-solved", "gepa", "mipro")
+MAIN_ARM = "tfgrpo-probed-wide+demos"  # the main job's configuration: the arm the others' budget is matched to
 
 
 def menu(task: str) -> list[str]:
@@ -115,6 +116,18 @@ def compile_arm(arm: str, student, reward, trainset: list, lm: dspy.LM, seed: in
         opt = dspy.SIMBA(metric=metric, bsize=len(trainset), num_candidates=G, max_steps=1, max_demos=2,
                          num_threads=threads)
         return opt.compile(student, trainset=trainset, seed=seed)
+    if arm == "bootstrap-rs":  # validated demo sets: each candidate set scored on the trainset, the best kept
+        opt = dspy.BootstrapFewShotWithRandomSearch(
+            metric=metric, metric_threshold=1.0, max_bootstrapped_demos=2, max_labeled_demos=0, max_rounds=1,
+            num_candidate_programs=max(1, args.budget_calls // len(trainset) - 3), num_threads=threads)
+        return opt.compile(student, trainset=trainset, valset=trainset)
+    if arm == "infer-rules":  # validated rules: rules induced from bootstrapped demos, the best rule set kept
+        opt = dspy.InferRules(metric=metric, metric_threshold=1.0, max_bootstrapped_demos=2, max_labeled_demos=0,
+                              num_candidates=max(1, args.budget_calls // (len(trainset) + 1)), num_rules=5,
+                              num_threads=threads)
+        return opt.compile(student, trainset=trainset, valset=trainset)
+    if arm == "knn":  # the k nearest training examples as demos, per query (see knn_arm)
+        return knn_arm(student, trainset, metric, args.task)
     if arm == "gepa":
         def feedback_metric(gold, pred, trace=None, pred_name=None, pred_trace=None):
             result = reward(gold, pred, trace)
@@ -131,6 +144,38 @@ def compile_arm(arm: str, student, reward, trainset: list, lm: dspy.LM, seed: in
         return opt.compile(student, trainset=trainset, valset=trainset, num_trials=G, minibatch=False,
                            requires_permission_to_run=False)
     raise AssertionError(f"arm {arm!r} has no compile step")  # main() lets only the menu's arms through
+
+
+class TfidfEmbedding:
+    """A TF-IDF vectorizer fitted on the first texts it embeds (KNN embeds its trainset first): words and numbers
+    as tokens, rows of unit length, so a dot product is the cosine. A well-kept local vectorizer (scikit-learn),
+    deterministic and free, where a neural embedder would need weights from a hub or a second server mode."""
+
+    def __init__(self):
+        self.vectorizer = None
+
+    def __call__(self, texts: list[str]):
+        from sklearn.feature_extraction.text import TfidfVectorizer
+
+        if self.vectorizer is None:
+            self.vectorizer = TfidfVectorizer(token_pattern=r"(?u)\b\w+\b", ngram_range=(1, 2)).fit(texts)
+        return self.vectorizer.transform(texts).toarray()
+
+
+def knn_arm(student, trainset: list, metric, task: str) -> dspy.Module:
+    """dspy.KNNFewShot with k = 3, as the paper's appendix compares (top-3 retrieved solved examples). GSM8K's
+    training problems come solved (their reference solution is the demo's reasoning): no LM call at all. Game of 24
+    puzzles come unsolved, so the neighbours are solved by the student itself at each query (BootstrapFewShot over
+    the 3 neighbours, kept if solved): those calls are made while evaluating, and counted there."""
+    if task == "gsm8k":
+        solved = [dspy.Example(ex, reasoning=ex.solution.split("####")[0].strip()).with_inputs(*ex.inputs().keys())
+                  for ex in trainset]
+        opt = dspy.KNNFewShot(k=3, trainset=solved, vectorizer=dspy.Embedder(TfidfEmbedding()),
+                              max_bootstrapped_demos=0, max_labeled_demos=3)
+    else:
+        opt = dspy.KNNFewShot(k=3, trainset=trainset, vectorizer=dspy.Embedder(TfidfEmbedding()), metric=metric,
+                              metric_threshold=1.0, max_bootstrapped_demos=3, max_labeled_demos=0, max_rounds=1)
+    return opt.compile(student)
 
 
 def run_arm(arm: str, seed: int, args, lm: dspy.LM) -> None:
@@ -161,7 +206,12 @@ def run_arm(arm: str, seed: int, args, lm: dspy.LM) -> None:
 def _run_arm(arm: str, seed: int, args, lm: dspy.LM, where: Path) -> None:
     make_student, reward, metric, load_train, load_eval = task_parts(args.task)
     program = make_student()
-    if arm != "baseline":
+    if arm == "knn":  # no fixed demos to save: the program retrieves them per query, so it is rebuilt (no LM call)
+        program = compile_arm(arm, make_student(), reward, load_train(args.train, args.train_offset), lm, seed, args,
+                              where)
+        (where / "compile.json").write_text(json.dumps({"wall_s": 0.0, "calls": 0, "prompt_tokens": 0,
+                                                        "completion_tokens": 0, "cost": 0.0}))
+    elif arm != "baseline":
         if not (where / "program.json").exists():
             trainset = load_train(args.train, args.train_offset)
             t0 = time.time()
@@ -178,9 +228,11 @@ def _run_arm(arm: str, seed: int, args, lm: dspy.LM, where: Path) -> None:
             print(json.dumps({"arm": arm, "seed": seed, "compile_s": round(time.time() - t0), **usage}), flush=True)
         program.load(str(where / "program.json"))
     t0 = time.time()
-    rows = evaluate_program(program, load_eval(args.eval, args.eval_offset), metric, lm=lm.copy(rollout_id=seed),
-                            num_threads=args.threads, name=arm)
+    with metered() as used:
+        rows = evaluate_program(program, load_eval(args.eval, args.eval_offset), metric, lm=lm.copy(rollout_id=seed),
+                                num_threads=args.threads, name=arm)
     rows[0]["wall_s"] = round(time.time() - t0, 1)
+    rows[0]["eval_calls"] = stage_usage(used, [])["calls"]  # one per problem, more where demos are made per query
     write_rows(rows, where / "eval.jsonl")
     print(json.dumps({"arm": arm, "seed": seed, "eval_s": round(time.time() - t0),
                       "score": statistics.fmean(r["score"] for r in rows)}), flush=True)
@@ -233,8 +285,9 @@ def report(args) -> None:
         tokens = statistics.fmean(s["compile"].get("prompt_tokens", 0) + s["compile"].get("completion_tokens", 0)
                                   for s in seeds.values())
         solved = ", ".join(f"{sum(r['score'] for r in seeds[s]['rows']):g}" for s in sorted(seeds))
+        per_query = statistics.fmean(s["rows"][0].get("eval_calls", len(s["rows"])) / len(s["rows"]) for s in seeds.values())
         print(f"# {arm}: seeds {sorted(seeds)} scored {solved} of {lift['problems']}, compile {wall:.0f} s and "
-              f"{tokens:.0f} tokens per seed, best other arm {best} ({vs['difference']:+.3f}, CI {vs['ci95'][0]:+.3f} .. "
+              f"{tokens:.0f} tokens per seed, {per_query:.1f} LM calls per held-out problem, best other arm {best} ({vs['difference']:+.3f}, CI {vs['ci95'][0]:+.3f} .. "
               f"{vs['ci95'][1]:+.3f})")
         print(f"peers: task={args.task} optimizer={arm} seeds={len(seeds)} problems={lift['problems']} calls={calls:.0f} "
               f"score={score[arm]:.3f} lift={lift['difference']:+.3f} ci_low={lift['ci95'][0]:+.3f} "
@@ -282,6 +335,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=512)
+    ap.add_argument("--budget-calls", type=int, default=None,
+                    help="compile LM calls the validating peers (bootstrap-rs, infer-rules) may spend; default: the "
+                         f"mean of {MAIN_ARM} on the task in --out, else 120")
     ap.add_argument("--out", default="runs/bench-peers")
     ap.add_argument("--report", action="store_true", help="only print the lines and the plot from saved results")
     ap.add_argument("--mlflow", default=None, metavar="URI",
@@ -290,6 +346,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.eval_offset is None:
         args.eval_offset = {"game24": 52, "gsm8k": 1319 - args.eval}[args.task]
+    if args.budget_calls is None:
+        main = load_results(Path(args.out), args.task).get(MAIN_ARM, {})
+        args.budget_calls = round(statistics.fmean(s["compile"]["calls"] for s in main.values())) if main else 120
     arms = [a.strip() for a in args.arms.split(",")] if args.arms else menu(args.task)
     if not args.report and (unknown := [a for a in arms if a not in menu(args.task)]):
         why = [f"{a} was explored and superseded ({EXPLORED[a]})" if a in EXPLORED else

@@ -62,17 +62,19 @@ class Candidate:
 @dataclass
 class ProbeResult:
     """What the probe saw: the queries, and for the current program (`base`) and each candidate the full successes
-    and the mean reward."""
+    and the mean reward over the queries it ran (`ran`: fewer than all when it was stopped early)."""
 
     queries: list[int]
     base: tuple[int, float]
     scores: list[tuple[int, float]]
     kept: list[bool]
+    ran: list[int]
 
     def to_dict(self, candidates: list[Candidate]) -> dict:
         return {"queries": self.queries, "base_successes": self.base[0], "base_mean": self.base[1],
-                "candidates": [{"edit": c.label, "successes": s, "mean": m, "kept": k}
-                               for c, (s, m), k in zip(candidates, self.scores, self.kept)]}
+                "attempts_saved": sum(len(self.queries) - n for n in self.ran),
+                "candidates": [{"edit": c.label, "successes": s, "mean": m, "queries_run": n, "kept": k}
+                               for c, (s, m), k, n in zip(candidates, self.scores, self.kept, self.ran)]}
 
 
 def keeps(candidate: Candidate, score: tuple[int, float], base: tuple[int, float], *, keep_ties: bool = False) -> bool:
@@ -92,25 +94,59 @@ def probe_queries(trainset_size: int, batch: list[int], size: int, *, seed: int,
 
 
 def run_probe(programs: list[dspy.Module], candidates: list[Candidate], *, queries: list[int], trainset: list,
-              metric, unit_of, cached, run_units, keep_ties: bool = False) -> ProbeResult:
-    """Mean reward of `programs[0]` (the current program) and of `programs[1 + c]` (with candidate c) over `queries`.
+              metric, unit_of, cached, run_units, keep_ties: bool = False, stop_early: bool = True) -> ProbeResult:
+    """Full successes and mean reward of `programs[0]` (the current program) and of `programs[1 + c]` (with candidate
+    c) over `queries`, and which candidates are kept.
 
     `unit_of(p, qi)` names a checkpoint unit, `cached(unit)` reads one, `run_units(fn, jobs)` runs the attempts on
-    the step's threads (with its meter and progress) and stores them."""
+    the step's threads (with its meter and progress) and stores them. With `stop_early`, a candidate whose verdict
+    is known runs no more queries (same verdicts, fewer attempts)."""
 
     def attempt(job):
         p, qi = job
         _, rec = run_program(programs[p], trainset[qi])  # a failed attempt scores 0, as in the rollouts
         return {"reward": score_attempt(metric, trainset[qi], rec)["reward"], "error": rec["error"]}
 
-    jobs = [(p, qi) for p in range(len(programs)) for qi in queries]
-    found = {job: cached(unit_of(*job)) for job in jobs}
-    todo = [job for job in jobs if found[job] is None]
-    found.update(zip(todo, run_units(attempt, todo)))
-    scores = [(sum(found[(p, qi)]["reward"] >= 1 for qi in queries),
-               statistics.fmean(found[(p, qi)]["reward"] for qi in queries)) for p in range(len(programs))]
-    base, scores = scores[0], scores[1:]
-    passed = [keeps(c, score, base, keep_ties=keep_ties) for c, score in zip(candidates, scores)]
+    found: dict[tuple[int, int], dict] = {}
+
+    def run(jobs):
+        hits = {job: cached(unit_of(*job)) for job in jobs}
+        found.update({job: rec for job, rec in hits.items() if rec is not None})
+        todo = [job for job in jobs if hits[job] is None]
+        found.update(zip(todo, run_units(attempt, todo)))
+
+    n = len(queries)
+
+    def tally(p: int) -> tuple[int, float]:  # successes and reward sum over the queries program p has run
+        rewards = [found[(p, qi)]["reward"] for qi in queries if (p, qi) in found]
+        return sum(r >= 1 for r in rewards), sum(rewards)
+
+    run([(0, qi) for qi in queries])  # the bar every candidate must clear
+    base = (tally(0)[0], statistics.fmean(found[(0, qi)]["reward"] for qi in queries))
+    alive = list(range(len(candidates)))
+    rounds = [[qi] for qi in queries] if stop_early else [queries]
+    for done, block in enumerate(rounds, start=1):
+        run([(1 + c, qi) for c in alive for qi in block])
+        left = n - sum(map(len, rounds[:done]))
+        bounds = {c: (s, t) for c in alive for s, t in [tally(1 + c)]}
+        # every query left solved, or none; widened by a rounding error's width, so a tie is never cut short
+        best_case = {c: (s + left, (t + left) / n + 1e-9) for c, (s, t) in bounds.items()}
+        worst_case = {c: (s, t / n - 1e-9) for c, (s, t) in bounds.items()}
+
+        def possible(c) -> bool:
+            if not keeps(candidates[c], best_case[c], base, keep_ties=keep_ties):
+                return False
+            return candidates[c].demo is None or not any(  # one demo is kept: the best; can c still be it?
+                d != c and candidates[d].demo is not None and keeps(candidates[d], worst_case[d], base,
+                                                                    keep_ties=keep_ties)
+                and (worst_case[d], d) > (best_case[c], c) for d in alive)
+
+        alive = [c for c in alive if possible(c)]
+    ran = [sum((1 + c, qi) in found for qi in queries) for c in range(len(candidates))]
+    scores = [(sum(r >= 1 for r in rs), statistics.fmean(rs or [0.0])) for c in range(len(candidates))
+              for rs in [[found[(1 + c, qi)]["reward"] for qi in queries if (1 + c, qi) in found]]]
+    passed = [c in alive and keeps(cand, score, base, keep_ties=keep_ties)
+              for c, (cand, score) in enumerate(zip(candidates, scores))]
 
     def best_of(kind, kept) -> int | None:  # the candidate of a kind still kept that ranks highest
         wins = [(score, i) for i, (c, score, k) in enumerate(zip(candidates, scores, kept)) if k and kind(c)]
@@ -124,8 +160,8 @@ def run_probe(programs: list[dspy.Module], candidates: list[Candidate], *, queri
     for kind in kinds:
         best = best_of(kind, kept)
         kept = [k and (not kind(c) or i == best) for i, (c, k) in enumerate(zip(candidates, kept))]
-    result = ProbeResult(queries=queries, base=base, scores=scores, kept=kept)
-    for c, (n, m), k in zip(candidates, result.scores, result.kept):
-        logger.info("Probe: %s: %d solved, mean %.3f vs %d, %.3f now -> %s", c.label, n, m, *result.base,
+    result = ProbeResult(queries=queries, base=base, scores=scores, kept=kept, ran=ran)
+    for c, (s, m), k, r in zip(candidates, result.scores, result.kept, result.ran):
+        logger.info("Probe: %s: %d solved of %d run, mean %.3f vs %d, %.3f now -> %s", c.label, s, r, m, *result.base,
                     "kept" if k else "dropped")
     return result

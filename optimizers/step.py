@@ -209,10 +209,17 @@ def probe_edits(opt, program, targets, library, demos, plan, kept, trainset, bat
         runnable.append(cand)
         lms += copies
 
+    # the current program's attempts are kept by what the program is, not by step: a later step whose program has
+    # not changed reuses them on the probe queries it shares with this one
+    current = digest([[e.model_dump() for e in library.active.values()], demos])
+
+    def unit_of(p, qi):
+        return f"probe-base/{current}/{qi}" if p == 0 else f"{key}/probes/{p}_{qi}"
+
     def run_units(fn, jobs):
         def unit(job):
             rec = fn(job)
-            ckpt.put(f"{key}/probes/{job[0]}_{job[1]}", rec)
+            ckpt.put(unit_of(*job), rec)
             save_spent({"probe": meter_totals(used)})
             return rec
         return run_parallel(unit, jobs, num_threads=opt.num_threads, stage="probe", progress=opt.progress)
@@ -220,8 +227,7 @@ def probe_edits(opt, program, targets, library, demos, plan, kept, trainset, bat
     queries = probe_queries(len(trainset), batch, opt.probe_size, seed=opt.seed, step=step)
     with metered() as used:
         result = run_probe(runnable, candidates, queries=queries, trainset=trainset, metric=opt.metric,
-                           unit_of=lambda p, qi: f"{key}/probes/{p}_{qi}", cached=ckpt.get, run_units=run_units,
-                           keep_ties=opt.keep_tied_demos)
+                           unit_of=unit_of, cached=ckpt.get, run_units=run_units, keep_ties=opt.keep_tied_demos)
     record.update(result.to_dict(candidates))
     kept_ops = [op for c, k in zip(candidates, result.kept) if k for op in c.operations]
     best = next((i for i, (c, k) in enumerate(zip(candidates, result.kept)) if k and c.demo is not None), None)

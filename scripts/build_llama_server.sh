@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Build llama.cpp's own server (llama-server) from the llama.cpp source inside the pinned, hash-checked
-# llama-cpp-python sdist of requirements.lock, and put it next to the virtualenv's python (.venv/bin), where
-# tfgrpo looks for it. It serves several requests at once (batched decoding), unlike llama_cpp.server.
+# Build llama.cpp's own server (llama-server), the only llama.cpp build tfgrpo needs, from the llama.cpp source
+# vendored in the llama-cpp-python sdist pinned by hash in scripts/llama-cpp-source.lock, and put it next to the
+# virtualenv's python (.venv/bin), where tfgrpo looks for it.
 # Idempotent: skipped when the binary is there and reports the same llama.cpp build. ~5 min on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 OUT="$VENV/bin/llama-server"
-PIN=$(grep -A1 '^llama-cpp-python==' requirements.lock)  # name==version and its sha256
+PIN=$(grep -A1 '^llama-cpp-python==' scripts/llama-cpp-source.lock)  # name==version and its sha256
 VERSION=$(head -1 <<<"$PIN" | sed 's/^llama-cpp-python==\([^ ]*\).*/\1/')
 STAMP="$OUT.source"  # which sdist, with which compiler flags (CFLAGS and CXXFLAGS, set by setup.sh), the binary was built from
 BUILT="llama-cpp-python==$VERSION CFLAGS=${CFLAGS:-} CXXFLAGS=${CXXFLAGS:-}"

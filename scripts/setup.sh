@@ -1,15 +1,12 @@
 #!/usr/bin/env bash
 # Create .venv and install tfgrpo with the embedded local model, exactly as pinned in requirements.lock.
-# Idempotent: a second run only checks what is installed. First run: ~15 min on 2 cores (llama.cpp compiles twice: the
-# library for llama-cpp-python, and llama-server).
+# Idempotent: a second run only checks what is installed. First run: a few minutes on 2 cores, most of it compiling
+# llama.cpp's llama-server once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-# llama-cpp-python has no binary wheel for this platform: build only the library we load (no tools,
-# examples, tests, server binaries or multimodal helper), which roughly halves the compile time.
-export CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF}"
-# Both llama.cpp builds are native but without Intel AMX: some VMs list AMX in /proc/cpuinfo yet fault on its first
+# llama-server is built native but without Intel AMX: some VMs list AMX in /proc/cpuinfo yet fault on its first
 # tile instruction (seen here: llama.cpp died with SIGSEGV at `ldtilecfg` in its first matrix product). An explicit
 # -mno-* wins over the -march=native that llama.cpp adds, whatever their order (compilers before gcc 11 know no AMX).
 NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
@@ -19,6 +16,6 @@ fi
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
 .venv/bin/python -m pip install -q --disable-pip-version-check --require-hashes -r requirements.lock
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
-# llama.cpp's own server, from the same pinned source: it decodes several requests at once
+# llama.cpp's own server, from pinned, hash-checked source
 bash scripts/build_llama_server.sh
 echo "tfgrpo is installed in .venv"

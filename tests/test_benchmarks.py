@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 X = r"[+-]?\d+\.\d+"  # a figure as the benchmarks print them
 COVERED = {"faults.py", "learning_paths.py", "local_learning.py", "local_math.py", "local_throughput.py",
            "local_web.py", "peers.py", "rule_ceiling.py", "step_latency.py"}  # each has a test below
-NOT_BENCHMARKS = {"__init__.py", "common.py", "log_dir_checks.py", "trust_rows.py"}  # helpers of the benchmarks
+NOT_BENCHMARKS = {"__init__.py", "common.py", "log_dir_checks.py", "stop_rows.py", "trust_rows.py"}  # helpers of the benchmarks
 
 
 def run(script: str, *args: str, timeout: float = 300) -> list[str]:
@@ -86,7 +86,8 @@ def test_local_learning(fake, tmp_path):
                         rf"library=\d+ baseline={X} compiled={X} lift={X} ci_low={X} ci_high={X}", lines[-1])
 
 
-PEER_ARMS = ["baseline", "bootstrap", "simba", "simba-solved", "gepa", "mipro", "tfgrpo-rules", "tfgrpo-probed+demos",
+PEER_ARMS = ["baseline", "bootstrap", "bootstrap-rs", "infer-rules", "knn", "simba", "simba-solved", "gepa", "mipro",
+             "tfgrpo-rules", "tfgrpo-probed+demos",
              "tfgrpo-probed-wide+demos", "tfgrpo-solver-excerpts-wide+demos"]
 
 
@@ -94,7 +95,7 @@ def test_peers(fake, tmp_path):
     """Every optimizer compiles, is evaluated and gets its line and its point; a second run reuses what was saved."""
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     args = ["--arms", ",".join(PEER_ARMS), "--seeds", "0", "--train", "2", "--eval", "2", "--generations", "2",
-            "--batch", "2", "--out", str(tmp_path), "--mlflow", store, *endpoint(fake)]
+            "--batch", "2", "--budget-calls", "10", "--out", str(tmp_path), "--mlflow", store, *endpoint(fake)]
     lines = [line for line in run("peers.py", *args, timeout=600) if line.startswith("peers: ")]
     assert [re.search(r"optimizer=(\S+)", line).group(1) for line in lines] == sorted(
         PEER_ARMS, key=lambda a: (a != "baseline", a))
@@ -169,7 +170,7 @@ def _local_model_or_skip(model: str) -> None:
     from tfgrpo import local_model, local_weights
 
     try:
-        local_model.resolve_engine("llama-server")
+        local_model.require_llama_server()
         local_weights.find_parts(local_weights.MODELS[model])
     except Exception as exc:  # not installed, not built, or weights missing
         if os.environ.get("TFGRPO_REQUIRE_LOCAL_MODEL"):
@@ -180,7 +181,10 @@ def _local_model_or_skip(model: str) -> None:
 @pytest.mark.local_model
 def test_local_throughput():
     _local_model_or_skip("qwen2.5-coder-0.5b")
-    lines = run("local_throughput.py", "--model", "qwen2.5-coder-0.5b", "--parallel", "1", "--rounds", "1",
-                "--tokens", "8", "--step-batch", "1", "--step-generations", "2", timeout=900)
-    assert re.fullmatch(rf"local_throughput: model=qwen2.5-coder-0.5b single_tok_s={X} parallel=1 "
-                        rf"parallel_tok_s={X} ratio=1\.00 prefix_saved=[01]\.\d\d main_job_s=not-run", lines[-1])
+    lines = run("local_throughput.py", "--model", "qwen2.5-coder-0.5b", "--modes", "off", "ngram-mod", "--puzzles",
+                "1", "--max-tokens", "48", timeout=900)
+    for mode, line in zip(("off", "ngram-mod"), lines[-3:-1]):
+        assert re.fullmatch(rf"throughput: mode={mode} tok_s={X} acceptance=[01]\.\d\d solved=[0-2]/2 tokens=\d+ "
+                            rf"seconds=\d+ quality_diff=[+-]\d\.\d{{3}} ci=\[[+-]\d\.\d{{3}},[+-]\d\.\d{{3}}\]", line), line
+    assert re.fullmatch(r"throughput: mode=(off|ngram-mod) speedup=\d+\.\d\dx quality_diff=[+-]\d\.\d{3} "
+                        r"ci=\[[+-]\d\.\d{3},[+-]\d\.\d{3}\] main_job_s=not-run", lines[-1]), lines[-1]

@@ -1,4 +1,4 @@
-"""Tests of tfgrpo.local_model: the server lifecycle, for both engines (llama-server and llama-cpp-python).
+"""Tests of tfgrpo.local_model: the llama-server lifecycle and its speculative decoding modes.
 
 Tests marked ``local_model`` use the real 0.5B model (assembled once per session into a temp cache dir).
 """
@@ -6,7 +6,6 @@ Tests marked ``local_model`` use the real 0.5B model (assembled once per session
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import signal
@@ -71,41 +70,28 @@ def _chat(api_base: str, content: str, max_tokens: int = 16, **extra) -> dict:
         return json.loads(resp.read())
 
 
-def _engine_missing(engine: str) -> str | None:
-    if engine == "llama-server" and lm.find_llama_server() is None:
-        return "llama-server is not built (bash scripts/setup.sh)"
-    if engine == "llama-cpp-python" and importlib.util.find_spec("llama_cpp") is None:
-        return "llama-cpp-python is not installed (pip install -e '.[local]')"
-    return None
-
-
-@pytest.fixture(params=["llama-server", "llama-cpp-python"])
-def engine(request):
-    """Each lifecycle test runs on both engines; an engine that is not installed is skipped."""
-    if reason := _engine_missing(request.param):
-        if os.environ.get("TFGRPO_REQUIRE_LOCAL_MODEL"):  # CI: setup must have built and installed both
-            pytest.fail(f"engine {request.param} is required here but unavailable: {reason}")
+@pytest.fixture
+def llama_server():
+    """llama-server must be built for the lifecycle tests; CI (TFGRPO_REQUIRE_LOCAL_MODEL) fails rather than skips."""
+    if lm.find_llama_server() is None:
+        reason = "llama-server is not built (bash scripts/setup.sh)"
+        if os.environ.get("TFGRPO_REQUIRE_LOCAL_MODEL"):
+            pytest.fail(f"llama-server is required here but unavailable: {reason}")
         pytest.skip(reason)
-    return request.param
 
 
-# ------------------------------------------------------------ engines, arguments, state file (no model)
+# ------------------------------------------------------------ binary, arguments, state file (no model)
 
 
-def test_engine_resolution(monkeypatch, tmp_path):
+def test_server_binary_is_required(monkeypatch, tmp_path):
     fake = tmp_path / "llama-server"
     fake.write_text("#!/bin/sh\n")
     fake.chmod(0o755)
     monkeypatch.setenv("TFGRPO_LLAMA_SERVER", str(fake))
     assert lm.find_llama_server() == str(fake)
-    assert lm.resolve_engine("auto") == lm.resolve_engine("llama-server") == "llama-server"
     monkeypatch.setenv("TFGRPO_LLAMA_SERVER", str(tmp_path / "missing"))
     with pytest.raises(LocalServerError, match="llama-server was not found.*scripts/setup.sh"):
-        lm.resolve_engine("llama-server")
-    if importlib.util.find_spec("llama_cpp") is not None:
-        assert lm.resolve_engine("auto") == "llama-cpp-python"  # the fallback, with a warning
-    with pytest.raises(ValueError, match="unknown engine"):
-        lm.resolve_engine("vllm")
+        LocalServer(SMALL, cache_dir=tmp_path)
 
 
 def test_llama_server_arguments(monkeypatch, tmp_path):
@@ -116,13 +102,17 @@ def test_llama_server_arguments(monkeypatch, tmp_path):
     server = LocalServer(SMALL, n_ctx=4096, parallel=3, cache_dir=tmp_path)
     server.model_path, server.port = tmp_path / "m.gguf", 1234
     args = server.server_args()
-    assert args[:2] == ["--exec", str(fake)]  # the launcher execs the binary (keeping the parent-death signal)
+    assert args[0] == str(fake)  # the launcher execs the binary (keeping the parent-death signal)
     assert args[args.index("-np") + 1] == "3" and args[args.index("-c") + 1] == str(3 * 4096)  # n_ctx per request
     assert "--metrics" in args
+    assert args[args.index("--spec-type") + 1] == lm.DEFAULT_SPECULATIVE  # the default drafts from n-grams
+    off = LocalServer(SMALL, speculative="off", cache_dir=tmp_path)
+    off.model_path, off.port = tmp_path / "m.gguf", 1234
+    assert "--spec-type" not in off.server_args() and "--spec-draft-model" not in off.server_args()
     with pytest.raises(ValueError, match="parallel"):
         LocalServer(SMALL, parallel=0, cache_dir=tmp_path)
-    if importlib.util.find_spec("llama_cpp") is not None:  # one request at a time there: parallel is ignored
-        assert LocalServer(SMALL, engine="llama-cpp-python", parallel=4, cache_dir=tmp_path).parallel == 1
+    with pytest.raises(ValueError, match="unknown speculative mode 'eagle'; choose one of off, ngram-simple"):
+        LocalServer(SMALL, speculative="eagle", cache_dir=tmp_path)
 
 
 def test_state_file_of_an_older_version_still_reads(tmp_path):
@@ -131,7 +121,7 @@ def test_state_file_of_an_older_version_still_reads(tmp_path):
            "api_base": "http://127.0.0.1:9/v1", "log_path": "x.log", "model_path": "x.gguf", "started_at": 0.0}
     (tmp_path / lm.STATE_FILE).write_text(json.dumps(old))
     info = lm._read_state(tmp_path)
-    assert (info.engine, info.parallel) == ("llama-cpp-python", 1)
+    assert (info.parallel, info.speculative) == (1, "off")
 
 
 def test_stale_state_file_is_cleaned(tmp_path):
@@ -172,12 +162,11 @@ def test_real_model_is_verified(real_cache):
 
 
 @real
-def test_owned_server_lifecycle(real_cache, engine, capfd):
-    parallel = 2 if engine == "llama-server" else None  # (llama-cpp-python would warn that it ignores it)
-    server = LocalServer(SMALL, n_ctx=2048, cache_dir=real_cache, engine=engine, parallel=parallel)
+def test_owned_server_lifecycle(real_cache, llama_server, capfd):
+    server = LocalServer(SMALL, n_ctx=2048, cache_dir=real_cache, parallel=2)
     with server:
         pid = server.pid
-        assert server.engine == engine and lm._pid_alive(pid)
+        assert lm._pid_alive(pid)
         assert server.api_base.startswith("http://127.0.0.1:") and server.api_base.endswith("/v1")
         models = json.loads(urllib.request.urlopen(f"{server.api_base}/models", timeout=10).read())
         assert [m["id"] for m in models["data"]] == [SMALL]
@@ -192,14 +181,14 @@ def test_owned_server_lifecycle(real_cache, engine, capfd):
     assert server.proc is None and _wait_gone(pid, timeout=1), "server process survived stop()"
     out, err = capfd.readouterr()
     assert "llama" not in (out + err).lower(), "server output leaked to our terminal"
-    assert ("POST /v1/chat/completions" if engine == "llama-cpp-python" else "slot") in server.log_path.read_text()
+    assert "slot" in server.log_path.read_text()
     server.stop()  # idempotent
 
 
 @real
-def test_dspy_can_use_it(real_cache, engine):
+def test_dspy_can_use_it(real_cache, llama_server):
     dspy = pytest.importorskip("dspy")
-    with LocalServer(SMALL, n_ctx=4096, cache_dir=real_cache, engine=engine) as server:
+    with LocalServer(SMALL, n_ctx=4096, cache_dir=real_cache) as server:
         from tfgrpo.lms import local_dspy_lm
 
         lm_ = local_dspy_lm(server.model_alias, server.api_base, max_tokens=256, temperature=0.3, cache=False)
@@ -213,8 +202,8 @@ def test_dspy_can_use_it(real_cache, engine):
 
 
 @real
-def test_stopped_on_exception_and_ctrl_c(real_cache, engine, monkeypatch):
-    server = LocalServer(SMALL, n_ctx=1024, cache_dir=real_cache, engine=engine)
+def test_stopped_on_exception_and_ctrl_c(real_cache, llama_server, monkeypatch):
+    server = LocalServer(SMALL, n_ctx=1024, cache_dir=real_cache)
     with pytest.raises(RuntimeError, match="boom"):
         with server:
             pid = server.pid
@@ -235,12 +224,12 @@ def test_stopped_on_exception_and_ctrl_c(real_cache, engine, monkeypatch):
 
 @real
 @pytest.mark.parametrize("how", ["atexit", "sigkill"])
-def test_no_orphan_when_parent_exits(real_cache, engine, tmp_path, how):
+def test_no_orphan_when_parent_exits(real_cache, llama_server, tmp_path, how):
     code = f"""
         import threading, time
         from pathlib import Path
         from tfgrpo.local_model import LocalServer
-        s = LocalServer({SMALL!r}, n_ctx=1024, cache_dir=Path({str(real_cache)!r}), engine={engine!r})
+        s = LocalServer({SMALL!r}, n_ctx=1024, cache_dir=Path({str(real_cache)!r}))
         if {how!r} == "atexit":  # from a worker thread: no parent-death signal, atexit alone must stop it
             t = threading.Thread(target=s.start)
             t.start()
@@ -260,10 +249,10 @@ def test_no_orphan_when_parent_exits(real_cache, engine, tmp_path, how):
 
 
 @real
-def test_detached_server_is_reused_then_stopped(real_cache, engine):
+def test_detached_server_is_reused_then_stopped(real_cache, llama_server):
     try:
-        info = lm.start_detached(SMALL, n_ctx=2048, cache_dir=real_cache, engine=engine)
-        assert info.engine == engine
+        info = lm.start_detached(SMALL, n_ctx=2048, cache_dir=real_cache, speculative="off")
+        assert info.speculative == "off"
         assert lm.status(cache_dir=real_cache) == info
         assert json.loads((real_cache / lm.STATE_FILE).read_text())["pid"] == info.pid
         assert lm.start_detached(SMALL, cache_dir=real_cache) == info  # idempotent
@@ -277,13 +266,13 @@ def test_detached_server_is_reused_then_stopped(real_cache, engine):
         assert lm.status(cache_dir=real_cache) is None and not (real_cache / lm.STATE_FILE).exists()
         assert lm.stop_detached(cache_dir=real_cache) is False
         # nothing detached any more: ensure_server starts (and hands us) an owned server
-        api_base, owned = lm.ensure_server(SMALL, n_ctx=1024, cache_dir=real_cache, engine=engine)
+        api_base, owned = lm.ensure_server(SMALL, n_ctx=1024, cache_dir=real_cache)
         try:
             assert owned is not None and api_base == owned.api_base != info.api_base
         finally:
             owned.stop()
         # a detached server that died leaves a stale state file, which status() removes
-        info = lm.start_detached(SMALL, n_ctx=1024, cache_dir=real_cache, engine=engine)
+        info = lm.start_detached(SMALL, n_ctx=1024, cache_dir=real_cache)
         os.killpg(info.pid, signal.SIGKILL)
         assert _wait_gone(info.pid)
         assert lm.status(cache_dir=real_cache) is None and not (real_cache / lm.STATE_FILE).exists()
@@ -291,11 +280,11 @@ def test_detached_server_is_reused_then_stopped(real_cache, engine):
         lm.stop_detached(cache_dir=real_cache)
 
 
-def test_early_death_reports_log_tail(tmp_path, monkeypatch, engine):
+def test_early_death_reports_log_tail(tmp_path, monkeypatch, llama_server):
     bogus = tmp_path / "bogus.gguf"
     bogus.write_bytes(b"GGUF" + b"\0" * 4096)
     monkeypatch.setattr(lm, "ensure_model", lambda *a, **k: bogus)
-    server = LocalServer(SMALL, cache_dir=tmp_path, startup_timeout_s=60, engine=engine)
+    server = LocalServer(SMALL, cache_dir=tmp_path, startup_timeout_s=60)
     with pytest.raises(LocalServerError, match=r"(?s)exited with code \d+ during startup.*(Failed to load model|failed to load)"):
         server.start()
     assert server.proc is None
@@ -310,7 +299,18 @@ def test_a_server_that_crashes_says_which_signal_and_what_to_rebuild(tmp_path, m
     model.write_bytes(b"GGUF" + b"\0" * 64)
     monkeypatch.setattr(lm, "ensure_model", lambda *a, **k: model)
     monkeypatch.setenv("TFGRPO_LLAMA_SERVER", str(crashing))
-    server = LocalServer(SMALL, cache_dir=tmp_path, startup_timeout_s=30, engine="llama-server")
+    server = LocalServer(SMALL, cache_dir=tmp_path, startup_timeout_s=30)
     with pytest.raises(LocalServerError, match=r"exited with code -11 during startup \(Segmentation fault; .*AMX"):
         server.start()
     assert server.proc is None
+
+
+@real
+@pytest.mark.parametrize("mode", ["ngram-mod", "draft"])
+def test_speculative_modes_draft_tokens(real_cache, llama_server, mode):
+    """A reply that copies its prompt is drafted (n-grams of the prompt, or the draft model) and mostly accepted."""
+    text = "def solve(nums):\n    for a in nums:\n        for b in nums:\n            print(a + b, a * b)\n" * 3
+    with LocalServer(SMALL, n_ctx=2048, cache_dir=real_cache, speculative=mode) as server:
+        reply = _chat(server.api_base, f"Copy this code exactly, with nothing else:\n{text}", 96, temperature=0.0)
+    timings = reply["timings"]
+    assert timings["draft_n"] > 0 and 0 < timings["draft_n_accepted"] <= timings["draft_n"], timings

@@ -1,6 +1,8 @@
 """Edits that earn their place: the probe (probe_size) keeps what helps on other training queries, and excerpts
 (max_excerpt_lines) are copied from the attempt, never invented."""
 
+import statistics
+
 import dspy
 
 from scripted_lm import ScriptedLM, kind_of
@@ -43,7 +45,8 @@ def test_probe_keeps_the_rule_that_helps_and_drops_the_one_that_hurts(tmp_path):
     probe = step["probe"]
     assert [c["kept"] for c in probe["candidates"]] == [True, False]
     assert probe["base_mean"] == 1.0 and [c["mean"] for c in probe["candidates"]] == [1.0, 0.0]
-    assert len(probe["queries"]) == 3 and step["usage"]["probe"]["calls"] == 9  # (1 + 2 candidates) x 3 queries
+    # (1 + 2 candidates) x 3 queries, but the bad rule stops after its first failure: it can no longer tie
+    assert len(probe["queries"]) == 3 and step["usage"]["probe"]["calls"] == 7 and probe["attempts_saved"] == 2
     assert step["library_size"] == 1 and BAD not in compiled.experience_library.texts()  # LESSON kept in step 0
     # a resume reuses every probe attempt
     calls = len(lm.calls)
@@ -230,13 +233,59 @@ def _partial(example, pred, trace=None):
     return 1.0 if pred.answer == example.answer else 0.3 if pred.answer.lstrip("-").isdigit() else 0.0
 
 
-def _probe(programs, candidates):
+def _probe(programs, candidates, **kw):
     """run_probe on 4 training queries, every attempt run in turn, nothing cached."""
     from tfgrpo.optimizers.probe import run_probe
 
     return run_probe(programs, candidates, queries=[0, 1, 2, 3], trainset=make_trainset(4), metric=_partial,
                      unit_of=lambda p, q: f"{p}_{q}", cached=lambda unit: None,
-                     run_units=lambda fn, jobs: [fn(j) for j in jobs])
+                     run_units=lambda fn, jobs: [fn(j) for j in jobs], **kw)
+
+
+def run_probe_fully(programs, candidates, **kw):
+    from tfgrpo.optimizers.probe import run_probe
+
+    return run_probe(programs, candidates, queries=[0, 1, 2, 3], trainset=make_trainset(4), metric=_partial,
+                     unit_of=lambda p, q: f"{p}_{q}", cached=lambda unit: None,
+                     run_units=lambda fn, jobs: [fn(j) for j in jobs], stop_early=False, **kw)
+
+
+class _Table(dspy.Module):
+    """A program without an LM whose reward on probe query n is `rewards[n]` (1, 0.3 or 0 under `_partial`)."""
+
+    def __init__(self, rewards):
+        super().__init__()
+        self.rewards = rewards
+
+    def forward(self, question):
+        n = int(question.split()[2])
+        return dspy.Prediction(answer={1.0: str(2 * n + 10), 0.3: "7", 0.0: "none"}[self.rewards[n]])
+
+
+def test_stopping_early_gives_the_verdicts_of_the_full_probe_with_fewer_attempts():
+    """Random probes: every candidate kind (demo, rule, excerpt, edits of one experience), with and without
+    keep_ties; the early-stopping probe keeps exactly what the full one keeps and never runs more attempts."""
+    import random
+
+    from tfgrpo.optimizers.probe import Candidate
+    from tfgrpo.signatures.operations import ExcerptOperation, Operation
+
+    rule = Operation(action="add", ids=[], text="Try every order of the numbers.")
+    coded = ExcerptOperation(action="add", ids=[], text="Try every order of the numbers.", excerpt="print(24)")
+    retire = Operation(action="delete", ids=["E1"], text="")
+    kinds = [lambda: Candidate("demo", demo={}), lambda: Candidate("rule", operations=(rule,)),
+             lambda: Candidate("excerpt", operations=(coded,)), lambda: Candidate("retire", operations=(retire,))]
+    rng, saved = random.Random(0), 0
+    for case in range(150):
+        candidates = [rng.choice(kinds)() for _ in range(rng.randint(1, 4))]
+        programs = [_Table([rng.choice([1.0, 1.0, 0.3, 0.0]) for _ in range(4)]) for _ in range(len(candidates) + 1)]
+        keep_ties = rng.random() < 0.5
+        full = run_probe_fully(programs, candidates, keep_ties=keep_ties)
+        early = _probe(programs, candidates, keep_ties=keep_ties)
+        assert early.kept == full.kept, case
+        assert [s for s, k in zip(early.scores, early.kept) if k] == [s for s, k in zip(full.scores, full.kept) if k]
+        saved += sum(full.ran) - sum(early.ran)
+    assert saved > 0
 
 
 def test_partial_credit_alone_does_not_buy_a_demo_its_place():
@@ -248,8 +297,12 @@ def test_partial_credit_alone_does_not_buy_a_demo_its_place():
                 _Fixed(0, "7")]  # rule C: one success fewer, higher mean
     candidates = [Candidate("A", demo={}), Candidate("B", demo={}), Candidate("C", operations=())]
     result = _probe(programs, candidates)
-    assert result.base == (1, 0.25) and result.scores[0] == (1, 0.475) and result.scores[1] == (3, 0.75)
+    assert result.base == (1, 0.25) and result.scores[1] == (3, 0.75)
     assert result.kept == [False, True, False]  # A only earns partial credit; C loses a success
+    # A stopped once B was sure to be kept and A could no longer outrank it (3 of 4 queries run, 1.6 reward)
+    assert result.ran == [3, 4, 4] and result.scores[0] == (1, statistics.fmean([1.0, 0.3, 0.3]))
+    full = run_probe_fully(programs, candidates)
+    assert full.kept == result.kept and full.ran == [4, 4, 4] and full.scores[0] == (1, 0.475)
 
 
 def test_only_the_best_of_two_winning_demos_is_recorded_as_kept():

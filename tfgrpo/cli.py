@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from tfgrpo.config import Config, ConfigError
+from tfgrpo.local_model import DEFAULT_SPECULATIVE, SPECULATIVE
 from tfgrpo.util import write_atomic
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -364,13 +365,13 @@ def report(run_dirs: list[Path], out: Path = typer.Option(Path("report"), help="
 
 @lm_app.command("start")
 def lm_start(model: str = "qwen2.5-coder-1.5b", n_ctx: int = 8192,
-             engine: str = typer.Option("auto", help="llama-server | llama-cpp-python | auto (llama-server if built)"),
+             speculative: str = typer.Option(DEFAULT_SPECULATIVE, help=f"how tokens are drafted: {' | '.join(SPECULATIVE)}"),
              parallel: int = typer.Option(None, help="requests decoded together (llama-server; default: cores/2, at most 4)")) -> None:
     """Start the embedded model server in the background (reused by later runs until `tfgrpo lm stop`)."""
     from tfgrpo.local_model import start_detached
 
-    info = start_detached(model, n_ctx=n_ctx, engine=engine, parallel=parallel)
-    console.print(f"serving {info.model} at {info.api_base} with {info.engine}, {info.parallel} slot(s) "
+    info = start_detached(model, n_ctx=n_ctx, speculative=speculative, parallel=parallel)
+    console.print(f"serving {info.model} at {info.api_base}, {info.parallel} slot(s), speculative {info.speculative} "
                   f"(pid {info.pid}, log {info.log_path})")
 
 
@@ -388,7 +389,7 @@ def lm_status() -> None:
     from tfgrpo.local_model import status
 
     info = status()
-    console.print(f"{info.model} at {info.api_base} with {info.engine}, {info.parallel} slot(s) (pid {info.pid})"
+    console.print(f"{info.model} at {info.api_base}, {info.parallel} slot(s), speculative {info.speculative} (pid {info.pid})"
                   if info else "no server running")
 
 

@@ -35,7 +35,9 @@ class LMConfig(_Strict):
     cache: bool = True  # DSPy's on-disk cache of replies: a re-run of the same prompts costs nothing
     n_ctx: int = Field(8192, ge=512)  # local backend only: context window of the server
     n_threads: int | None = None  # local backend only: CPU threads (default: all cores)
-    engine: Literal["auto", "llama-server", "llama-cpp-python"] = "auto"  # local only: auto prefers llama-server
+    # local only: how the server drafts tokens for the model to check (see tfgrpo.local_model.SPECULATIVE); the
+    # replies are samples of the same model either way, only faster
+    speculative: Literal["off", "ngram-simple", "ngram-mod", "ngram-map-k", "ngram-cache", "draft"] = "ngram-mod"
     parallel: int | None = Field(None, ge=1)  # local only: requests decoded together (llama-server; default: cores/2, at most 4)
 
     @model_validator(mode="after")

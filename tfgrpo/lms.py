@@ -36,9 +36,9 @@ def backend_constrained_mode(cfg: LMConfig) -> str | None:
 def local_dspy_lm(model: str, api_base: str, *, max_tokens: int, **kwargs) -> dspy.LM:
     """A `dspy.LM` for the embedded llama.cpp server.
 
-    DSPy's OpenAI dialect sends the reply limit as `max_completion_tokens`, which llama-cpp-python's server
-    ignores: a reply then runs until the context is full (minutes on this CPU, while every other request
-    waits). The limit is sent as `max_tokens` too, which the server honours."""
+    DSPy's OpenAI dialect sends the reply limit as `max_completion_tokens`, which some llama.cpp servers ignore:
+    a reply then runs until the context is full (minutes on this CPU, while every other request waits). The
+    limit is sent as `max_tokens` too, which every server honours."""
     return dspy.LM(f"openai/{model}", api_base=api_base, api_key="local", max_tokens=max_tokens,
                    extra_body={"max_tokens": max_tokens}, **kwargs)
 
@@ -47,12 +47,12 @@ def _build(cfg: LMConfig, stack: contextlib.ExitStack, started: dict) -> dspy.LM
     common = dict(temperature=cfg.temperature, max_tokens=cfg.max_tokens, num_retries=cfg.num_retries,
                   timeout=cfg.timeout_s, cache=cfg.cache)
     if cfg.backend == "local":
-        key = (cfg.model, cfg.n_ctx, cfg.n_threads, cfg.engine, cfg.parallel)
+        key = (cfg.model, cfg.n_ctx, cfg.n_threads, cfg.speculative, cfg.parallel)
         if key not in started:
             from tfgrpo.local_model import ensure_server
 
             logger.info("Starting the embedded model %s (first run assembles the weights)", cfg.model)
-            api_base, server = ensure_server(cfg.model, n_ctx=cfg.n_ctx, n_threads=cfg.n_threads, engine=cfg.engine,
+            api_base, server = ensure_server(cfg.model, n_ctx=cfg.n_ctx, n_threads=cfg.n_threads, speculative=cfg.speculative,
                                              parallel=cfg.parallel)
             if server is not None:
                 stack.callback(server.stop)

@@ -1,23 +1,19 @@
-"""The embedded model's inference server, as a child process of this one or detached from it.
+"""The embedded model's inference server, llama.cpp's ``llama-server``, as a child process of this one or detached.
 
-Two engines serve the same OpenAI-compatible API from the same pinned llama.cpp source:
-
-* ``llama-server``, llama.cpp's own server (built by ``scripts/setup.sh`` into the virtualenv): several
-  slots decode in one batch (``parallel``), and each slot keeps its prompt's KV cache for the next request
-  with the same prefix;
-* ``llama-cpp-python``'s ``python -m llama_cpp.server``: one request at a time, the fallback where the
-  binary was not built (``pip install -e ".[local]"`` alone).
+``scripts/setup.sh`` builds the server into the virtualenv from pinned source. Several slots can decode in one batch
+(``parallel``); each slot keeps its prompt's KV cache for the next request with the same prefix; and with
+``speculative`` the server drafts tokens cheaply and has the model check them all in one pass, which pays where a
+reply copies text from its prompt (a demo, an excerpt): see ``SPECULATIVE``.
 
 ``LocalServer`` owns a server; ``start_detached``/``status``/``stop_detached`` manage one that outlives
 this process (``tfgrpo lm start``), found again through a JSON state file. The weights come from
-``local_weights.ensure_model``. DSPy talks to either through ``tfgrpo.lms.local_dspy_lm``.
+``local_weights.ensure_model``. DSPy talks to it through ``tfgrpo.lms.local_dspy_lm``.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import importlib.util
 import json
 import logging
 import os
@@ -39,12 +35,25 @@ from tfgrpo.util import write_atomic
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "server.json"
-ENGINES = ("auto", "llama-server", "llama-cpp-python")
 BUILD_HINT = "bash scripts/setup.sh (it builds llama-server into the virtualenv)"
 # llama-server slots decoded in one batch. On 2 cores decoding is nearly compute-bound: 4 streams gave 1.0-1.44x the
 # tokens/s of one (benchmarks/local_throughput.py, within run-to-run noise) and each slot warms shared prefixes on its
 # own, so one slot there; batching pays where there are cores (or a GPU) to spare.
 DEFAULT_PARALLEL = min(4, max(1, (os.cpu_count() or 1) // 2))
+# Speculative decoding: tokens are drafted cheaply, then the model checks a whole draft in one pass and keeps the
+# tokens it samples itself, so the replies are samples of the same model, only faster. The ngram modes draft from
+# text already in the prompt or the reply, which is what a reply copying a demo or an excerpt is; "draft" asks the
+# 0.5B Qwen2.5-Coder, which shares the 1.5B's tokenizer. benchmarks/local_throughput.py measures each mode.
+SPECULATIVE = {
+    "off": [],
+    "ngram-simple": ["--spec-type", "ngram-simple"],
+    "ngram-mod": ["--spec-type", "ngram-mod"],
+    "ngram-map-k": ["--spec-type", "ngram-map-k"],
+    "ngram-cache": ["--spec-type", "ngram-cache"],
+    "draft": [],  # --spec-draft-model, added once the draft model's file is known
+}
+DEFAULT_SPECULATIVE = "ngram-mod"
+DRAFT_MODEL = "qwen2.5-coder-0.5b"
 
 
 class LocalServerError(RuntimeError):
@@ -61,41 +70,30 @@ def find_llama_server() -> str | None:
     return str(here) if os.access(here, os.X_OK) else shutil.which("llama-server")
 
 
-def resolve_engine(engine: str) -> str:
-    """The engine to run: "auto" prefers llama-server and falls back (with a warning) to llama-cpp-python."""
-    if engine not in ENGINES:
-        raise ValueError(f"unknown engine {engine!r}; choose one of {ENGINES}")
-    if engine in ("auto", "llama-server") and find_llama_server():
-        return "llama-server"
-    if engine == "llama-server":
+def require_llama_server() -> str:
+    """Path of the llama-server binary, or a ``LocalServerError`` that says how to build it."""
+    if (binary := find_llama_server()) is None:
         raise LocalServerError(f"llama-server was not found (nor $TFGRPO_LLAMA_SERVER); build it with: {BUILD_HINT}")
-    if importlib.util.find_spec("llama_cpp") is None:
-        raise LocalServerError(f"neither llama-server nor llama-cpp-python is installed; install them with: {BUILD_HINT}")
-    if engine == "auto":
-        logger.warning("llama-server not found: using llama-cpp-python's server, which answers one request at a "
-                       "time (build llama-server with: %s)", BUILD_HINT)
-    return "llama-cpp-python"
+    return binary
 
 
 # Started as ``python -c`` in the child: when asked (first argument = our pid), make Linux send the child
 # SIGTERM if its parent dies (prctl PR_SET_PDEATHSIG = 1), so even a SIGKILLed parent leaves no orphan; then
-# either exec the llama-server binary (the death signal survives exec) or run ``python -m llama_cpp.server``.
+# exec the llama-server binary (the death signal survives exec).
 _LAUNCHER = """\
-import os, sys, runpy
+import os, sys
 parent = int(sys.argv.pop(1))
 if parent:
     import ctypes, signal
     ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))
     if os.getppid() != parent:
         sys.exit(0)
-if sys.argv[1] == "--exec":
-    os.execv(sys.argv[2], sys.argv[2:])
-runpy.run_module("llama_cpp.server", run_name="__main__", alter_sys=True)
+os.execv(sys.argv[1], sys.argv[1:])
 """
 _CRASH_HINT = ("; likely a llama.cpp built for another CPU, or using a CPU feature this machine lists but cannot run "
                "(Intel AMX in some VMs): `bash scripts/setup.sh` rebuilds llama-server natively without AMX")
 _SERVER_MARKS = (b"llama_cpp.server", b"llama-server")  # in the cmdline of our servers (guards against pid reuse)
-# Environment variables either server would prefer to our command line.
+# Environment variables the server would prefer to our command line.
 _SCRUB_ENV = {"HOST", "PORT", "CONFIG_FILE", "MODEL", "MODEL_ALIAS", "N_CTX", "N_THREADS", "API_KEY"}
 _SCRUB_PREFIX = "LLAMA_ARG_"
 
@@ -107,8 +105,8 @@ def _free_port(host: str) -> int:
 
 
 def _probe(api_base: str, timeout: float = 3.0) -> str:
-    """'ok' if GET /models answers; 'busy' if the server accepted the connection but did not answer in time
-    (llama_cpp.server answers only between completions); else 'down' (llama-server loading the model: 503)."""
+    """'ok' if GET /models answers; 'busy' if the server accepted the connection but did not answer in time;
+    else 'down' (llama-server loading the model answers 503)."""
     try:
         with urllib.request.urlopen(f"{api_base}/models", timeout=timeout) as resp:
             return "ok" if resp.status == 200 else "down"
@@ -178,8 +176,9 @@ class ServerInfo:
     log_path: str
     model_path: str
     started_at: float
-    engine: str = "llama-cpp-python"  # state files written before llama-server was an engine lack these two
+    engine: str = "llama-server"  # kept so that state files of older versions still read
     parallel: int = 1
+    speculative: str = "off"
 
 
 class LocalServer:
@@ -188,8 +187,8 @@ class LocalServer:
     It is stopped by ``stop()``, on leaving the ``with`` block (exceptions and Ctrl-C
     included), at interpreter exit (atexit), and - on Linux, if started from the main
     thread - by the kernel when this process dies without cleaning up.
-    ``engine`` as in ``resolve_engine``; ``parallel`` requests decode together (llama-server only;
-    default ``DEFAULT_PARALLEL``), each with up to ``n_ctx`` tokens; more wait in the server's queue.
+    ``parallel`` requests decode together (default ``DEFAULT_PARALLEL``), each with up to ``n_ctx`` tokens; more
+    wait in the server's queue. ``speculative`` is a key of ``SPECULATIVE``.
     Each slot keeps its last prompt's KV cache, so a request sharing a prefix with it skips that part.
     """
 
@@ -199,8 +198,8 @@ class LocalServer:
         *,
         n_threads: int | None = None,
         n_ctx: int = 8192,
-        engine: str = "auto",
         parallel: int | None = None,
+        speculative: str = DEFAULT_SPECULATIVE,
         host: str = "127.0.0.1",
         port: int | None = None,
         log_path: Path | None = None,
@@ -213,11 +212,11 @@ class LocalServer:
         self.n_ctx, self.host, self.port = n_ctx, host, port
         if parallel is not None and parallel < 1:
             raise ValueError(f"parallel must be at least 1, got {parallel}")
-        self.engine = resolve_engine(engine)
-        self.binary = find_llama_server() if self.engine == "llama-server" else None
-        if self.engine == "llama-cpp-python" and (parallel or 1) > 1:
-            logger.warning("llama-cpp-python's server decodes one request at a time: parallel=%d is ignored", parallel)
-        self.parallel = (parallel or DEFAULT_PARALLEL) if self.engine == "llama-server" else 1
+        if speculative not in SPECULATIVE:
+            raise ValueError(f"unknown speculative mode {speculative!r}; choose one of {', '.join(SPECULATIVE)}")
+        self.binary = require_llama_server()
+        self.parallel, self.speculative = parallel or DEFAULT_PARALLEL, speculative
+        self.draft_path: Path | None = None
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.log_path = Path(log_path) if log_path else self.cache_dir / f"server-{model}.log"
         self.startup_timeout_s = startup_timeout_s
@@ -234,34 +233,26 @@ class LocalServer:
         return self.proc.pid if self.proc else None
 
     def server_args(self) -> list[str]:
-        if self.engine == "llama-server":
-            # -c: one KV pool for all slots (--kv-unified), room for `parallel` requests of n_ctx tokens.
-            # --metrics: /metrics counts prompt tokens processed vs taken from a slot's cache.
-            # -t/-tb: generation and prompt processing use the same cores; -b 512 as below.
-            return [
-                "--exec", self.binary, "-m", str(self.model_path), "--alias", self.model_alias,
-                "--host", self.host, "--port", str(self.port), "-c", str(self.n_ctx * self.parallel),
-                "--kv-unified", "-np", str(self.parallel), "-b", "512", "-t", str(self.n_threads),
-                "-tb", str(self.n_threads), "--metrics", "--no-webui",
-            ]  # fmt: skip
-        # --logits_all False: compute logits for the last position only. The server default
-        #   (True) keeps a ~150k-float row per prompt token; on the 0.5B with a 1.2k-token
-        #   prompt that halved prompt speed and cost 1.2 GB of extra memory.
-        # --interrupt_requests False: a waiting request must not cut a streamed answer
-        #   short; requests simply queue behind the server's lock.
-        # --n_threads_batch: prompt processing uses the same cores as generation.
-        return [
-            "--model", str(self.model_path), "--model_alias", self.model_alias,
-            "--host", self.host, "--port", str(self.port), "--n_ctx", str(self.n_ctx),
-            "--n_batch", "512", "--n_threads", str(self.n_threads), "--n_threads_batch", str(self.n_threads),
-            "--logits_all", "False", "--interrupt_requests", "False",
+        # -c: one KV pool for all slots (--kv-unified), room for `parallel` requests of n_ctx tokens.
+        # --metrics: /metrics counts prompt tokens processed vs taken from a slot's cache.
+        # -t/-tb: generation and prompt processing use the same cores.
+        args = [
+            self.binary, "-m", str(self.model_path), "--alias", self.model_alias,
+            "--host", self.host, "--port", str(self.port), "-c", str(self.n_ctx * self.parallel),
+            "--kv-unified", "-np", str(self.parallel), "-b", "512", "-t", str(self.n_threads),
+            "-tb", str(self.n_threads), "--metrics", "--no-webui", *SPECULATIVE[self.speculative],
         ]  # fmt: skip
+        if self.draft_path is not None:
+            args += ["--spec-draft-model", str(self.draft_path), "-td", str(self.n_threads)]
+        return args
 
     def start(self, *, detached: bool = False) -> LocalServer:
         """Launch the server and block until it answers (or raise ``LocalServerError``)."""
         if self.proc is not None and self.proc.poll() is None:
             return self
         self.model_path = ensure_model(self.model, cache_dir=self.cache_dir)
+        if self.speculative == "draft":
+            self.draft_path = ensure_model(DRAFT_MODEL, cache_dir=self.cache_dir)
         self.port = self.port or _free_port(self.host)
         # The parent-death signal fires when the *thread* that forked exits, so only use
         # it for owned servers started from the main thread.
@@ -272,7 +263,7 @@ class LocalServer:
             os.replace(self.log_path, self.log_path.with_name(self.log_path.name + ".old"))
         t0 = time.monotonic()
         with open(self.log_path, "ab") as log:  # the child keeps its own handle
-            log.write(f"\n=== tfgrpo: {self.model} on {self.api_base} ({self.engine}, {self.parallel} slot(s)) ===\n".encode())
+            log.write(f"\n=== tfgrpo: {self.model} on {self.api_base} ({self.parallel} slot(s), speculative {self.speculative}) ===\n".encode())
             log.flush()
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", _LAUNCHER, str(os.getpid() if watch else 0), *self.server_args()],
@@ -322,7 +313,7 @@ class LocalServer:
         return ServerInfo(
             pid=self.proc.pid, port=self.port, host=self.host, model=self.model, model_alias=self.model_alias,
             api_base=self.api_base, log_path=str(self.log_path), model_path=str(self.model_path),
-            started_at=time.time(), engine=self.engine, parallel=self.parallel,
+            started_at=time.time(), parallel=self.parallel, speculative=self.speculative,
         )  # fmt: skip
 
     def __enter__(self) -> LocalServer:

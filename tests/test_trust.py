@@ -114,6 +114,23 @@ def test_a_program_json_of_another_program_is_refused(tmp_path):
     assert load_program(Labeller(), path).experience_library.texts()[0] == "Add the ones first, then carry."
 
 
+def test_tfgrpo_evaluate_refuses_another_programs_json_with_one_line_and_no_call(tmp_path):
+    from typer.testing import CliRunner
+
+    from test_cli_own_program import config, user_project
+    from tfgrpo.cli import app
+    from tfgrpo.testing import FakeLMServer
+
+    files = user_project(tmp_path, "issue37_agent")  # its Agent's predictor is solve.predict: question -> answer
+    other = saved_program(tmp_path, "text -> label")  # solve.predict too, with the fields text -> label
+    with FakeLMServer() as server:
+        path = config(tmp_path, server.api_base, f"{tmp_path / 'issue37_agent.py'}:Agent", files)
+        result = CliRunner().invoke(app, ["evaluate", str(path), "--program", str(other)])
+        assert server.stats()["calls"] == 0
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "predictor 'solve.predict': it was saved with the fields" in " ".join(result.output.split())
+
+
 def edited(path, instructions=None, library=None):
     import json
 

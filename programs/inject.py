@@ -6,7 +6,8 @@ instructions before it (for ReAct: the tool list) are left untouched. Because th
 signature's instructions, a program saved with `program.save(...)` carries it, and stock DSPy loads it with
 `program.load(...)`; the structured library rides along in the same JSON under `experience_library`. A program
 loaded without that attribute (stock DSPy's `load` into a fresh program) still carries the block, and
-`library_from_instructions` reads the experiences back from it, so re-compiling never drops them.
+`library_from_instructions` reads the experiences back from it, so re-compiling never drops them. When a saved
+program carries both, `load_program` checks that they agree.
 """
 
 from __future__ import annotations
@@ -153,7 +154,9 @@ def save_program(program: dspy.Module, path: str | Path) -> Path:
 def load_program(program: dspy.Module, path: str | Path, target_predictors: list[str] | None = None) -> dspy.Module:
     """Load a saved program into `program` (in place) and restore its structured library.
 
-    Bad input gives a `ValueError` naming the file, never a half-loaded program.
+    Bad input gives a `ValueError` naming the file, never a half-loaded program; so do a file saved from another
+    program (a predictor of the same name with other fields) and a hand edit that left the experience block in the
+    instructions and the stored library saying different things (which one was meant cannot be told).
     """
     path = Path(path)
     try:
@@ -221,7 +224,7 @@ def _saved_disagrees(saved: dict, predictor: dspy.Predict, library: ExperienceLi
     else:
         changed = next((i for i in stored if in_block[i] != stored[i]), None)
         what = f"[{changed}] reads {in_block[changed]!r} in the block and {stored[changed]!r} in the library" \
-            if changed else "their excerpts differ"
+            if changed else "their excerpts or layout differ"
     return (f"the experience block in its instructions and the stored experience_library disagree ({what}). Neither "
             f"is taken over the other: edit both alike, or delete the {LIBRARY_KEY!r} key to keep the block as "
             "written (the experiences' history is then lost)")

@@ -11,7 +11,9 @@ Layout:
     epochs/0.json                 validation score of the library after epoch 0
 
 Files are written atomically (`tfgrpo.util.write_atomic`), so a kill at any moment leaves either the old state or
-the new one, never a torn file. A unit file that does not parse (written by something else) is treated as
+the new one, never a torn file (a kill mid-write leaves a hidden `.tmp` file, which the next start removes). One
+compile at a time writes into a log_dir: `locked()` holds its lock (`lock.py`) for the compile's lifetime.
+A unit file that does not parse (written by something else) is treated as
 absent and computed again. run.json is different: without it nothing says which settings the saved units
 were made with, so a log_dir that holds units but no readable run.json is refused, never reused.
 
@@ -23,13 +25,15 @@ constrained_decoding, LM endpoints and keys) may change between a run and its re
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import threading
 from pathlib import Path
 from typing import Any
 
-from tfgrpo.util import write_atomic
+from tfgrpo.optimizers.lock import RunLock
+from tfgrpo.util import remove_stale_tmp, write_atomic
 
 
 class RunMismatchError(ValueError):
@@ -49,10 +53,21 @@ class Checkpoint:
         self.root = Path(log_dir) if log_dir is not None else None
         self._lock = threading.Lock()
         self.reused = 0  # units found on disk instead of recomputed (for reports and tests)
+        self.closed = False  # set when the compile ends: a worker still running (a hung call) writes nothing more
 
     @property
     def enabled(self) -> bool:
         return self.root is not None
+
+    @contextlib.contextmanager
+    def locked(self):
+        """Hold the log_dir's lock while the block runs (a second compile on it is refused with `RunLockedError`);
+        when the block ends, however it ends, nothing more is written."""
+        try:
+            with RunLock(self.root):
+                yield self
+        finally:
+            self.closed = True
 
     def start(self, fingerprint: dict[str, Any]) -> None:
         """Record the run's fingerprint, or check it against the one already there.
@@ -62,6 +77,7 @@ class Checkpoint:
         if not self.enabled:
             return
         self.root.mkdir(parents=True, exist_ok=True)
+        remove_stale_tmp(self.root)  # left by a run killed mid-write; safe under the lock, which a start holds
         path = self.root / "run.json"
         old = self._read(path)
         if not isinstance(old, dict) or "knobs" not in old:
@@ -103,7 +119,7 @@ class Checkpoint:
         return value
 
     def put(self, key: str, value: Any) -> None:
-        if self.enabled:
+        if self.enabled and not self.closed:
             self._write(self.root / f"{key}.json", value)
 
     def discard(self, key: str) -> None:

@@ -80,6 +80,7 @@ KNOBS: dict[str, Knob] = {
     # execution
     "num_threads": Knob(_int(1), "an integer >= 1"),
     "max_failure_rate": Knob(_number(0, 1), "a number in [0, 1]"),
+    "metric_timeout_s": Knob(_optional(_number(0, open_low=True)), "None or a number of seconds > 0"),
     "max_cost": Knob(_optional(_number(0, open_low=True)), "None or a number > 0 (USD)"),
     "max_total_tokens": Knob(_optional(_int(1)), "None or an integer >= 1"),
     "log_dir": Knob(_optional(lambda v: isinstance(v, (str, os.PathLike))), "None or a folder path"),

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import queue
 import sys
 import threading
+from concurrent.futures import Future
 from typing import Callable
 
 import tqdm
-from dspy.utils.parallelizer import ParallelExecutor
 
 
 class Failed:
@@ -28,16 +29,17 @@ class StageBar:
     """A tqdm bar for one stage on stderr, as DSPy draws its own: the progress callback when the caller gives none.
     Drawn only when stderr is a terminal: in a log file or CI a redrawn bar is a stream of escape codes. Its total
     may grow (a pipelined step learns of a stage's units as groups reach it); `close_when_done=False` leaves closing
-    to the caller."""
+    to the caller; `resumed=True` takes the first report for work done before (a resume's), not for progress, so
+    that the rate and ETA count from it."""
 
-    def __init__(self, close_when_done: bool = True):
+    def __init__(self, close_when_done: bool = True, resumed: bool = False):
         self.bar: tqdm.tqdm | None = None
-        self.close_when_done = close_when_done
+        self.close_when_done, self.resumed = close_when_done, resumed
 
     def __call__(self, stage: str, done: int, total: int) -> None:
         if self.bar is None:
             self.bar = tqdm.tqdm(total=total, desc=stage, dynamic_ncols=True, file=sys.stderr,
-                                 disable=not sys.stderr.isatty())
+                                 disable=not sys.stderr.isatty(), initial=done if self.resumed else 0)
         if total != self.bar.total:
             self.bar.total = total
         self.bar.update(done - self.bar.n)
@@ -70,34 +72,61 @@ def run_parallel(fn: Callable, items: list, *, num_threads: int, stage: str,
     Nothing is swallowed: the first item that raises stops the map (items not yet started are skipped, those
     running finish) and its exception is raised again here. A failure that is a result, such as an LM call
     that may fail, must be caught inside `fn` (and returned as a `Failed`). `progress(stage, done, total)` is
-    called after every finished item (from worker threads, under a lock); None draws a tqdm bar.
+    called after every finished item; None draws a tqdm bar. Ctrl-C stops it at once, as `run_flows`.
     """
     if not items:
         return []
-    progress = progress or StageBar()
-    lock, done, errors = threading.Lock(), [0], []
+    results = [None] * len(items)
 
-    def guarded(item):
-        if errors:
-            return None
-        try:
-            result = fn(item)
-        except Exception as exc:
-            with lock:
-                errors.append(exc)
-            return None
-        with lock:
-            done[0] += 1
-            progress(stage, done[0], len(items))
-        return result
+    def flow(i, item):
+        results[i], = yield [(stage, fn, item)]
 
-    # timeout=0 turns off the executor's straggler re-submission, which would send duplicate LM calls.
-    executor = ParallelExecutor(num_threads=num_threads, max_errors=len(items) + 1, disable_progress_bar=True,
-                                timeout=0)
-    results = executor.execute(guarded, items)
-    if errors:
-        raise errors[0]
+    run_flows([flow(i, item) for i, item in enumerate(items)], num_threads=num_threads, progress=progress or StageBar())
     return results
+
+
+class DaemonPool:
+    """A fixed pool of daemon threads with `ThreadPoolExecutor`'s submit and shutdown. The standard pool's threads
+    are joined when the interpreter exits, so one call that hangs (a metric, a tool) would keep a stopped run alive
+    forever; these threads are abandoned instead, and a Ctrl-C ends the process at once."""
+
+    def __init__(self, num_threads: int):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, daemon=True, name=f"tfgrpo-worker-{i}")
+                         for i in range(max(1, num_threads))]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn: Callable, *args) -> Future:
+        future: Future = Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, args = job
+            if not future.set_running_or_notify_cancel():  # cancelled while it waited
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(exc)
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        """Stop taking work; `cancel_futures` cancels what has not started; `wait` waits for what runs."""
+        if cancel_futures:
+            while True:
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    job[0].cancel()
+        for _ in self._threads:
+            self._jobs.put(None)
+        if wait:
+            for thread in self._threads:
+                thread.join()
 
 
 class WaitFor:
@@ -118,11 +147,9 @@ def run_flows(flows: list, *, num_threads: int, progress: Callable[[str, int, in
     while other groups still roll out: no stage waits for the slowest call of the stage before it. The flows' own code
     runs in this thread, one at a time, so what they record needs no lock. A unit runs with this thread's DSPy
     settings, and with `meters[stage]` as DSPy's usage tracker. Nothing is swallowed: the first unit or flow that
-    raises stops everything (units not started are cancelled, running ones finish) and its exception is raised here.
+    raises stops everything (units not started are cancelled, running ones finish) and its exception is raised here;
+    on Ctrl-C (KeyboardInterrupt) nothing is waited for: a unit that hangs is abandoned on its daemon thread.
     """
-    import queue
-    from concurrent.futures import ThreadPoolExecutor
-
     from dspy.dsp.utils.settings import thread_local_overrides
 
     bars = StageBars() if progress is None else None
@@ -167,24 +194,29 @@ def run_flows(flows: list, *, num_threads: int, progress: Callable[[str, int, in
             for flow in waiting.pop(stage):
                 advance(flow, None)
 
-    with ThreadPoolExecutor(max_workers=max(1, num_threads)) as pool:
-        try:
-            for flow in flows:
-                advance(flow, None)
+    pool = DaemonPool(num_threads)
+    try:
+        for flow in flows:
+            advance(flow, None)
+        release()
+        while pending:
+            future = finished.get()
+            flow, batch, left, i, stage = pending.pop(future)
+            batch[i] = future.result()  # a unit that raised stops the step here
+            counts[stage][0] += 1
+            progress(stage, *counts[stage])
+            left[0] -= 1
+            if left[0] == 0:
+                advance(flow, batch)
             release()
-            while pending:
-                future = finished.get()
-                flow, batch, left, i, stage = pending.pop(future)
-                batch[i] = future.result()  # a unit that raised stops the step here
-                counts[stage][0] += 1
-                progress(stage, *counts[stage])
-                left[0] -= 1
-                if left[0] == 0:
-                    advance(flow, batch)
-                release()
-        except BaseException:
-            pool.shutdown(wait=True, cancel_futures=True)
-            raise
-        finally:
-            if bars is not None:
-                bars.close()
+    except KeyboardInterrupt:  # Ctrl-C: never wait for a unit that may hang; what finished is saved already
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    else:
+        pool.shutdown(wait=True)
+    finally:
+        if bars is not None:
+            bars.close()

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import json
+import logging
 import numbers
+import threading
 from collections import Counter
 from typing import Any, Callable
 
@@ -13,9 +16,15 @@ import dspy
 from tfgrpo.optimizers.render import format_fields
 from tfgrpo.util import clip
 
+logger = logging.getLogger(__name__)
+
 
 class MetricError(RuntimeError):
     """The metric raised, or returned something that is not a reward in [0, 1]: the run cannot go on."""
+
+
+class MetricTimeout(TimeoutError):
+    """The metric did not return within `metric_timeout_s`: that call counts as a failure, the run goes on."""
 
 
 METRIC_RETURNS = "a number in [0, 1], a bool, or dspy.Prediction(score=..., feedback=...)"
@@ -48,14 +57,18 @@ def metric_result(result: Any) -> tuple[float, str]:
     return float(score), feedback
 
 
-def call_metric(metric: Callable, example: dspy.Example, prediction: dspy.Prediction) -> tuple[float, str]:
+def call_metric(metric: Callable, example: dspy.Example, prediction: dspy.Prediction,
+                timeout_s: float | None = None) -> tuple[float, str]:
     """(score, feedback) of `metric` on one prediction; a metric that fails raises a `MetricError` naming the
-    metric and the example, so that a typo never reads as "every attempt was wrong"."""
+    metric and the example, so that a typo never reads as "every attempt was wrong". With `timeout_s`, a call that
+    has not returned by then raises `MetricTimeout` (the call itself is abandoned on a daemon thread)."""
     where = f"metric {getattr(metric, '__name__', type(metric).__name__)!r} on the example " \
             f"{clip(format_fields(example.inputs()), 300)!r}"
     args = (example, prediction, None) if metric_takes_trace(metric) else (example, prediction)
     try:
-        result = metric(*args)
+        result = metric(*args) if timeout_s is None else _within(timeout_s, metric, args, where)
+    except MetricTimeout:
+        raise
     except Exception as exc:
         raise MetricError(f"{where} raised {type(exc).__name__}: {exc}") from exc
     try:
@@ -67,12 +80,52 @@ def call_metric(metric: Callable, example: dspy.Example, prediction: dspy.Predic
     return score, feedback
 
 
-def score_attempt(metric: Callable, example: dspy.Example, record: dict) -> dict:
-    """The reward and feedback of a recorded attempt; a failed attempt scores 0 without asking the metric."""
+def _within(timeout_s: float, metric: Callable, args: tuple, where: str) -> Any:
+    """`metric(*args)` on a daemon thread (with this thread's DSPy settings), or `MetricTimeout` after `timeout_s`.
+    A daemon thread, so that a call that never returns cannot keep the process alive."""
+    box: dict = {}
+    context = contextvars.copy_context()
+
+    def target():
+        try:
+            box["result"] = context.run(metric, *args)
+        except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True, name="tfgrpo-metric")
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise MetricTimeout(f"{where} did not return within metric_timeout_s={timeout_s:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+def score_attempt(metric: Callable, example: dspy.Example, record: dict, timeout_s: float | None = None) -> dict:
+    """The reward and feedback of a recorded attempt; a failed attempt scores 0 without asking the metric. A metric
+    call that times out (`timeout_s`) scores 0 too, with the timeout under "timeout" (such a record is not saved)."""
     if record["error"] or record["outputs"] is None:
         return {"reward": 0.0, "feedback": f"the attempt failed: {record['error']}"}
-    score, feedback = call_metric(metric, example, dspy.Prediction(**record["outputs"]))
+    try:
+        score, feedback = call_metric(metric, example, dspy.Prediction(**record["outputs"]), timeout_s)
+    except MetricTimeout as exc:
+        return {"reward": 0.0, "feedback": "the metric timed out on this attempt", "timeout": str(exc)}
     return {"reward": score, "feedback": feedback}
+
+
+def check_metric_timeouts(opt, step: int, timed_out: list[str], total: int, ckpt) -> None:
+    """Say how many of a step's metric calls timed out (each scored 0); more than `max_failure_rate` of them stop the
+    step, unfinished, as an outage of the LM does (a resume asks the metric again)."""
+    if not timed_out:
+        return
+    from tfgrpo.optimizers.parallel import TooManyFailuresError
+
+    if len(timed_out) > opt.max_failure_rate * total:
+        raise TooManyFailuresError(f"step {step}: the metric timed out on {len(timed_out)} of {total} attempts (first: "
+                                   f"{timed_out[0]}); finished work is kept in log_dir={opt.log_dir!r}")
+    logger.warning("Step %d: the metric timed out on %d of %d attempts, each scored 0 (first: %s)", step,
+                   len(timed_out), total, timed_out[0])
 
 
 def reference_example(example: dspy.Example, group: list[dict], use_ground_truth: bool) -> dspy.Example:

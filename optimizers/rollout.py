@@ -7,6 +7,7 @@ trace of every predictor call.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import dspy
@@ -15,7 +16,11 @@ from tfgrpo.optimizers.checkpoint import jsonable
 from tfgrpo.optimizers.render import as_text, format_fields
 from tfgrpo.util import clip
 
+logger = logging.getLogger(__name__)
+
 MAX_VALUE_CHARS = 2000  # one recorded input or output value of a trace (head and tail kept)
+CONTEXT_REFUSALS = ("contextwindowexceeded", "context length", "context_length_exceeded", "maximum context",
+                    "context window", "exceeds the available context size")  # LiteLLM, OpenAI, vLLM, llama.cpp
 
 
 def with_own_lms(program: dspy.Module, **overrides: Any) -> tuple[dspy.Module, list[dspy.BaseLM]]:
@@ -103,3 +108,14 @@ def _clipped(values: dict[str, Any]) -> dict[str, Any]:
         text = as_text(value)
         kept[name] = value if len(text) <= MAX_VALUE_CHARS else clip(text, MAX_VALUE_CHARS)
     return kept
+
+
+def warn_context_refusals(step: int, errors: list[str]) -> None:
+    """Say on the console (a warning) how many of a step's failed attempts the LM refused because the prompt did not
+    fit its context window: they count as rollout failures, but the cure is another one (a shorter prompt or
+    library, a larger context)."""
+    refused = [e for e in errors if any(s in e.lower() for s in CONTEXT_REFUSALS)]
+    if refused:
+        logger.warning("Step %d: %d attempt(s) refused by the LM for context length: the prompt did not fit the "
+                       "model's context window (they score 0; give the model a larger context, or a shorter prompt "
+                       "or library). First: %s", step, len(refused), clip(refused[0], 300))

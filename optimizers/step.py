@@ -23,8 +23,8 @@ from tfgrpo.optimizers.parallel import StageBars, TooManyFailuresError, WaitFor,
 from tfgrpo.optimizers.probe import Candidate, probe_queries, run_probe
 from tfgrpo.optimizers.render import format_attempt, query_key
 from tfgrpo.optimizers.result import StepResult
-from tfgrpo.optimizers.rewards import reference_example, score_attempt
-from tfgrpo.optimizers.rollout import run_program, with_own_lms
+from tfgrpo.optimizers.rewards import check_metric_timeouts, reference_example, score_attempt
+from tfgrpo.optimizers.rollout import run_program, warn_context_refusals, with_own_lms
 from tfgrpo.optimizers.usage import add_usage, meter_totals, metered, metered_stages, stage_usage
 from tfgrpo.programs.library import ExperienceLibrary
 from tfgrpo.signatures.operations import Operation
@@ -64,6 +64,7 @@ def run_step(opt, path, path_name, program, targets, library, demos, trainset, b
     groups: dict[int, Group] = {}
     results: dict[int, object] = {}  # what the learning path made of each informative group
     failed_rollouts: list[str] = []  # checkpoint units of attempts that raised
+    timed_out: list[str] = []  # metric calls that did not return within metric_timeout_s
 
     spent_key = f"{key}/{TALLY}"  # calls and tokens of the step's finished units, saved as each one is
     before = ckpt.get(spent_key, unit=False) or {}  # what a run stopped in this step had spent: a resume reuses its units
@@ -91,8 +92,11 @@ def run_step(opt, path, path_name, program, targets, library, demos, trainset, b
         qi, g, attempt, reference = job
         unit = f"{key}/rewards/{qi}_{g}"
         if (rec := ckpt.get(unit)) is None:
-            rec = score_attempt(opt.metric, reference, attempt.to_record())
-            ckpt.put(unit, rec)
+            rec = score_attempt(opt.metric, reference, attempt.to_record(), opt.metric_timeout_s)
+            if "timeout" in rec:  # scored 0 and counted; not saved, so a resume asks the metric again
+                timed_out.append(rec["timeout"])
+            else:
+                ckpt.put(unit, rec)
             save_spent()
         return Scored(attempt=attempt, reward=rec["reward"], feedback=rec["feedback"])
 
@@ -138,6 +142,8 @@ def run_step(opt, path, path_name, program, targets, library, demos, trainset, b
         kept = [groups[qi] for qi in batch if groups[qi].informative]
         attempts = [a for qi in batch for a in groups[qi].attempts]
         mean_reward = statistics.fmean(a.reward for a in attempts)
+        check_metric_timeouts(opt, step, timed_out, len(attempts), ckpt)
+        warn_context_refusals(step, [a.error for a in attempts if a.error])
         logger.info("Step %d: mean reward %.3f, %d/%d groups with contrast", step, mean_reward, len(kept), len(batch))
         for stage in path.stages:  # every unit of every stage has run: the stage-wide failure checks
             check(stage)
@@ -166,7 +172,8 @@ def run_step(opt, path, path_name, program, targets, library, demos, trainset, b
         operations_applied=report.applied, operations_rejected=len(report.rejected), library_size=len(library),
         consolidation=learned.consolidation, usage=usage, seconds=finished_at, wall_s=time.time() - t0,
         demos=[d["query"] for d in demos], probe=probe, usage_before_resume=before,
-        details={k: v for k, v in learned.counts.items() if k not in ("learning_failures", "operations_proposed")})
+        details={**{k: v for k, v in learned.counts.items() if k not in ("learning_failures", "operations_proposed")},
+                 **({"metric_timeouts": len(timed_out)} if timed_out else {})})
     specific = stats.details.get("refused_specific", 0)  # refused by the contrast path before any plan
     logger.info("Step %d: %d operations proposed%s, applied %s, %d refused by the library; library has %d experiences",
                 step, stats.operations_proposed, f" ({specific} refused as task-specific)" if specific else "",

@@ -33,9 +33,9 @@ from tfgrpo.optimizers.inputs import (check_examples, check_inputs, check_prices
                                       starting_library)
 from tfgrpo.optimizers.knobs import KNOBS, check_knob, fingerprinted_knobs
 from tfgrpo.optimizers.learning_paths import LearningPath, PaperPath
-from tfgrpo.optimizers.parallel import TooManyFailuresError, run_parallel
+from tfgrpo.optimizers.parallel import StageBar, TooManyFailuresError, run_parallel
 from tfgrpo.optimizers.result import EpochResult, TrainingFreeGRPOResult
-from tfgrpo.optimizers.rewards import call_metric, metric_takes_trace
+from tfgrpo.optimizers.rewards import MetricTimeout, call_metric, metric_takes_trace
 from tfgrpo.optimizers.rollout import run_program, with_own_lms
 from tfgrpo.optimizers.step import run_step
 from tfgrpo.optimizers.usage import add_usage, history_kept, over_budget
@@ -114,6 +114,11 @@ class TrainingFreeGRPO(Teleprompter):
         max_failure_rate: When more than this share of a step's attempts, summaries or group advantages, or of
             an epoch's validation runs, fail, the run stops with `TooManyFailuresError` and the step is not done;
             a resume redoes the failed units. Default 0.5.
+        metric_timeout_s: Seconds one metric call may take: a call still running then (a judge LM that hangs, a
+            sandbox that never returns) is abandoned and scores 0, counted as a failure: said in a warning, under
+            `details["metric_timeouts"]` of the step, in `val_failures` of a validation; more than
+            `max_failure_rate` of a step's attempts timing out stops the run, as an outage does. None waits for
+            ever. Ctrl-C stops a run at once either way. Default None.
         max_cost: USD: stop after the step that reaches it, keeping the library so far. Refused when DSPy knows
             no price for the policy or reflection model (LiteLLM's price map has no entry: the cost would stay $0),
             and under `disable_history=True` (the price is only kept in DSPy's LM history). Default None.
@@ -121,11 +126,13 @@ class TrainingFreeGRPO(Teleprompter):
             Default None.
         log_dir: Folder where every finished unit of work is saved and resumed from; None keeps nothing. A
             resume must use the same fingerprinted knobs, data, program, target predictors and LM models (the
-            refusal names what differs); num_threads, max_failure_rate, the budgets and progress may change.
-            Default None.
-        progress: `progress(stage, done, total)`, called as units finish, for UIs. Default None: a tqdm bar
-            per stage on stderr, as DSPy's own optimizers draw, when stderr is a terminal (pass `lambda *_: None`
-            for silence).
+            refusal names what differs); num_threads, max_failure_rate, the budgets and progress may change. One
+            compile at a time: the folder is locked while a compile runs, and a second one is refused with a
+            `RunLockedError` naming the holder (a lock of a process that died is taken over). Default None.
+        progress: `progress(stage, done, total)`, called as units finish, for UIs; stage "step" is the whole
+            run (steps done of all, the steps a resume reuses counted in its first call), the others restart with
+            each step. Default None: a tqdm bar for the run and one per stage of each step on stderr, as DSPy's own
+            optimizers draw, when stderr is a terminal (pass `lambda *_: None` for silence).
         use_mlflow: Log the compile to MLflow (`tfgrpo.tracking`): per step metrics, validation scores, knobs,
             the library and program; into the active MLflow run, else one it starts (or resumes from log_dir).
             It logs into an active run (e.g. `mlflow.dspy.autolog(log_compiles=True)`'s) even when off.
@@ -162,6 +169,7 @@ class TrainingFreeGRPO(Teleprompter):
         # execution
         num_threads: int = 8,  # concurrent LM calls of a step (rollouts and learning calls share them)
         max_failure_rate: float = 0.5,  # stop when more of a stage's units than this fail (the checkpoint stays)
+        metric_timeout_s: float | None = None,  # a metric call still running after this many seconds scores 0, counted
         max_cost: float | None = None,  # USD (where litellm knows the price): stop after the step that reaches it
         max_total_tokens: int | None = None,  # prompt + completion tokens of all calls: stop after the step reaching it
         log_dir: str | None = None,  # where every finished unit of work is saved, and resumed from
@@ -184,13 +192,14 @@ class TrainingFreeGRPO(Teleprompter):
             raise ValueError("TrainingFreeGRPO learns from the student's own attempts and takes no teacher; to have "
                              "a stronger model make the learning calls, pass reflection_lm=")
         check_program(student)
-        with track_compile(self, student) as tracker:  # MLflow, when a run is active or use_mlflow (tracking.py)
-            compiled = self._compile(student, trainset=trainset, valset=valset, tracker=tracker)
+        ckpt = Checkpoint(self.log_dir)
+        with ckpt.locked(), track_compile(self, student) as tracker:  # one compile per log_dir; MLflow (tracking.py)
+            compiled = self._compile(student, trainset=trainset, valset=valset, tracker=tracker, ckpt=ckpt)
             if tracker:
                 tracker.finish(compiled)
         return compiled
 
-    def _compile(self, student, *, trainset, valset, tracker) -> dspy.Module:
+    def _compile(self, student, *, trainset, valset, tracker, ckpt) -> dspy.Module:
         check_examples("trainset", trainset)
         if not trainset:
             raise ValueError("trainset is empty")
@@ -212,11 +221,16 @@ class TrainingFreeGRPO(Teleprompter):
                               reflection_lm)
         library = starting_library(student, program, targets, max_words=self.max_words_per_experience,
                                    max_experiences=self.max_experiences)
-        ckpt = Checkpoint(self.log_dir)
         ckpt.start(self._fingerprint(program, targets, trainset, valset, library, policy_lms, reflection_lm))
+        if kept := ckpt.saved_units():
+            logger.info("resuming from %s: %d finished units kept", ckpt.root, kept)
 
         path, path_name = self.resolve_path(reflection_lm)
         rng, step, steps, epochs, demos = random.Random(self.seed), 0, [], [], []
+        total_steps = self.num_train_epochs * -(-len(trainset) // self.batch_size)
+        overall = self.progress or StageBar(resumed=True)  # the whole run: steps done of all, with its ETA
+        if total_steps:
+            overall("step", sum(ckpt.has(f"steps/{i:04d}/done") for i in range(total_steps)), total_steps)
         best: tuple[float, dict, list, int] | None = None
         run_totals, stopped = {"policy": {}, "reflection": {}}, None
         totals = {"policy": {}, "reflection": {}}  # calls made by this call, not those of steps reused from log_dir
@@ -234,6 +248,8 @@ class TrainingFreeGRPO(Teleprompter):
                 if tracker:
                     tracker.step(stats)
                 step += 1
+                if total_steps:
+                    overall("step", step, total_steps)
                 for stage, usage in stats.usage.items():
                     role = "policy" if stage in ("rollout", "probe") else "reflection"
                     add_usage(run_totals[role], usage)
@@ -252,6 +268,8 @@ class TrainingFreeGRPO(Teleprompter):
                 if best is None or record["val_score"] >= best[0]:  # ties go to the later library
                     best = (record["val_score"], library.dump_state(), demos, epoch)
 
+        if isinstance(overall, StageBar):
+            overall.close()  # a run stopped early ends its bar short
         if best:
             logger.info("Keeping the library of epoch %d: validation score %.3f, the best of %d validated epoch(s) "
                         "(ties go to the later epoch); %d experiences", best[3], best[0], len(epochs),
@@ -301,16 +319,21 @@ class TrainingFreeGRPO(Teleprompter):
         return self.reflection_lm or dspy.settings.lm or next(iter(self._policy_lms(program).values()))
 
     def _validate(self, program, targets, library, demos, valset, epoch, ckpt) -> dict:
-        """The epoch's validation record: `val_score` (mean metric; a run of the program that raised scores 0)
-        and `val_failures`. More failures than `max_failure_rate` allows stop the run with `TooManyFailuresError`:
-        an outage must not pass for a bad library."""
+        """The epoch's validation record: `val_score` (mean metric; a run of the program that raised, or whose metric
+        call timed out, scores 0) and `val_failures`. More failures than `max_failure_rate` allows stop the run with
+        `TooManyFailuresError`: an outage must not pass for a bad library."""
         if (saved := ckpt.get(f"epochs/{epoch}")) is not None:
             return {"val_score": saved["val_score"], "val_failures": saved.get("val_failures", 0)}
         cand, _ = with_own_lms(with_learned(program, targets, library, demos))
 
         def score(example):
             prediction, rec = run_program(cand, example)
-            return (0.0, rec["error"]) if rec["error"] else (call_metric(self.metric, example, prediction)[0], None)
+            if rec["error"]:
+                return 0.0, rec["error"]
+            try:
+                return call_metric(self.metric, example, prediction, self.metric_timeout_s)[0], None
+            except MetricTimeout as exc:  # a failure of this example, not of the run
+                return 0.0, str(exc)
 
         results = self._parallel(score, list(valset), "validation")
         errors = [error for _, error in results if error]

@@ -16,10 +16,11 @@ from pathlib import Path
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import Progress
 from rich.table import Table
 
 from tfgrpo.config import Config, ConfigError
+from tfgrpo.progress import RunBars, progress_display
 from tfgrpo.local_model import DEFAULT_SPECULATIVE, SPECULATIVE
 from tfgrpo.util import write_atomic
 
@@ -75,22 +76,12 @@ def _load_config(path: Path) -> Config:
 
 
 def _progress() -> Progress:
-    return Progress(TextColumn("[bold]{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console)
+    return progress_display(console)
 
 
-class _RichStageBars:
-    """The optimizer's progress(stage, done, total) callback, drawn as one bar per stage."""
-
-    def __init__(self, progress: Progress):
-        self.progress, self.tasks = progress, {}
-
-    def __call__(self, stage: str, done: int, total: int) -> None:
-        if stage not in self.tasks:
-            self.tasks[stage] = self.progress.add_task(stage, total=total)
-        self.progress.update(self.tasks[stage], completed=done, total=total)
-        if not console.is_terminal and (done == total or done % max(1, total // 4) == 0):  # logs, CI: plain lines
-            console.print(f"{time.strftime('%H:%M:%S')} {stage}: {done}/{total}")
+def _bars(progress: Progress, num_train_epochs: int = 1) -> RunBars:
+    """The optimizer's progress callback, drawn on `progress` (tfgrpo/progress.py)."""
+    return RunBars(progress, num_train_epochs, plain_lines=not console.is_terminal)
 
 
 def _load(load, name: str, **kwargs) -> list:
@@ -157,7 +148,7 @@ def _compile(config: Config, parts, policy, reflection) -> Path:
                                      use_mlflow=bool(config.tracking and config.tracking.enabled), **knobs)
         try:
             with _progress() as progress:
-                optimizer.progress = _RichStageBars(progress)
+                optimizer.progress = _bars(progress, o.num_train_epochs)
                 compiled = optimizer.compile(make(), trainset=trainset, valset=valset)
         except RunMismatchError as exc:  # in the config's terms: run_dir, not log_dir
             if not exc.changes:
@@ -200,7 +191,7 @@ def _evaluate(config: Config, parts, policy, program_path: Path) -> dict:
     console.print(f"[bold]evaluate[/] {len(examples)} problems x {e.num_runs} run(s), baseline and {program_path}")
     rows, seconds = {}, {}
     with _progress() as progress:
-        bars = _RichStageBars(progress)
+        bars = _bars(progress)
         for name, program in programs.items():
             started = time.time()
             rows[name] = evaluate_program(program, examples, metric, lm=policy, num_runs=e.num_runs,
@@ -296,6 +287,30 @@ def _dry_run(cfg: Config) -> None:
                       "estimated here)")
 
 
+@contextlib.contextmanager
+def _run_dir(cfg: Config):
+    """Hold the run directory for the command: a second compile or run on it is refused at once, naming the holder
+    (optimizers/lock.py); temporary files of writes a killed run left are cleared. Ctrl-C ends the command with
+    one line that says where the finished work is, and exit code 130."""
+    from tfgrpo.optimizers.lock import RunLock, RunLockedError
+    from tfgrpo.util import remove_stale_tmp
+
+    run_dir = Path(cfg.run_dir)
+    try:
+        with RunLock(run_dir / "checkpoint"):
+            for folder in (run_dir, run_dir / "eval"):  # the checkpoint's own are cleared as the compile starts
+                remove_stale_tmp(folder, recursive=False)
+            yield
+    except RunLockedError as exc:
+        _error(f"error: run_dir {run_dir} is in use by another run ({exc.holder}); wait for it to end or stop it, "
+               "or set another run_dir")
+        raise typer.Exit(2) from None
+    except KeyboardInterrupt:
+        console.print(f"[yellow]interrupted; finished work is kept in {run_dir / 'checkpoint'}; run the same command "
+                      "to resume", highlight=False)
+        raise typer.Exit(130) from None
+
+
 @app.command()
 def compile(config: Path, verbose: bool = typer.Option(False, "--verbose", "-v"),
             dry_run: bool = typer.Option(False, "--dry-run", help="estimate calls and tokens, call nothing"),
@@ -306,7 +321,7 @@ def compile(config: Path, verbose: bool = typer.Option(False, "--verbose", "-v")
     with _errors(debug):
         if dry_run:
             return _dry_run(cfg)
-        with _session(cfg) as (policy, reflection, parts), _tracking(cfg):
+        with _run_dir(cfg), _session(cfg) as (policy, reflection, parts), _tracking(cfg):
             path = _compile(cfg, parts, policy, reflection)
     console.print(f"artifacts in {path.parent}")
 
@@ -327,7 +342,7 @@ def run(config: Path, verbose: bool = typer.Option(False, "--verbose", "-v"), de
     _setup_logging(verbose)
     cfg = _load_config(config)
     started = time.time()
-    with _errors(debug), _session(cfg) as (policy, reflection, parts), _tracking(cfg):
+    with _errors(debug), _run_dir(cfg), _session(cfg) as (policy, reflection, parts), _tracking(cfg):
         path = _compile(cfg, parts, policy, reflection)
         _evaluate(cfg, parts, policy, path)
     console.print(f"done in {(time.time() - started) / 60:.1f} min; artifacts in {path.parent}: program.json, "

@@ -7,6 +7,7 @@ environment variable that holds the key (`api_key_env`).
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Literal
@@ -42,9 +43,21 @@ class LMConfig(_Strict):
 
     @model_validator(mode="after")
     def _key_present(self):
+        if self.api_key_env and looks_like_a_key(self.api_key_env):  # never echoed: it may be the secret itself
+            raise ValueError("api_key_env looks like a key, not the name of an environment variable (its value is not "
+                             "shown): put the key in an environment variable and give its name, such as "
+                             "api_key_env = \"OPENAI_API_KEY\"")
         if self.api_key_env and self.api_key_env not in os.environ:
             raise ValueError(f"api_key_env names {self.api_key_env!r}, which is not set in the environment")
         return self
+
+
+def looks_like_a_key(value: str) -> bool:
+    """Whether `value`, given where a variable's name belongs, looks like a secret pasted in its place: not a name
+    a shell would take (sk-..., a key with dots or slashes), or a long mix of lower-case letters and digits."""
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
+        return True
+    return len(value) >= 20 and any(c.islower() for c in value) and sum(c.isdigit() for c in value) >= 3
 
 
 def _task_name(name: str | None, program: str | None) -> str:
@@ -117,6 +130,14 @@ class WebConfig(_Strict):
     page_passages: bool = False  # with a goal, the policy LM keeps only a page's passages that serve it (the paper's page tool)
     reward: Literal["judge", "f1", "em"] = "judge"  # learning reward; evaluation reports all three
 
+    @field_validator("api_key_env")
+    @classmethod
+    def _a_name_not_a_key(cls, value):
+        if value and looks_like_a_key(value):  # never echoed: it may be the secret itself
+            raise ValueError("api_key_env looks like a key, not the name of an environment variable (its value is not "
+                             "shown): put the key in an environment variable and give its name")
+        return value
+
 
 class OptimizerConfig(_Strict):
     """TrainingFreeGRPO's knobs (see its docstring), checked by the same rules as its constructor."""
@@ -147,6 +168,7 @@ class OptimizerConfig(_Strict):
     keep_tied_demos: bool = False  # probe: keep a demo that ties a program already solving some probe queries
     max_probed_edits: int = 3  # most candidate edits probed per step
     max_failure_rate: float = 0.5
+    metric_timeout_s: float | None = None  # a metric call still running after this many seconds scores 0, counted
     max_cost: float | None = None  # USD; stop after the step that reaches it (best library so far is kept)
     max_total_tokens: int | None = None  # same, in prompt + completion tokens
     seed: int = 0

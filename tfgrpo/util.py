@@ -1,10 +1,14 @@
-"""Two small helpers every part of the package uses: cutting text to size, and writing a file atomically."""
+"""Small helpers every part of the package uses: cutting text to size, writing a file atomically, and clearing
+the temporary files of atomic writes that a killed process left behind."""
 
 from __future__ import annotations
 
 import os
+import re
 import uuid
 from pathlib import Path
+
+TMP_NAME = re.compile(r"^\..+\.[0-9a-f]{32}\.tmp$")  # write_atomic's temporary files: .<name>.<uuid4 hex>.tmp
 
 
 def clip(text: str, limit: int, *, keep_tail: bool = True) -> str:
@@ -31,7 +35,7 @@ def clip(text: str, limit: int, *, keep_tail: bool = True) -> str:
 def write_atomic(path: str | Path, text: str) -> Path:
     """Write `text` to `path` so that a crash at any moment leaves the old file or the new one, never a
     torn one: written to a unique temporary name in the same folder, synced, then renamed over `path`.
-    Missing parent folders are created."""
+    Missing parent folders are created. An error names `path` (a full disk's `[Errno 28]` says none itself)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
@@ -41,7 +45,23 @@ def write_atomic(path: str | Path, text: str) -> Path:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.filename is None and exc.errno is not None:
+            raise type(exc)(exc.errno, exc.strerror, str(path)) from exc  # "[Errno 28] No space left on device: 'path'"
         raise
     return path
+
+
+def remove_stale_tmp(folder: str | Path, *, recursive: bool = True) -> int:
+    """Delete the temporary files `write_atomic` leaves when its process is killed mid-write (SIGTERM, SIGKILL)
+    under `folder`; returns how many. Call it only while no other process writes there (under the run's lock)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return 0
+    removed = 0
+    for p in folder.rglob(".*.tmp") if recursive else folder.glob(".*.tmp"):
+        if TMP_NAME.match(p.name) and p.is_file():
+            p.unlink(missing_ok=True)
+            removed += 1
+    return removed

@@ -8,7 +8,8 @@ valset and best program. A TrainingFreeGRPO compile adds to whatever run is acti
                                 applied, refused, ...), library/ (size, demos), usage/<stage>/ (calls, tokens, cost)
     per epoch                   val/score, at the epoch's last step
     once                        the knobs as params; library.json, library.md, program.json, steps.jsonl and
-                                learning_curve.png as artifacts
+                                learning_curve.png as artifacts; val/best_score; the tags tfgrpo.kept_epoch
+                                (whose library the program carries) and tfgrpo.stopped_early (a budget's reason)
 
 The CLI's `[tracking]` section opens one run around compile and evaluation (`config_run`), and the evaluation
 adds eval/ metrics (`log_evaluation`). The run's ID is kept in the log_dir, so a resumed compile goes on in
@@ -131,6 +132,15 @@ def library_text(state: dict, *, demos: int = 0) -> str:
     return "\n".join(lines)
 
 
+def kept_epoch(results: Any) -> str:
+    """Which epoch's library the compiled program carries, in words (the run's `tfgrpo.kept_epoch` tag)."""
+    if results.best_epoch is not None:
+        return f"{results.best_epoch} (best val/score {results.best_val_score:.3f}; ties go to the later epoch)"
+    if not results.steps:
+        return "none (no step was run)"
+    return f"{step_record(results.steps[-1])['epoch']} (the last; no valset)"
+
+
 class CompileTracker:
     """Logs one TrainingFreeGRPO compile into one MLflow run, by run ID (the step's worker threads and the
     fluent run stack do not matter). A failure to log is a warning: it never stops a long compile."""
@@ -170,7 +180,8 @@ class CompileTracker:
                            "val/library_size": epoch["library_size"]}, step)
 
     def finish(self, compiled: Any) -> None:
-        """At the end: the learned library and program, the steps and their curve, as artifacts."""
+        """At the end: the learned library and program, the steps and their curve, as artifacts; the best
+        validation score, the epoch whose library was kept and why a budget stopped the run, if one did."""
         from tfgrpo.plots import learning_curve
         from tfgrpo.programs import save_program
 
@@ -188,10 +199,11 @@ class CompileTracker:
                     (out / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
                     learning_curve({"compile": steps}, out / "learning_curve.png")
                 self.client.log_artifacts(self.run_id, str(out))
-            if results.get("best_val_score") is not None:
-                self.client.log_metric(self.run_id, "val/best_score", results["best_val_score"])
-            if results.get("stopped_early"):
-                self.client.set_tag(self.run_id, "tfgrpo.stopped_early", results["stopped_early"])
+            if results.best_val_score is not None:
+                self.client.log_metric(self.run_id, "val/best_score", results.best_val_score)
+            self.client.set_tag(self.run_id, "tfgrpo.kept_epoch", kept_epoch(results))
+            if results.stopped_early:
+                self.client.set_tag(self.run_id, "tfgrpo.stopped_early", results.stopped_early)
         except Exception as exc:
             logger.warning("MLflow: the compile's artifacts were not logged (%s)", exc)
 

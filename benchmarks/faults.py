@@ -23,6 +23,10 @@ Rows `non_latin_rules`, `other_program_json`, `valset_input_keys`, `same_file_na
 benchmarks/trust_rows.py) each try one input a run must not trust in silence; their status says refused, recovered
 or nothing lost.
 
+Rows `locked_log_dir` and `hung_metric` (issue 37, items 1 and 3, benchmarks/stop_rows.py): a second compile on a
+log_dir in use is refused at once, naming the holder, and a killed holder's lock is taken over; Ctrl-C stops a compile
+whose metric hangs at once, and `metric_timeout_s` turns the hung calls into counted failures.
+
 The helpers here are shared with tests/test_faults.py. The student program puts its sample number
 (`rollout_id`) in the prompt, so every rollout is a distinct request and the fake's answers depend on the
 request alone: a resumed run sees the same answers as an uninterrupted one.
@@ -49,13 +53,14 @@ sys.path.insert(0, str(ROOT))
 
 from tfgrpo.testing import FAULTS, KINDS, FakeLMServer
 from benchmarks.log_dir_checks import library_problems, signature, torn_files, unit_files, units_per_kind
+from benchmarks.stop_rows import stop_rows
 from benchmarks.trust_rows import trust_rows
 
 STOPPED = 3  # exit code of a child stopped by a documented error (TooManyFailuresError, MetricError)
 LEARNING = ("summary", "advantage", "consolidation")
 DEFAULTS = dict(queries=6, num_generations=4, num_train_epochs=2, batch_size=3, num_threads=8, max_experiences=5,
                 max_failure_rate=0.5, seed=0, lm_timeout=10.0, num_retries=3, metric="exact", disable_history=False,
-                max_total_tokens=None)
+                max_total_tokens=None, metric_timeout_s=None)
 
 
 # -- the compile that runs in children (and in tests) --------------------------------------------------------
@@ -110,7 +115,7 @@ def compile_once(api_base: str, log_dir: str | None, *, child: bool = False, **o
     dspy.configure(lm=dspy.LM("openai/fake", api_base=api_base, api_key="x", cache=False,
                               num_retries=o["num_retries"], timeout=o["lm_timeout"]))
     knobs = {k: o[k] for k in ("num_generations", "num_train_epochs", "batch_size", "num_threads", "max_experiences",
-                               "max_failure_rate", "seed", "max_total_tokens")}
+                               "max_failure_rate", "seed", "max_total_tokens", "metric_timeout_s")}
     opt = TrainingFreeGRPO(METRICS[o["metric"]], log_dir=log_dir, progress=lambda *_: None, **knobs)
     with dspy.context(disable_history=o["disable_history"]):
         return opt.compile(make_program(), trainset=make_trainset(o["queries"]))
@@ -344,6 +349,7 @@ def bench(rate: float, names: list[str], share: float) -> int:
         rows.append(_shown(metric_error_row(folder("metric_error"), opts)))
         rows.append(_shown(outage_row(folder("outage"), opts)))
         rows += [_shown(row) for row in trust_rows(folder)]  # issue 37: inputs not to be trusted in silence
+        rows += [_shown(row) for row in stop_rows(folder("stop"), opts)]  # issue 37: a lock, and Ctrl-C on a hung metric
         per_reply = calls_per_bad_reply(folder("bad_replies"), opts)
         budget = budget_without_history(folder("no_history"), opts)
     print("extra calls: LM calls of the killed + resumed runs beyond the uninterrupted run's (calls in flight at "

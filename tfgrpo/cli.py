@@ -179,15 +179,21 @@ def _compile(config: Config, parts, policy, reflection) -> Path:
     return run_dir / "program.json"
 
 
-def _evaluate(config: Config, parts, policy, program_path: Path) -> dict:
-    from tfgrpo.evaluate import evaluate_program, paired_difference, summarize, write_rows
+def _evaluation_inputs(config: Config, parts, program_path: Path) -> tuple[list, dict, Path]:
+    """The evalset and the two programs, checked before the command's MLflow run is opened: a command that
+    fails here leaves the run as it was (a finished run stays FINISHED)."""
     from tfgrpo.programs import load_program
+
+    t = config.task
+    examples = _load(parts.load, t.evalset, limit=t.eval_limit, offset=t.eval_offset)
+    return examples, {"baseline": parts.make(), "compiled": load_program(parts.make(), program_path)}, program_path
+
+
+def _evaluate(config: Config, parts, policy, examples: list, programs: dict, program_path: Path) -> dict:
+    from tfgrpo.evaluate import evaluate_program, paired_difference, summarize, write_rows
     from tfgrpo.tracking import log_evaluation
 
-    make, metric, load = parts.make, parts.metric, parts.load
-    t, e, out = config.task, config.evaluate, Path(config.run_dir) / "eval"
-    examples = _load(load, t.evalset, limit=t.eval_limit, offset=t.eval_offset)
-    programs = {"baseline": make(), "compiled": load_program(make(), program_path)}
+    metric, t, e, out = parts.metric, config.task, config.evaluate, Path(config.run_dir) / "eval"
     console.print(f"[bold]evaluate[/] {len(examples)} problems x {e.num_runs} run(s), baseline and {program_path}")
     rows, seconds = {}, {}
     with _progress() as progress:
@@ -332,8 +338,10 @@ def evaluate(config: Path, program: Path = typer.Option(..., "--program", help="
     """Evaluate the uncompiled baseline and a compiled program on the same held-out problems."""
     _setup_logging(verbose)
     cfg = _load_config(config)
-    with _errors(debug), _session(cfg) as (policy, _, parts), _tracking(cfg):
-        _evaluate(cfg, parts, policy, program)
+    with _errors(debug), _session(cfg) as (policy, _, parts):
+        inputs = _evaluation_inputs(cfg, parts, program)
+        with _tracking(cfg):
+            _evaluate(cfg, parts, policy, *inputs)
 
 
 @app.command()
@@ -344,7 +352,7 @@ def run(config: Path, verbose: bool = typer.Option(False, "--verbose", "-v"), de
     started = time.time()
     with _errors(debug), _run_dir(cfg), _session(cfg) as (policy, reflection, parts), _tracking(cfg):
         path = _compile(cfg, parts, policy, reflection)
-        _evaluate(cfg, parts, policy, path)
+        _evaluate(cfg, parts, policy, *_evaluation_inputs(cfg, parts, path))
     console.print(f"done in {(time.time() - started) / 60:.1f} min; artifacts in {path.parent}: program.json, "
                   "library.json, steps.jsonl, learning_curve.png, eval/")
 

@@ -19,22 +19,25 @@ from rich.logging import RichHandler
 from rich.progress import Progress
 from rich.table import Table
 
+from tfgrpo.cli_help import VERSION, HelpCommand, HelpGroup, reference_text
 from tfgrpo.config import Config, ConfigError
 from tfgrpo.progress import RunBars, progress_display
 from tfgrpo.local_model import DEFAULT_SPECULATIVE, SPECULATIVE
 from tfgrpo.util import write_atomic
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="Training-Free GRPO for DSPy programs. Every config field: configs/reference.toml.")
-lm_app = typer.Typer(no_args_is_help=True, help="Manage the embedded local model server.")
+app = typer.Typer(add_completion=False, no_args_is_help=True, cls=HelpGroup,
+                  help="Training-Free GRPO for DSPy programs. Every config field: tfgrpo config --reference.")
+lm_app = typer.Typer(no_args_is_help=True, cls=HelpGroup, help="Manage the embedded local model server.")
 app.add_typer(lm_app, name="lm")
 console = Console(width=None if sys.stdout.isatty() else 120)  # logs and CI: wide enough for the tables
 DEBUG = typer.Option(False, "--debug", help="on an error, show the full traceback instead of one line")
+VERBOSE = typer.Option(False, "--verbose", "-v", help="log the optimizer's debug messages too")
+CONFIG = typer.Argument(..., metavar="CONFIG", help="the run's TOML config (every field: tfgrpo config --reference)")
 _debug = {"on": False}
 
 
 @app.callback()
-def _main(debug: bool = DEBUG) -> None:
+def _main(debug: bool = DEBUG, version: bool = VERSION) -> None:
     _debug["on"] = debug
 
 
@@ -172,11 +175,18 @@ def _compile(config: Config, parts, policy, reflection) -> Path:
         reused = run_usage.get(role, {}).get("calls", 0) - u.get("calls", 0)
         earlier = f" (steps reused from the checkpoint had made {reused} more)" if reused else ""
         console.print(f"  {role}: {u.get('calls', 0)} new calls{earlier}, {u.get('prompt_tokens', 0):,} prompt{cached} "
-                      f"+ {u.get('completion_tokens', 0):,} completion tokens, ${u.get('cost', 0.0):.4f}")
+                      f"+ {u.get('completion_tokens', 0):,} completion tokens, {_cost_text(u)}")
     if results is not None and results["stopped_early"]:
         console.print(f"[yellow]stopped early: {results['stopped_early']}")
     _print_library(compiled.experience_library.dump_state())
     return run_dir / "program.json"
+
+
+def _cost_text(usage: dict) -> str:
+    from tfgrpo.tracking import known_cost
+
+    cost = known_cost(usage)
+    return "cost n/a (no price known for this model)" if cost is None else f"${cost:.4f}"
 
 
 def _evaluation_inputs(config: Config, parts, program_path: Path) -> tuple[list, dict, Path]:
@@ -317,8 +327,8 @@ def _run_dir(cfg: Config):
         raise typer.Exit(130) from None
 
 
-@app.command()
-def compile(config: Path, verbose: bool = typer.Option(False, "--verbose", "-v"),
+@app.command(cls=HelpCommand)
+def compile(config: Path = CONFIG, verbose: bool = VERBOSE,
             dry_run: bool = typer.Option(False, "--dry-run", help="estimate calls and tokens, call nothing"),
             debug: bool = DEBUG) -> None:
     """Run Training-Free GRPO; writes program.json, library.json, steps.jsonl and learning_curve.png."""
@@ -332,9 +342,9 @@ def compile(config: Path, verbose: bool = typer.Option(False, "--verbose", "-v")
     console.print(f"artifacts in {path.parent}")
 
 
-@app.command()
-def evaluate(config: Path, program: Path = typer.Option(..., "--program", help="a compiled program.json"),
-             verbose: bool = typer.Option(False, "--verbose", "-v"), debug: bool = DEBUG) -> None:
+@app.command(cls=HelpCommand)
+def evaluate(config: Path = CONFIG, program: Path = typer.Option(..., "--program", help="a compiled program.json"),
+             verbose: bool = VERBOSE, debug: bool = DEBUG) -> None:
     """Evaluate the uncompiled baseline and a compiled program on the same held-out problems."""
     _setup_logging(verbose)
     cfg = _load_config(config)
@@ -344,8 +354,8 @@ def evaluate(config: Path, program: Path = typer.Option(..., "--program", help="
             _evaluate(cfg, parts, policy, *inputs)
 
 
-@app.command()
-def run(config: Path, verbose: bool = typer.Option(False, "--verbose", "-v"), debug: bool = DEBUG) -> None:
+@app.command(cls=HelpCommand)
+def run(config: Path = CONFIG, verbose: bool = VERBOSE, debug: bool = DEBUG) -> None:
     """compile, then evaluate the result against the baseline (the README's main job)."""
     _setup_logging(verbose)
     cfg = _load_config(config)
@@ -357,8 +367,9 @@ def run(config: Path, verbose: bool = typer.Option(False, "--verbose", "-v"), de
                   "library.json, steps.jsonl, learning_curve.png, eval/")
 
 
-@app.command()
-def show(path: Path, debug: bool = DEBUG) -> None:
+@app.command(cls=HelpCommand)
+def show(path: Path = typer.Argument(..., metavar="FILE", help="a library.json or program.json"),
+         debug: bool = DEBUG) -> None:
     """Print a library (library.json, or a compiled program.json) with each experience's provenance."""
     with _errors(debug):
         try:
@@ -372,8 +383,9 @@ def show(path: Path, debug: bool = DEBUG) -> None:
     _print_library(state)
 
 
-@app.command()
-def report(run_dirs: list[Path], out: Path = typer.Option(Path("report"), help="folder for report.md/report.png")) -> None:
+@app.command(cls=HelpCommand)
+def report(run_dirs: list[Path] = typer.Argument(..., metavar="RUN_DIR", help="run directories of compiles"),
+           out: Path = typer.Option(Path("report"), help="folder for report.md/report.png")) -> None:
     """Rebuild the results table and learning-dynamics plot from saved run directories (no model calls)."""
     from tfgrpo.report import build_report
 
@@ -386,7 +398,16 @@ def report(run_dirs: list[Path], out: Path = typer.Option(Path("report"), help="
     console.print(f"written: {md}" + (f", {plot}" if plot else ""))
 
 
-@lm_app.command("start")
+@app.command("config", cls=HelpCommand)
+def config_command(reference: bool = typer.Option(False, "--reference", help="print the reference config")) -> None:
+    """Print the reference config: every section and field with its default (a start for your own config)."""
+    if not reference:
+        _error("tfgrpo config: say what to print (--reference)")
+        raise typer.Exit(2)
+    console.out(reference_text(), end="", highlight=False)
+
+
+@lm_app.command("start", cls=HelpCommand)
 def lm_start(model: str = "qwen2.5-coder-1.5b", n_ctx: int = 8192,
              speculative: str = typer.Option(DEFAULT_SPECULATIVE, help=f"how tokens are drafted: {' | '.join(SPECULATIVE)}"),
              parallel: int = typer.Option(None, help="requests decoded together (llama-server; default: cores/2, at most 4)")) -> None:
@@ -398,7 +419,7 @@ def lm_start(model: str = "qwen2.5-coder-1.5b", n_ctx: int = 8192,
                   f"(pid {info.pid}, log {info.log_path})")
 
 
-@lm_app.command("stop")
+@lm_app.command("stop", cls=HelpCommand)
 def lm_stop() -> None:
     """Stop the background server."""
     from tfgrpo.local_model import stop_detached
@@ -406,7 +427,7 @@ def lm_stop() -> None:
     console.print("stopped" if stop_detached() else "no server was running")
 
 
-@lm_app.command("status")
+@lm_app.command("status", cls=HelpCommand)
 def lm_status() -> None:
     """Is a background server running, and where?"""
     from tfgrpo.local_model import status

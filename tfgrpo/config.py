@@ -6,11 +6,12 @@ environment variable that holds the key (`api_key_env`).
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import sys
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -112,7 +113,7 @@ class TaskConfig(_Strict):
             missing = [f for f in ("metric", "input_keys", "trainset", "evalset")
                        if getattr(self, f) is None or (f in ("trainset", "evalset") and f not in self.model_fields_set)]
             if missing:
-                raise ValueError(f"your own program needs {', '.join(missing)} too (see configs/reference.toml)")
+                raise ValueError(f"your own program needs {', '.join(missing)} too (see tfgrpo config --reference)")
         return self
 
 
@@ -220,8 +221,33 @@ class Config(_Strict):
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
-            lines = [f"{'.'.join(str(p) for p in e['loc']) or '(top)'}: {e['msg']}" for e in exc.errors()]
+            lines = [f"{'.'.join(str(p) for p in e['loc']) or '(top)'}: {_message(e)}" for e in exc.errors()]
             raise ConfigError(f"{path}: invalid config\n  " + "\n  ".join(lines)) from None
+
+
+def _message(error: dict) -> str:
+    """pydantic's message, or for a misspelled key the closest field names ("did you mean num_generations?")."""
+    if error["type"] != "extra_forbidden":
+        return error["msg"]
+    *section, key = error["loc"]
+    fields = _fields_of(section)
+    close = difflib.get_close_matches(str(key), fields, n=2, cutoff=0.6)
+    where = f"[{'.'.join(map(str, section))}]" if section else "the top level"
+    hint = f"did you mean {' or '.join(close)}?" if close else f"the keys of {where}: {', '.join(fields)}"
+    return f"unknown key; {hint} (every key: tfgrpo config --reference)"
+
+
+def _fields_of(section: list) -> list[str]:
+    """The field names of the config model at `section` (["optimizer"], [] for the top level)."""
+    model: type[BaseModel] | None = Config
+    for part in section:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        candidates = (field.annotation, *get_args(field.annotation)) if field else ()
+        model = next((c for c in candidates if isinstance(c, type) and not get_args(c) and issubclass(c, BaseModel)),
+                     None)
+        if model is None:
+            return []
+    return list(model.model_fields)
 
 
 class ConfigError(ValueError):

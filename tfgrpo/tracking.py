@@ -5,7 +5,8 @@ valset and best program. A TrainingFreeGRPO compile adds to whatever run is acti
 `mlflow.start_run()`, or the one `use_mlflow=True` starts):
 
     per step (the MLflow step)  train/ (mean reward, groups kept and skipped), learning/ (operations proposed,
-                                applied, refused, ...), library/ (size, demos), usage/<stage>/ (calls, tokens, cost)
+                                applied, refused, ...), library/ (size, demos), usage/<stage>/ (calls, tokens;
+                                cost where the model has a price)
     per epoch                   val/score, at the epoch's last step
     once                        the knobs as params; library.json, library.md, program.json, steps.jsonl and
                                 learning_curve.png as artifacts; val/best_score; the tags tfgrpo.kept_epoch
@@ -91,9 +92,20 @@ def step_metrics(stats: Any) -> dict[str, float]:
     metrics["library/demos"] = len(s.get("demos") or [])
     for stage, usage in s.get("usage", {}).items():
         tokens = usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)
-        metrics.update({f"usage/{stage}/{k}": v for k, v in {**usage, "tokens": tokens}.items() if _is_number(v)})
+        # a cost is logged where it is above 0: an unpriced model then draws no flat zero curve, and a step in
+        # which a stage made no call leaves a gap rather than a 0 in another stage's unknown cost
+        usage = {**usage, "tokens": tokens, "cost": known_cost(usage) or None}
+        metrics.update({f"usage/{stage}/{k}": v for k, v in usage.items() if _is_number(v)})
     metrics["time/step_s"] = s.get("wall_s", 0.0)
     return {k: float(v) for k, v in metrics.items()}
+
+
+def known_cost(usage: dict) -> float | None:
+    """The USD cost of a usage record, or None when it is not known: left out (DSPy kept no history), or 0 for
+    calls that used tokens (LiteLLM has no price for the model: a local or self-hosted one)."""
+    cost = usage.get("cost")
+    tokens = usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)
+    return None if cost is None or (cost == 0 and tokens > 0) else cost
 
 
 def _is_number(value: Any) -> bool:

@@ -1,0 +1,58 @@
+"""How the `tfgrpo` command line reads: typer's help without its placeholders, `--version`, and the reference
+config that ships inside the package (`tfgrpo config --reference`)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+from importlib.resources import files
+
+import typer
+from typer.core import TyperCommand, TyperGroup
+
+REFERENCE = "reference.toml"  # every config field with its default, beside this module (configs/reference.toml)
+
+
+class _Plain:
+    """typer writes `<bool>` beside a flag, which takes no value, and braces around a required argument in the
+    usage line (`compile [OPTIONS] {config}`); here a flag has no placeholder and the usage reads
+    `compile [OPTIONS] CONFIG`."""
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        for param in params:
+            if getattr(param, "is_bool_flag", False) and param.metavar is None:
+                param.metavar = ""
+        return params
+
+    def collect_usage_pieces(self, ctx):
+        return [re.sub(r"^\{(.+)\}(\.\.\.)?$", r"\1\2", piece) for piece in super().collect_usage_pieces(ctx)]
+
+
+class HelpCommand(_Plain, TyperCommand):
+    pass
+
+
+class HelpGroup(_Plain, TyperGroup):
+    pass
+
+
+def reference_text() -> str:
+    """The reference config: every section and field, with its default and what it does."""
+    return files("tfgrpo").joinpath(REFERENCE).read_text(encoding="utf-8")
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("tfgrpo")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"tfgrpo {version()}")
+        raise typer.Exit()
+
+
+VERSION = typer.Option(False, "--version", callback=_print_version, is_eager=True, help="print the version and exit")

@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import tfgrpo  # noqa: E402,F401
 import dspy  # noqa: E402
 
+from benchmarks.ceiling import ceiling  # noqa: E402
 from benchmarks.common import add_endpoint_args, endpoint  # noqa: E402
 from tfgrpo.evaluate import bootstrap_ci, evaluate_program, paired_difference, per_problem, read_rows, write_rows  # noqa: E402
 from tfgrpo.lms import local_dspy_lm  # noqa: E402
@@ -289,10 +290,21 @@ def report(args) -> None:
         print(f"# {arm}: seeds {sorted(seeds)} scored {solved} of {lift['problems']}, compile {wall:.0f} s and "
               f"{tokens:.0f} tokens per seed, {per_query:.1f} LM calls per held-out problem, best other arm {best} ({vs['difference']:+.3f}, CI {vs['ci95'][0]:+.3f} .. "
               f"{vs['ci95'][1]:+.3f})")
+        if args.task == "game24" and (ceilings := template_ceilings(args, arm, seeds)):
+            print(f"# {arm}: the kept demos' own search solves {ceilings} of {lift['problems']} (their ceiling), the "
+                  f"student {solved}")
         print(f"peers: task={args.task} optimizer={arm} seeds={len(seeds)} problems={lift['problems']} calls={calls:.0f} "
               f"score={score[arm]:.3f} lift={lift['difference']:+.3f} ci_low={lift['ci95'][0]:+.3f} "
               f"vs_best_other={vs['difference']:+.3f} ci_low_vs_best={vs['ci95'][0]:+.3f}", flush=True)
     plot(points, Path(args.out) / args.task / "peers.png", args.task)
+
+
+def template_ceilings(args, arm: str, seeds: dict) -> str:
+    """Per seed, the held-out puzzles the arm's kept demos solve when their own program is run directly (see
+    benchmarks/ceiling.py), or "" for an arm that keeps no demos."""
+    puzzles = task_parts("game24")[4](args.eval, args.eval_offset)
+    found = {s: ceiling(Path(args.out) / "game24" / arm / f"seed{s}", puzzles) for s in sorted(seeds)}
+    return ", ".join("-" if c is None else str(sum(c)) for c in found.values()) if any(found.values()) else ""
 
 
 def plot(points, path: Path, task: str) -> None:

@@ -9,6 +9,7 @@ model's own server (its slots, its /metrics), so it runs on the real 0.5B model 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -121,6 +122,19 @@ def test_peers(fake, tmp_path):
     assert any(line.startswith("# explored, not in the menu: tfgrpo-excerpts (") for line in report)
     assert [line for line in report if line.startswith("peers: ")] == lines
     assert "# not measured on game24: tfgrpo-rules+demos, tfgrpo-solver-excerpts-wide" in report
+
+
+def test_peers_knn_on_gsm8k_retrieves_solved_training_problems(fake, tmp_path):
+    """On GSM8K the k nearest training problems come with their reference solutions: no LM call to compile, and one
+    call per held-out problem whose prompt carries the retrieved solutions as demos."""
+    args = ["--task", "gsm8k", "--arms", "baseline,knn", "--seeds", "0", "--train", "4", "--eval", "2", "--out",
+            str(tmp_path), *endpoint(fake)]
+    before = fake.stats()["calls"]
+    lines = [line for line in run("peers.py", *args) if line.startswith("peers: task=gsm8k optimizer=knn ")]
+    assert len(lines) == 1 and " calls=0 " in lines[0], lines
+    assert fake.stats()["calls"] - before == 4  # 2 baseline + 2 knn evaluation calls
+    rows = [json.loads(line) for line in (tmp_path / "gsm8k" / "knn" / "seed0" / "eval.jsonl").read_text().splitlines()]
+    assert rows[0]["eval_calls"] == 2
 
 
 def test_peers_refuses_an_arm_outside_the_tasks_menu():

@@ -20,14 +20,13 @@ from rich.progress import Progress
 from rich.table import Table
 
 from tfgrpo.cli_help import VERSION, HelpCommand, HelpGroup, reference_text
+from tfgrpo.cli_lm import lm_app
 from tfgrpo.config import Config, ConfigError
 from tfgrpo.progress import RunBars, progress_display
-from tfgrpo.local_model import DEFAULT_SPECULATIVE, SPECULATIVE
 from tfgrpo.util import write_atomic
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, cls=HelpGroup,
                   help="Training-Free GRPO for DSPy programs. Every config field: tfgrpo config --reference.")
-lm_app = typer.Typer(no_args_is_help=True, cls=HelpGroup, help="Manage the embedded local model server.")
 app.add_typer(lm_app, name="lm")
 console = Console(width=None if sys.stdout.isatty() else 120)  # logs and CI: wide enough for the tables
 DEBUG = typer.Option(False, "--debug", help="on an error, show the full traceback instead of one line")
@@ -405,36 +404,6 @@ def config_command(reference: bool = typer.Option(False, "--reference", help="pr
         _error("tfgrpo config: say what to print (--reference)")
         raise typer.Exit(2)
     console.out(reference_text(), end="", highlight=False)
-
-
-@lm_app.command("start", cls=HelpCommand)
-def lm_start(model: str = "qwen2.5-coder-1.5b", n_ctx: int = 8192,
-             speculative: str = typer.Option(DEFAULT_SPECULATIVE, help=f"how tokens are drafted: {' | '.join(SPECULATIVE)}"),
-             parallel: int = typer.Option(None, help="requests decoded together (llama-server; default: cores/2, at most 4)")) -> None:
-    """Start the embedded model server in the background (reused by later runs until `tfgrpo lm stop`)."""
-    from tfgrpo.local_model import start_detached
-
-    info = start_detached(model, n_ctx=n_ctx, speculative=speculative, parallel=parallel)
-    console.print(f"serving {info.model} at {info.api_base}, {info.parallel} slot(s), speculative {info.speculative} "
-                  f"(pid {info.pid}, log {info.log_path})")
-
-
-@lm_app.command("stop", cls=HelpCommand)
-def lm_stop() -> None:
-    """Stop the background server."""
-    from tfgrpo.local_model import stop_detached
-
-    console.print("stopped" if stop_detached() else "no server was running")
-
-
-@lm_app.command("status", cls=HelpCommand)
-def lm_status() -> None:
-    """Is a background server running, and where?"""
-    from tfgrpo.local_model import status
-
-    info = status()
-    console.print(f"{info.model} at {info.api_base}, {info.parallel} slot(s), speculative {info.speculative} (pid {info.pid})"
-                  if info else "no server running")
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ SPECULATIVE = {
     "ngram-mod": ["--spec-type", "ngram-mod"],
     "ngram-map-k": ["--spec-type", "ngram-map-k"],
     "ngram-cache": ["--spec-type", "ngram-cache"],
-    "draft": [],  # --spec-draft-model, added once the draft model's file is known
+    "draft": ["--spec-type", "draft-simple"],  # and --spec-draft-model, once the draft model's file is known
 }
 DEFAULT_SPECULATIVE = "ngram-mod"
 DRAFT_MODEL = "qwen2.5-coder-0.5b"

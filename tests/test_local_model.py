@@ -105,10 +105,10 @@ def test_llama_server_arguments(monkeypatch, tmp_path):
     assert args[0] == str(fake)  # the launcher execs the binary (keeping the parent-death signal)
     assert args[args.index("-np") + 1] == "3" and args[args.index("-c") + 1] == str(3 * 4096)  # n_ctx per request
     assert "--metrics" in args
-    assert args[args.index("--spec-type") + 1] == lm.DEFAULT_SPECULATIVE  # the default drafts from n-grams
-    off = LocalServer(SMALL, speculative="off", cache_dir=tmp_path)
-    off.model_path, off.port = tmp_path / "m.gguf", 1234
-    assert "--spec-type" not in off.server_args() and "--spec-draft-model" not in off.server_args()
+    assert "--spec-type" not in args and "--spec-draft-model" not in args  # speculation is off by default
+    ngram = LocalServer(SMALL, speculative="ngram-mod", cache_dir=tmp_path)
+    ngram.model_path, ngram.port = tmp_path / "m.gguf", 1234
+    assert ngram.server_args()[-2:] == ["--spec-type", "ngram-mod"]
     with pytest.raises(ValueError, match="parallel"):
         LocalServer(SMALL, parallel=0, cache_dir=tmp_path)
     with pytest.raises(ValueError, match="unknown speculative mode 'eagle'; choose one of off, ngram-simple"):

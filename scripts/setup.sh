@@ -14,8 +14,12 @@ if [ "$(uname -m)" = x86_64 ] && echo | "${CC:-cc}" $NO_AMX -E - > /dev/null 2>&
     export CFLAGS="${CFLAGS:-} $NO_AMX" CXXFLAGS="${CXXFLAGS:-} $NO_AMX"
 fi
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
+# llama.cpp's own server, from pinned, hash-checked source: it compiles while pip downloads and installs the rest
+bash scripts/build_llama_server.sh &
+BUILD=$!
+trap 'kill $BUILD 2> /dev/null || true' EXIT
 .venv/bin/python -m pip install -q --disable-pip-version-check --require-hashes -r requirements.lock
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
-# llama.cpp's own server, from pinned, hash-checked source
-bash scripts/build_llama_server.sh
+wait $BUILD
+trap - EXIT
 echo "tfgrpo is installed in .venv"

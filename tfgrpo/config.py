@@ -15,6 +15,8 @@ from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from tfgrpo.local_model import DEFAULT_SPECULATIVE, SpeculativeMode
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -39,7 +41,7 @@ class LMConfig(_Strict):
     n_threads: int | None = None  # local backend only: CPU threads (default: all cores)
     # local only: how the server drafts tokens for the model to check (see tfgrpo.local_model.SPECULATIVE); the
     # replies are samples of the same model either way, only faster
-    speculative: Literal["off", "ngram-simple", "ngram-mod", "ngram-map-k", "ngram-cache", "draft"] = "off"
+    speculative: SpeculativeMode = DEFAULT_SPECULATIVE
     parallel: int | None = Field(None, ge=1)  # local only: requests decoded together (llama-server; default: cores/2, at most 4)
 
     @model_validator(mode="after")

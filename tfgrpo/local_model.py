@@ -28,6 +28,7 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 from tfgrpo.local_weights import DEFAULT_MODEL, default_cache_dir, ensure_model, get_spec
 from tfgrpo.util import write_atomic
@@ -54,6 +55,7 @@ SPECULATIVE = {
     "ngram-cache": ["--spec-type", "ngram-cache"],
     "draft": ["--spec-type", "draft-simple"],  # and --spec-draft-model, once the draft model's file is known
 }
+SpeculativeMode = Literal[tuple(SPECULATIVE)]  # the modes, as a type for the config
 DEFAULT_SPECULATIVE = "off"
 DRAFT_MODEL = "qwen2.5-coder-0.5b"
 

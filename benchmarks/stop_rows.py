@@ -61,7 +61,9 @@ def _spawn(api_base: str, log_dir: Path, opts: dict, marker: Path) -> tuple[subp
     cmd = [sys.executable, "-m", "benchmarks.stop_rows", "child", "--api-base", api_base, "--log-dir", str(log_dir),
            "--out", str(out), "--opts", json.dumps(opts)]
     env = {**os.environ, HANG: str(marker), "PYTHONPATH": str(F.ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.Popen(cmd, cwd=F.ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out
+    # SIGINT must reach the child as from a terminal: a shell's background job (a CI runner's) starts with it ignored
+    return subprocess.Popen(cmd, cwd=F.ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)), out
 
 
 def _result(proc: subprocess.Popen, out: Path, timeout: float = 120) -> tuple[int, dict, str]:

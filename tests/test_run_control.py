@@ -65,8 +65,11 @@ def exact(example, pred, trace=None):
 def start_hanging(tmp_path: Path, cmd: list[str], env: dict | None = None) -> tuple[subprocess.Popen, Path]:
     """Start `cmd` (whose metric touches the marker, then hangs) and wait until it hangs."""
     marker = tmp_path / "hanging"
+    # as in a terminal, SIGINT must reach the child: a shell's background job (a CI runner's, say) starts with it
+    # ignored, and an ignored signal stays ignored across exec, so Python would never raise KeyboardInterrupt
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 60
     while not marker.exists():
         if proc.poll() is not None or time.time() > deadline:

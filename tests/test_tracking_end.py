@@ -20,30 +20,11 @@ from typer.testing import CliRunner  # noqa: E402
 from scripted_lm import ScriptedLM  # noqa: E402
 from test_optimizer import make_trainset, metric  # noqa: E402
 from test_resume import learner  # noqa: E402
+from test_tracking import _in_tmp, empty_store, new_store  # noqa: E402,F401 (fixtures: a store per test, in tmp_path)
 from tfgrpo.cli import app  # noqa: E402
 from tfgrpo.config import Config  # noqa: E402
 from tfgrpo.optimizers import TrainingFreeGRPO  # noqa: E402
 from tfgrpo.tracking import config_run, stored_run_id  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _in_tmp(tmp_path, monkeypatch):
-    """MLflow puts a SQLite store's artifacts under ./mlruns unless told otherwise: here, not in the repo."""
-    monkeypatch.chdir(tmp_path)
-
-
-@pytest.fixture(scope="module")
-def empty_store(tmp_path_factory) -> Path:
-    """A new SQLite store, made once: MLflow builds its tables in seconds, a copy takes milliseconds."""
-    path = tmp_path_factory.mktemp("template") / "mlflow.db"
-    MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
-    return path
-
-
-def new_store(empty_store: Path, path: Path) -> str:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy(empty_store, path)
-    return f"sqlite:///{path}"
 
 
 @pytest.mark.parametrize("case", ["valset", "budget"])

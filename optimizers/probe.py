@@ -117,18 +117,21 @@ def run_probe(programs: list[dspy.Module], candidates: list[Candidate], *, queri
 
     n = len(queries)
 
-    def tally(p: int) -> tuple[int, float]:  # successes and reward sum over the queries program p has run
-        rewards = [found[(p, qi)]["reward"] for qi in queries if (p, qi) in found]
-        return sum(r >= 1 for r in rewards), sum(rewards)
+    def rewards(p: int) -> list[float]:  # program p's rewards on the queries it has run
+        return [found[(p, qi)]["reward"] for qi in queries if (p, qi) in found]
+
+    def score(p: int) -> tuple[int, float]:  # full successes, mean reward over the queries it has run
+        rs = rewards(p)
+        return sum(r >= 1 for r in rs), statistics.fmean(rs or [0.0])
 
     run([(0, qi) for qi in queries])  # the bar every candidate must clear
-    base = (tally(0)[0], statistics.fmean(found[(0, qi)]["reward"] for qi in queries))
+    base = score(0)
     alive = list(range(len(candidates)))
     rounds = [[qi] for qi in queries] if stop_early else [queries]
     for done, block in enumerate(rounds, start=1):
         run([(1 + c, qi) for c in alive for qi in block])
         left = n - sum(map(len, rounds[:done]))
-        bounds = {c: (s, t) for c in alive for s, t in [tally(1 + c)]}
+        bounds = {c: (sum(r >= 1 for r in rs), sum(rs)) for c in alive for rs in [rewards(1 + c)]}
         # every query left solved, or none; widened by a rounding error's width, so a tie is never cut short
         best_case = {c: (s + left, (t + left) / n + 1e-9) for c, (s, t) in bounds.items()}
         worst_case = {c: (s, t / n - 1e-9) for c, (s, t) in bounds.items()}
@@ -142,9 +145,8 @@ def run_probe(programs: list[dspy.Module], candidates: list[Candidate], *, queri
                 and (worst_case[d], d) > (best_case[c], c) for d in alive)
 
         alive = [c for c in alive if possible(c)]
-    ran = [sum((1 + c, qi) in found for qi in queries) for c in range(len(candidates))]
-    scores = [(sum(r >= 1 for r in rs), statistics.fmean(rs or [0.0])) for c in range(len(candidates))
-              for rs in [[found[(1 + c, qi)]["reward"] for qi in queries if (1 + c, qi) in found]]]
+    ran = [len(rewards(1 + c)) for c in range(len(candidates))]
+    scores = [score(1 + c) for c in range(len(candidates))]
     passed = [c in alive and keeps(cand, score, base, keep_ties=keep_ties)
               for c, (cand, score) in enumerate(zip(candidates, scores))]
 

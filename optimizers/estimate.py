@@ -23,6 +23,7 @@ def estimate_run(optimizer, student, trainset: list, *, turns_per_rollout: int =
     attempts, plus at most one rewrite of a rule that repeated its query)."""
     opt = optimizer
     steps = opt.num_train_epochs * math.ceil(len(trainset) / opt.batch_size)
+    steps = min(steps, opt.max_steps or steps)
     batch = min(opt.batch_size, len(trainset))
     G = opt.num_generations
     instructions = sum(len(p.signature.instructions) for _, p in student.named_predictors()) // CHARS_PER_TOKEN

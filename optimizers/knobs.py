@@ -56,6 +56,7 @@ KNOBS: dict[str, Knob] = {
     # schedule
     "num_train_epochs": Knob(_int(0), "an integer >= 0", fingerprinted=True),
     "batch_size": Knob(_int(1), "an integer >= 1", fingerprinted=True),
+    "max_steps": Knob(_optional(_int(1)), "None or an integer >= 1"),  # more steps on a resume go on from the last
     "seed": Knob(_int(), "an integer", fingerprinted=True),
     # learning calls
     "reflection_lm": Knob(_optional(lambda v: isinstance(v, dspy.BaseLM)), "None or a dspy.BaseLM"),

@@ -69,6 +69,8 @@ class TrainingFreeGRPO(Teleprompter):
         temperature: Sampling temperature of the attempts while learning, in [0, 2]. Default 0.7.
         num_train_epochs: Passes over the trainset. Default 3.
         batch_size: Queries per optimization step. Default 50.
+        max_steps: Stop after this many steps, part way through an epoch if need be (TRL's `max_steps`); the
+            epoch it stops in is still validated. Default None: every batch of every epoch.
         seed: Seeds the order of the trainset and the attempts' rollout IDs. Default 0.
         reflection_lm: LM of the learning calls (summaries, group advantages, consolidation). Default None:
             `dspy.settings.lm`, else the student's LM. A stronger model than the student learns better.
@@ -149,6 +151,7 @@ class TrainingFreeGRPO(Teleprompter):
         # schedule
         num_train_epochs: int = 3,  # passes over the trainset
         batch_size: int = 50,  # queries per optimization step
+        max_steps: int | None = None,  # stop after this many steps; None: every batch of every epoch
         seed: int = 0,  # shuffling of the trainset and the attempts' rollout IDs
         # learning calls
         reflection_lm: dspy.BaseLM | None = None,  # LM of the learning calls; None: the student's LM
@@ -228,6 +231,7 @@ class TrainingFreeGRPO(Teleprompter):
         path, path_name = self.resolve_path(reflection_lm)
         rng, step, steps, epochs, demos = random.Random(self.seed), 0, [], [], []
         total_steps = self.num_train_epochs * -(-len(trainset) // self.batch_size)
+        total_steps = min(total_steps, self.max_steps or total_steps)
         overall = self.progress or StageBar(resumed=True)  # the whole run: steps done of all, with its ETA
         if total_steps:
             overall("step", sum(ckpt.has(f"steps/{i:04d}/done") for i in range(total_steps)), total_steps)
@@ -235,10 +239,12 @@ class TrainingFreeGRPO(Teleprompter):
         run_totals, stopped = {"policy": {}, "reflection": {}}, None
         totals = {"policy": {}, "reflection": {}}  # calls made by this call, not those of steps reused from log_dir
         for epoch in range(self.num_train_epochs):
+            if step == total_steps:  # max_steps reached with the last epoch
+                break
             order = list(range(len(trainset)))
             rng.shuffle(order)
             for at in range(0, len(order), self.batch_size):
-                if stopped:
+                if stopped or step == total_steps:
                     break
                 batch = order[at: at + self.batch_size]
                 reused = ckpt.has(f"steps/{step:04d}/done")

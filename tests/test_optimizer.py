@@ -326,6 +326,19 @@ def test_token_budget_stops_after_the_step_that_reaches_it():
     assert compiled.experience_library.texts() == [LESSON]  # the library so far is kept
 
 
+
+def test_max_steps_stops_part_way_through_an_epoch_and_a_resume_with_more_goes_on(tmp_path):
+    lm = ScriptedLM(learner())
+    compiled = compile_with(lm, dspy.Predict("question -> answer"), num_train_epochs=3, batch_size=2, max_steps=3,
+                            log_dir=str(tmp_path))
+    steps = compiled.detailed_results["steps"]
+    assert [(s["step"], s["epoch"]) for s in steps] == [(0, 0), (1, 0), (2, 1)]
+    assert count(lm, "student") == 3 * 2 * 4
+    lm = ScriptedLM(learner())  # raising max_steps is not a new run: the 3 finished steps are reused
+    compiled = compile_with(lm, dspy.Predict("question -> answer"), num_train_epochs=3, batch_size=2, max_steps=4,
+                            log_dir=str(tmp_path))
+    assert len(compiled.detailed_results["steps"]) == 4 and count(lm, "student") == 2 * 4
+
 class Terminal(io.StringIO):
     def isatty(self):
         return True

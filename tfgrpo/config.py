@@ -156,6 +156,7 @@ class OptimizerConfig(_Strict):
     batch_size: int = 12
     num_threads: int = 4
     # the optimizer's defaults
+    max_steps: int | None = Field(None, ge=1)
     temperature: float = 0.7
     max_operations_per_group: int = 2
     learning_path: str = "auto"  # paper | contrast (pairwise, for small reflection LMs) | auto: contrast up to 8B

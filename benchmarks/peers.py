@@ -25,13 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import tfgrpo  # noqa: E402,F401
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # before dspy: litellm reads its bundled price map, no fetch
 import dspy  # noqa: E402
 
 from benchmarks.ceiling import ceiling  # noqa: E402

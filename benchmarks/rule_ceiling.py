@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import tfgrpo  # noqa: E402,F401
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # before dspy: litellm reads its bundled price map, no fetch
 
 from benchmarks.common import add_endpoint_args, endpoint  # noqa: E402
 from tfgrpo.evaluate import evaluate_program, paired_difference  # noqa: E402

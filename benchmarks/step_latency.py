@@ -27,7 +27,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # isort: off
-import tfgrpo  # noqa: F401  (first, before dspy: keeps litellm from fetching its cost map over the network)
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # before dspy: litellm reads its bundled price map, no fetch
 import dspy
 from tfgrpo.optimizers import TrainingFreeGRPO
 from tfgrpo.testing import FakeLMServer

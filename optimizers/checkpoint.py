@@ -10,7 +10,7 @@ Layout:
     steps/0003/done.json          library after the step and the step's stats: the step is complete
     epochs/0.json                 validation score of the library after epoch 0
 
-Files are written atomically (`tfgrpo.util.write_atomic`), so a kill at any moment leaves either the old state or
+Files are written atomically (`tfgrpo.base.util.write_atomic`), so a kill at any moment leaves either the old state or
 the new one, never a torn file (a kill mid-write leaves a hidden `.tmp` file, which the next start removes). One
 compile at a time writes into a log_dir: `locked()` holds its lock (`lock.py`) for the compile's lifetime.
 A unit file that does not parse (written by something else) is treated as
@@ -26,14 +26,13 @@ constrained_decoding, LM endpoints and keys) may change between a run and its re
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import threading
 from pathlib import Path
 from typing import Any
 
+from tfgrpo.base.util import remove_stale_tmp, write_atomic
 from tfgrpo.optimizers.lock import RunLock
-from tfgrpo.util import remove_stale_tmp, write_atomic
 
 
 class RunMismatchError(ValueError):
@@ -160,13 +159,3 @@ def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         else:
             changes.append(f"{key}: {old[key]!r} -> {new[key]!r}")
     return changes
-
-
-def digest(value: Any) -> str:
-    """A short stable hash of a JSON-able value."""
-    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def jsonable(value: Any) -> Any:
-    """`value` made JSON-safe (for checkpoints): structures kept, anything else as text."""
-    return json.loads(json.dumps(value, ensure_ascii=False, default=str))

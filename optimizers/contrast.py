@@ -15,6 +15,7 @@ import re
 
 import dspy
 
+from tfgrpo.base.util import clip
 from tfgrpo.optimizers.attempts import Scored
 from tfgrpo.optimizers.learning_paths import Learned, LearningPath
 from tfgrpo.optimizers.parallel import Failed
@@ -22,7 +23,6 @@ from tfgrpo.optimizers.render import format_fields, outcome
 from tfgrpo.optimizers.rollout import tool_actions, tool_observations
 from tfgrpo.programs.contrast_learner import ContrastLearner
 from tfgrpo.signatures.operations import ExcerptOperation, Operation
-from tfgrpo.util import clip
 
 logger = logging.getLogger(__name__)
 

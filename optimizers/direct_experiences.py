@@ -11,6 +11,7 @@ import logging
 import dspy
 from dspy.teleprompt.teleprompt import Teleprompter
 
+from tfgrpo.base import hooks
 from tfgrpo.optimizers.render import format_fields
 from tfgrpo.programs.inject import apply_library, resolve_targets
 from tfgrpo.programs.library import ExperienceLibrary
@@ -28,6 +29,7 @@ class DirectExperiences(Teleprompter):
         self.max_words_per_experience = max_words_per_experience
         self.num_examples_shown = num_examples_shown  # example queries (inputs only, never answers) in the prompt
         self.target_predictors = target_predictors
+        hooks.built(self)  # trackers learn of it (tfgrpo.base.hooks)
 
     def compile(self, student: dspy.Module, *, trainset: list, teacher=None, valset=None) -> dspy.Module:
         targets = resolve_targets(student, self.target_predictors)

@@ -13,6 +13,8 @@ from typing import Any, Callable
 
 import dspy
 
+from tfgrpo.optimizers.learning_paths import LearningPath
+
 
 @dataclass(frozen=True)
 class Knob:
@@ -35,8 +37,6 @@ def _number(low: float, high: float | None = None, *, open_low: bool = False) ->
 
 
 def _is_path(v: Any) -> bool:
-    from tfgrpo.optimizers.learning_paths import LearningPath  # the knobs load before the optimizer's parts
-
     return isinstance(v, LearningPath)
 
 

@@ -29,14 +29,15 @@ from typing import Any, Callable
 
 import dspy
 
+from tfgrpo.base.util import clip
 from tfgrpo.optimizers.attempts import Group
 from tfgrpo.optimizers.checkpoint import Checkpoint
-from tfgrpo.optimizers.parallel import Failed, StageBar, TooManyFailuresError, WaitFor
+from tfgrpo.optimizers.parallel import Failed, StageBar, TooManyFailuresError, WaitFor, run_flows
 from tfgrpo.optimizers.render import format_fields, outcome
+from tfgrpo.optimizers.usage import metered_stages, stage_usage
 from tfgrpo.programs.learning import AdvantageExtractor, Consolidator, Summarizer
 from tfgrpo.programs.library import ExperienceLibrary
 from tfgrpo.signatures.operations import Operation
-from tfgrpo.util import clip
 
 logger = logging.getLogger(__name__)
 
@@ -233,9 +234,6 @@ def run_path(path: LearningPath, groups: list[Group], *, settings: PathSettings,
              ckpt: Checkpoint | None = None, step: int = 0) -> tuple[Learned, dict]:
     """A path's learning of `groups` whose attempts are all scored, outside a step (benchmarks): its flows, the
     stage checks, then `finish`. Returns what it learned and the usage per stage."""
-    from tfgrpo.optimizers.parallel import run_flows
-    from tfgrpo.optimizers.usage import metered_stages, stage_usage
-
     results = {}
     with metered_stages(path.stages) as meters:
         ctx = StepContext(step=step, settings=settings, reflection_lm=reflection_lm, library=library, trainset=trainset,

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import dspy
 
-from tfgrpo.optimizers.checkpoint import digest
+from tfgrpo.base.util import digest
 from tfgrpo.optimizers.rewards import score_attempt
 from tfgrpo.optimizers.rollout import run_program
 from tfgrpo.signatures.operations import Operation

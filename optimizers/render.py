@@ -9,8 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tfgrpo.optimizers.checkpoint import jsonable
-from tfgrpo.util import clip
+from tfgrpo.base.util import clip, jsonable
 
 MAX_ATTEMPT_CHARS = 6000  # an attempt shown to a learning call is cut to this size (head and tail kept)
 

@@ -13,8 +13,9 @@ from typing import Any, Callable
 
 import dspy
 
+from tfgrpo.base.util import clip
+from tfgrpo.optimizers.parallel import TooManyFailuresError
 from tfgrpo.optimizers.render import format_fields
-from tfgrpo.util import clip
 
 logger = logging.getLogger(__name__)
 
@@ -119,8 +120,6 @@ def check_metric_timeouts(opt, step: int, timed_out: list[str], total: int, ckpt
     step, unfinished, as an outage of the LM does (a resume asks the metric again)."""
     if not timed_out:
         return
-    from tfgrpo.optimizers.parallel import TooManyFailuresError
-
     if len(timed_out) > opt.max_failure_rate * total:
         raise TooManyFailuresError(f"step {step}: the metric timed out on {len(timed_out)} of {total} attempts (first: "
                                    f"{timed_out[0]}); finished work is kept in log_dir={opt.log_dir!r}")

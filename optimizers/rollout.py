@@ -12,9 +12,8 @@ from typing import Any
 
 import dspy
 
-from tfgrpo.optimizers.checkpoint import jsonable
+from tfgrpo.base.util import clip, jsonable
 from tfgrpo.optimizers.render import as_text, format_fields
-from tfgrpo.util import clip
 
 logger = logging.getLogger(__name__)
 

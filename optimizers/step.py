@@ -15,8 +15,9 @@ import statistics
 import threading
 import time
 
+from tfgrpo.base.util import digest
 from tfgrpo.optimizers.attempts import Attempt, Group, Scored
-from tfgrpo.optimizers.checkpoint import TALLY, digest
+from tfgrpo.optimizers.checkpoint import TALLY
 from tfgrpo.optimizers.demos import demo_candidates, keep_best, select_demos, with_learned
 from tfgrpo.optimizers.learning_paths import PathSettings, StepContext
 from tfgrpo.optimizers.parallel import StageBars, TooManyFailuresError, WaitFor, run_flows, run_parallel

@@ -11,7 +11,7 @@ or, for small reflection LMs (`learning_path="contrast"`, see `contrast.py`):
     rollouts -> rewards -> (groups with contrast) -> one best-vs-worst call per group -> folded in code -> library
 
 Each group goes through the step at its own pace: its summaries start as soon as its own attempts are scored,
-while other groups still roll out (`parallel.run_flows`, `paths.py`); only the consolidation waits for the batch.
+while other groups still roll out (`parallel.run_flows`, `learning_paths.py`); only the consolidation waits for the batch.
 Every finished unit of work is checkpointed in `log_dir` (see `checkpoint.py`), so a crashed run resumes without
 resending it.
 """
@@ -26,7 +26,9 @@ from typing import Callable
 import dspy
 from dspy.teleprompt.teleprompt import Teleprompter
 
-from tfgrpo.optimizers.checkpoint import Checkpoint, digest
+from tfgrpo.base import hooks
+from tfgrpo.base.util import digest
+from tfgrpo.optimizers.checkpoint import Checkpoint
 from tfgrpo.optimizers.contrast import SMALL_REFLECTOR_B, ContrastPath, model_size_b
 from tfgrpo.optimizers.demos import with_learned
 from tfgrpo.optimizers.inputs import (check_examples, check_inputs, check_prices, check_program, explain_learning_path,
@@ -41,7 +43,6 @@ from tfgrpo.optimizers.step import run_step
 from tfgrpo.optimizers.usage import add_usage, history_kept, over_budget
 from tfgrpo.programs.inject import resolve_targets
 from tfgrpo.programs.library import ExperienceLibrary
-from tfgrpo.tracking import track_compile
 
 logger = logging.getLogger(__name__)
 
@@ -188,6 +189,7 @@ class TrainingFreeGRPO(Teleprompter):
         if probe_size and not use_ground_truth:
             raise ValueError("probe_size needs use_ground_truth=True: a probe scores single attempts, which have no "
                              "group to take a majority answer from")
+        hooks.built(self)  # trackers learn of it (tfgrpo.base.hooks)
 
     # -- the outer loop -------------------------------------------------------------------------------------
     def compile(self, student: dspy.Module, *, trainset: list, teacher=None, valset: list | None = None) -> dspy.Module:
@@ -196,13 +198,14 @@ class TrainingFreeGRPO(Teleprompter):
                              "a stronger model make the learning calls, pass reflection_lm=")
         check_program(student)
         ckpt = Checkpoint(self.log_dir)
-        with ckpt.locked(), track_compile(self, student) as tracker:  # one compile per log_dir; MLflow (tracking.py)
-            compiled = self._compile(student, trainset=trainset, valset=valset, tracker=tracker, ckpt=ckpt)
-            if tracker:
+        info = hooks.CompileInfo(knobs={name: getattr(self, name) for name in KNOBS}, params=lambda: self._params(student))
+        with ckpt.locked(), hooks.tracked(info) as trackers:  # one compile per log_dir; trackers such as MLflow's
+            compiled = self._compile(student, trainset=trainset, valset=valset, trackers=trackers, ckpt=ckpt)
+            for tracker in trackers:
                 tracker.finish(compiled)
         return compiled
 
-    def _compile(self, student, *, trainset, valset, tracker, ckpt) -> dspy.Module:
+    def _compile(self, student, *, trainset, valset, trackers, ckpt) -> dspy.Module:
         check_examples("trainset", trainset)
         if not trainset:
             raise ValueError("trainset is empty")
@@ -251,7 +254,7 @@ class TrainingFreeGRPO(Teleprompter):
                 library, demos, stats = run_step(self, path, path_name, program, targets, library, demos, trainset,
                                                  batch, step, epoch, reflection_lm, ckpt)
                 steps.append(stats)
-                if tracker:
+                for tracker in trackers:
                     tracker.step(stats)
                 step += 1
                 if total_steps:
@@ -269,7 +272,7 @@ class TrainingFreeGRPO(Teleprompter):
             if valset:
                 record = self._validate(program, targets, library, demos, valset, epoch, ckpt)
                 epochs.append(EpochResult(epoch=epoch, library_size=len(library), **record))
-                if tracker:
+                for tracker in trackers:
                     tracker.validation(epochs[-1].__dict__, step=step - 1)
                 if best is None or record["val_score"] >= best[0]:  # ties go to the later library
                     best = (record["val_score"], library.dump_state(), demos, epoch)
@@ -324,6 +327,16 @@ class TrainingFreeGRPO(Teleprompter):
     def _reflection_lm(self, program) -> dspy.BaseLM:
         return self.reflection_lm or dspy.settings.lm or next(iter(self._policy_lms(program).values()))
 
+    def _params(self, program) -> dict[str, str]:
+        """The knobs as text for trackers, LMs by model name only (never a key or URL), plus what they resolve to
+        for `program`."""
+        params = {name: str(getattr(self, name)) for name in KNOBS if name not in ("reflection_lm", "progress")}
+        reflection = _lm_name(self._reflection_lm(program))
+        params.update(reflection_lm=reflection, learning_path_used=self.resolve_learning_path(reflection),
+                      policy_lm=", ".join(sorted({_lm_name(lm) for lm in self._policy_lms(program).values()})),
+                      student=type(program).__name__)
+        return params
+
     def _validate(self, program, targets, library, demos, valset, epoch, ckpt) -> dict:
         """The epoch's validation record: `val_score` (mean metric; a run of the program that raised, or whose metric
         call timed out, scores 0) and `val_failures`. More failures than `max_failure_rate` allows stop the run with
@@ -367,3 +380,6 @@ class TrainingFreeGRPO(Teleprompter):
                 "trainset": digest([dict(x) for x in trainset]), "valset": digest([dict(x) for x in valset or []]),
                 "initial_library": digest(library.dump_state())}
 
+
+def _lm_name(lm) -> str:
+    return str(getattr(lm, "model", None) or type(lm).__name__)

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import dspy
 
+from tfgrpo.base.util import write_atomic
 from tfgrpo.programs.library import ID, ExperienceLibrary
-from tfgrpo.util import write_atomic
 
 OPEN_TAG, CLOSE_TAG = "<experiences>", "</experiences>"
 PREAMBLE = "Lessons learned from earlier attempts at this task; apply the ones that fit the problem at hand."

@@ -22,9 +22,9 @@ import pydantic
 from dspy.adapters.chat_adapter import ChatAdapter
 from dspy.utils.exceptions import AdapterParseError
 
+from tfgrpo.base.util import clip
 from tfgrpo.signatures.learning import ConsolidateOperations, ExtractGroupAdvantage, SummarizeRollout
 from tfgrpo.signatures.operations import Operation
-from tfgrpo.util import clip
 
 logger = logging.getLogger(__name__)
 

@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -5,7 +6,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # the scripted LM helpers
 
-import tfgrpo  # noqa: E402,F401  (sets LITELLM_LOCAL_MODEL_COST_MAP before dspy is imported)
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # before dspy: litellm reads its bundled price map
 import dspy  # noqa: E402
 
 

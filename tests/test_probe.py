@@ -7,7 +7,7 @@ import dspy
 
 from scripted_lm import ScriptedLM, kind_of
 from test_optimizer import LESSON, compile_with, make_trainset, student_answer
-from tfgrpo.optimizers.checkpoint import digest
+from tfgrpo.base.util import digest
 from tfgrpo.optimizers.probe import probe_queries
 from tfgrpo.programs.excerpt import checked_excerpt
 from tfgrpo.programs.library import ExperienceLibrary

@@ -40,7 +40,7 @@ CHILD = f"""
 import os, sys, threading
 from pathlib import Path
 sys.path.insert(0, {str(TESTS)!r})
-import tfgrpo, dspy
+import dspy
 from scripted_lm import ScriptedLM, kind_of
 from test_optimizer import make_trainset
 from test_resume import learner

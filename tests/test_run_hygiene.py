@@ -13,7 +13,7 @@ import pytest
 from scripted_lm import ScriptedLM, kind_of
 from test_optimizer import make_trainset
 from test_resume import learner
-from tfgrpo import util
+from tfgrpo.base import util
 from tfgrpo.config import Config, ConfigError
 from tfgrpo.optimizers import TrainingFreeGRPO
 

@@ -5,7 +5,7 @@ import stat
 
 import pytest
 
-from tfgrpo.util import clip, write_atomic
+from tfgrpo.base.util import clip, write_atomic
 
 
 def test_clip_keeps_short_text_and_says_how_much_it_cut():

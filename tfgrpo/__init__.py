@@ -1,8 +1,7 @@
-"""tfgrpo: Training-Free GRPO for DSPy programs."""
+"""tfgrpo: Training-Free GRPO for DSPy programs.
 
-import os
-
-# Never reach for the network at import: litellm otherwise fetches its model cost map.
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+Importing a `tfgrpo` package does nothing but define names: the optimizer is `tfgrpo.optimizers.TrainingFreeGRPO`,
+and the `tfgrpo` command is `tfgrpo.cli`.
+"""
 
 __version__ = "0.1.0"

@@ -9,6 +9,7 @@ import contextlib
 import importlib.util
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -19,11 +20,11 @@ from rich.logging import RichHandler
 from rich.progress import Progress
 from rich.table import Table
 
+from tfgrpo.base.util import write_atomic
 from tfgrpo.cli_help import VERSION, HelpCommand, HelpGroup, reference_text
 from tfgrpo.cli_lm import lm_app
 from tfgrpo.config import Config, ConfigError
 from tfgrpo.progress import RunBars, progress_display
-from tfgrpo.util import write_atomic
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, cls=HelpGroup,
                   help="Training-Free GRPO for DSPy programs. Every config field: tfgrpo config --reference.")
@@ -38,6 +39,7 @@ _debug = {"on": False}
 @app.callback()
 def _main(debug: bool = DEBUG, version: bool = VERSION) -> None:
     _debug["on"] = debug
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # before a command imports dspy: no network fetch
 
 
 @contextlib.contextmanager
@@ -308,7 +310,7 @@ def _run_dir(cfg: Config):
     (optimizers/lock.py); temporary files of writes a killed run left are cleared. Ctrl-C ends the command with
     one line that says where the finished work is, and exit code 130."""
     from tfgrpo.optimizers.lock import RunLock, RunLockedError
-    from tfgrpo.util import remove_stale_tmp
+    from tfgrpo.base.util import remove_stale_tmp
 
     run_dir = Path(cfg.run_dir)
     try:

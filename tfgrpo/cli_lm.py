@@ -1,12 +1,11 @@
 """`tfgrpo lm ...`: the embedded model's server kept up between runs."""
-
 from __future__ import annotations
 
 import typer
 from rich.console import Console
 
 from tfgrpo.cli_help import HelpCommand, HelpGroup
-from tfgrpo.local_model import DEFAULT_SPECULATIVE, SPECULATIVE
+from tfgrpo.local_model import DEFAULT_SPECULATIVE, SPECULATIVE, start_detached, status, stop_detached
 
 lm_app = typer.Typer(no_args_is_help=True, cls=HelpGroup, help="Manage the embedded local model server.")
 console = Console()
@@ -17,8 +16,6 @@ def lm_start(model: str = "qwen2.5-coder-1.5b", n_ctx: int = 8192,
              speculative: str = typer.Option(DEFAULT_SPECULATIVE, help=f"how tokens are drafted: {' | '.join(SPECULATIVE)}"),
              parallel: int = typer.Option(None, help="requests decoded together (llama-server; default: cores/2, at most 4)")) -> None:
     """Start the embedded model server in the background (reused by later runs until `tfgrpo lm stop`)."""
-    from tfgrpo.local_model import start_detached
-
     info = start_detached(model, n_ctx=n_ctx, speculative=speculative, parallel=parallel)
     console.print(f"serving {info.model} at {info.api_base}, {info.parallel} slot(s), speculative {info.speculative} "
                   f"(pid {info.pid}, log {info.log_path})")
@@ -27,16 +24,12 @@ def lm_start(model: str = "qwen2.5-coder-1.5b", n_ctx: int = 8192,
 @lm_app.command("stop", cls=HelpCommand)
 def lm_stop() -> None:
     """Stop the background server."""
-    from tfgrpo.local_model import stop_detached
-
     console.print("stopped" if stop_detached() else "no server was running")
 
 
 @lm_app.command("status", cls=HelpCommand)
 def lm_status() -> None:
     """Is a background server running, and where?"""
-    from tfgrpo.local_model import status
-
     info = status()
     console.print(f"{info.model} at {info.api_base}, {info.parallel} slot(s), speculative {info.speculative} (pid {info.pid})"
                   if info else "no server running")

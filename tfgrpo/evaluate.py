@@ -15,11 +15,11 @@ from typing import Callable
 
 import dspy
 
+from tfgrpo.base.util import write_atomic
 from tfgrpo.optimizers.parallel import run_parallel
 from tfgrpo.optimizers.rewards import call_metric
 from tfgrpo.optimizers.rollout import run_program, with_own_lms
 from tfgrpo.optimizers.usage import metered, stage_usage
-from tfgrpo.util import write_atomic
 
 
 def evaluate_program(program: dspy.Module, examples: list, metric: Callable, *, lm: dspy.BaseLM, num_runs: int = 1,

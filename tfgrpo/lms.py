@@ -9,6 +9,7 @@ import os
 import dspy
 
 from tfgrpo.config import Config, LMConfig
+from tfgrpo.local_model import ensure_server
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +50,6 @@ def _build(cfg: LMConfig, stack: contextlib.ExitStack, started: dict) -> dspy.LM
     if cfg.backend == "local":
         key = (cfg.model, cfg.n_ctx, cfg.n_threads, cfg.speculative, cfg.parallel)
         if key not in started:
-            from tfgrpo.local_model import ensure_server
-
             logger.info("Starting the embedded model %s (first run assembles the weights)", cfg.model)
             api_base, server = ensure_server(cfg.model, n_ctx=cfg.n_ctx, n_threads=cfg.n_threads, speculative=cfg.speculative,
                                              parallel=cfg.parallel)

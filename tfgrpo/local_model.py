@@ -30,8 +30,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
+from tfgrpo.base.util import write_atomic
 from tfgrpo.local_weights import DEFAULT_MODEL, default_cache_dir, ensure_model, get_spec
-from tfgrpo.util import write_atomic
 
 logger = logging.getLogger(__name__)
 

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
+from matplotlib.figure import Figure  # a figure of its own, not pyplot's: no backend is chosen for the process
+from matplotlib.ticker import MaxNLocator
 
 # Each step rolls out on its own batch of problems, so the reward panel compares batches, not one fixed probe set.
 PANELS = (("mean reward of the step's attempts\n(each step: other problems)", "mean_reward"),
@@ -17,7 +14,8 @@ PANELS = (("mean reward of the step's attempts\n(each step: other problems)", "m
 
 def learning_curve(runs: dict[str, list[dict]], path: Path, title: str = "Training-Free GRPO") -> Path:
     """`runs` maps a run's name to its per-step stats (`steps.jsonl` rows)."""
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    fig = Figure(figsize=(12, 3.4))
+    axes = fig.subplots(1, 3)
     with_demos = any("demos" in s for steps in runs.values() for s in steps)  # a max_demos run is among them
     for name, steps in runs.items():
         xs = [s["step"] for s in steps]
@@ -42,5 +40,4 @@ def learning_curve(runs: dict[str, list[dict]], path: Path, title: str = "Traini
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path

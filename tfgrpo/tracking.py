@@ -12,6 +12,10 @@ valset and best program. A TrainingFreeGRPO compile adds to whatever run is acti
                                 learning_curve.png as artifacts; val/best_score; the tags tfgrpo.kept_epoch
                                 (whose library the program carries) and tfgrpo.stopped_early (a budget's reason)
 
+The optimizer does not import this module: `MLFLOW`, the tracker, is registered under the entry point group
+`tfgrpo.trackers` (pyproject.toml), and a compile reports its steps, validations and result to it through
+`tfgrpo.base.hooks`; an optimizer's construction lets it join an autolog called before tfgrpo was imported.
+
 The CLI's `[tracking]` section opens one run around compile and evaluation (`config_run`), and the evaluation
 adds eval/ metrics (`log_evaluation`). The run's ID is kept in the log_dir, so a resumed compile goes on in
 the same run. With no active run and tracking off, nothing here imports MLflow. Params hold LM names only and
@@ -30,19 +34,25 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from tfgrpo.base.hooks import CompileInfo
+from tfgrpo.optimizers.checkpoint import Checkpoint
+from tfgrpo.programs import save_program
+
 logger = logging.getLogger(__name__)
 
 RUN_KEY = "mlflow_run"  # log_dir/mlflow_run.json: {"run_id": ...}
 AUTOLOG = "dspy"  # MLflow's name for DSPy's autologging integration
+_JOINED: set[type] = set()  # optimizer classes whose first construction has joined autolog
 
 
-def join_dspy_autolog() -> None:
-    """Give tfgrpo's optimizers the compile patch of an autolog that was called before they were imported.
+def join_dspy_autolog(optimizer: Any) -> None:
+    """Give an optimizer's class the compile patch of an autolog that was called before the class existed.
 
     `mlflow.dspy.autolog()` patches the `compile` of the Teleprompter subclasses that exist when it runs. When
-    it ran before tfgrpo was imported, it is run once more with the same settings: it reverts its patches and
-    patches every subclass that exists now, so calling it again changes nothing else."""
-    if "mlflow" not in sys.modules:  # autolog was never called
+    it ran before tfgrpo was imported, it is run once more, with the same settings, when the first optimizer of
+    a class is built: it reverts its patches and patches every subclass that exists now, so calling it again
+    changes nothing else. Without MLflow imported, or with autolog off, nothing happens."""
+    if "mlflow" not in sys.modules or type(optimizer) in _JOINED:  # autolog was never called, or is joined
         return
     from mlflow.utils.autologging_utils import AUTOLOGGING_INTEGRATIONS, autologging_is_disabled
 
@@ -52,9 +62,10 @@ def join_dspy_autolog() -> None:
 
     accepted = inspect.signature(mlflow.dspy.autolog).parameters
     settings = {k: v for k, v in AUTOLOGGING_INTEGRATIONS[AUTOLOG].items() if k in accepted}
+    _JOINED.add(type(optimizer))
     try:
         mlflow.dspy.autolog(**settings)
-    except Exception as exc:  # tracking must not stop an import; say why the compiles will not be captured
+    except Exception as exc:  # tracking must not stop a construction; say why the compiles will not be captured
         logger.warning("mlflow.dspy.autolog() could not patch tfgrpo's optimizers (%s): their compiles are not "
                        "autologged; call autolog after importing tfgrpo", exc)
 
@@ -110,23 +121,6 @@ def known_cost(usage: dict) -> float | None:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def lm_name(lm: Any) -> str:
-    """An LM as a param: its model name only (never its key, base URL or other settings)."""
-    return str(getattr(lm, "model", None) or type(lm).__name__)
-
-
-def knob_params(optimizer: Any, program: Any) -> dict[str, str]:
-    """The optimizer's knobs, with LMs as their names, plus what they resolve to for this program."""
-    from tfgrpo.optimizers.knobs import KNOBS
-
-    params = {name: str(getattr(optimizer, name)) for name in KNOBS if name not in ("reflection_lm", "progress")}
-    reflection = lm_name(optimizer._reflection_lm(program))
-    params.update(reflection_lm=reflection, learning_path_used=optimizer.resolve_learning_path(reflection),
-                  policy_lm=", ".join(sorted({lm_name(lm) for lm in optimizer._policy_lms(program).values()})),
-                  student=type(program).__name__)
-    return params
 
 
 def library_text(state: dict, *, demos: int = 0) -> str:
@@ -194,8 +188,7 @@ class CompileTracker:
     def finish(self, compiled: Any) -> None:
         """At the end: the learned library and program, the steps and their curve, as artifacts; the best
         validation score, the epoch whose library was kept and why a budget stopped the run, if one did."""
-        from tfgrpo.plots import learning_curve
-        from tfgrpo.programs import save_program
+        from tfgrpo.plots import learning_curve  # matplotlib: only for a compile that is tracked
 
         results = compiled.detailed_results
         steps = [step_record(s) for s in results["steps"]]
@@ -231,40 +224,37 @@ class CompileTracker:
 
 def stored_run_id(log_dir: str | Path | None) -> str | None:
     """The ID of the MLflow run a log_dir's compile logged to, if it did."""
-    from tfgrpo.optimizers.checkpoint import Checkpoint  # here: the optimizers import this module
-
     return (Checkpoint(log_dir).get(RUN_KEY) or {}).get("run_id")
 
 
 def _remember(log_dir: str | Path | None, run_id: str) -> None:
-    from tfgrpo.optimizers.checkpoint import Checkpoint
-
     Checkpoint(log_dir).put(RUN_KEY, {"run_id": run_id})
 
 
 @contextlib.contextmanager
-def track_compile(optimizer: Any, program: Any) -> Iterator[CompileTracker | None]:
-    """The tracker of one compile, or None when no MLflow run is active and `optimizer.use_mlflow` is off.
+def track_compile(info: CompileInfo) -> Iterator[CompileTracker | None]:
+    """The tracker of one compile, or None when no MLflow run is active and the knob `use_mlflow` is off.
 
     The run is the active one; else (use_mlflow) the run this log_dir logged to before, or a new one, ended
     with the compile (FAILED when it raises). An autolog run opened for a compile whose log_dir already has a
     run is dropped for that one, so a resume goes on in the same run."""
     mlflow = sys.modules.get("mlflow")
     active = mlflow.active_run() if mlflow else None
-    if active is None and not optimizer.use_mlflow:
+    if active is None and not info.knobs["use_mlflow"]:
         yield None
         return
     mlflow = _import_mlflow()
 
-    params = knob_params(optimizer, program)  # before a run is started: a program without an LM fails here
-    stored, owned = _stored_run(optimizer.log_dir), active is None
+    log_dir = info.knobs["log_dir"]
+    params = info.params()  # before a run is started: a program without an LM fails here
+    stored, owned = _stored_run(log_dir), active is None
     if owned:
-        active = _resume_or_start(stored, run_name=Path(optimizer.log_dir).name if optimizer.log_dir else None)
+        active = _resume_or_start(stored, run_name=Path(log_dir).name if log_dir else None)
     elif stored and stored.info.run_id != active.info.run_id and _fresh_autolog_run(active) \
             and stored.info.experiment_id == active.info.experiment_id:
         active = _continue_in(stored.info.run_id, active.info.run_id)
     try:
-        tracker = CompileTracker(active.info.run_id, optimizer.log_dir)
+        tracker = CompileTracker(active.info.run_id, log_dir)
         tracker.log_params(params)
         yield tracker
     except BaseException as exc:
@@ -273,6 +263,16 @@ def track_compile(optimizer: Any, program: Any) -> Iterator[CompileTracker | Non
         raise
     if owned:
         mlflow.end_run()
+
+
+class MlflowTracker:
+    """The tracker registered under `tfgrpo.trackers` (see `tfgrpo.base.hooks`)."""
+
+    built = staticmethod(join_dspy_autolog)
+    compile = staticmethod(track_compile)
+
+
+MLFLOW = MlflowTracker()
 
 
 def _import_mlflow() -> Any:

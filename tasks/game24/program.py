@@ -8,8 +8,8 @@ import re
 
 import dspy
 
+from tfgrpo.base.util import clip
 from tfgrpo.tasks.sandbox import run_python
-from tfgrpo.util import clip
 
 OUTPUT_CHARS = 600  # what is kept of the program's output (head and tail) for the learning calls
 

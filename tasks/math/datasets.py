@@ -23,6 +23,8 @@ from typing import Any
 
 import dspy
 
+from tfgrpo.tasks.math.metric import extract_answer
+
 DATA_DIR = Path(__file__).resolve().parent / "data"
 
 # Builtin sets: name -> shipped JSONL file (see data/README.md for where each one comes from).
@@ -133,8 +135,6 @@ def _hub_answer(row: dict) -> Any:
     if value is None and isinstance(row.get("reward_model"), dict):  # DAPO-Math-17k layout
         value = row["reward_model"].get("ground_truth")
     if value is None and isinstance(row.get("solution"), str):  # MATH-style: the last \boxed{}
-        from .metric import extract_answer
-
         value = extract_answer(row["solution"])
     if isinstance(value, str) and "####" in value:  # GSM8K: rationale, then "#### 1,234"
         value = value.rsplit("####", 1)[1].strip().replace(",", "")

@@ -23,7 +23,7 @@ from typing import Any
 
 import dspy
 
-from tfgrpo.util import clip
+from tfgrpo.base.util import clip
 
 DEFAULT_TIMEOUT_S = 5.0  # per comparison, parsing included; read at call time
 MAX_TEXT_CHARS = 20_000  # extraction only looks at this much of the end of a text

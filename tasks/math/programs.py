@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dspy
 
+from tfgrpo.base.util import clip
 from tfgrpo.tasks.sandbox import run_python
-from tfgrpo.util import clip
 
 TOOL_OUTPUT_CHARS = 2000  # what the agent sees of one tool call's output
 

@@ -14,9 +14,9 @@ from typing import Literal
 
 import dspy
 
+from tfgrpo.base.util import clip
 from tfgrpo.programs.constrained import ConstrainedJSONAdapter, Mode
 from tfgrpo.tasks.web.tools import WebTools
-from tfgrpo.util import clip
 
 
 class AnswerQuestion(dspy.Signature):

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import lxml.html
 
-from tfgrpo.util import clip
+from tfgrpo.base.util import clip
 
 _RETRYABLE = frozenset({429, *range(500, 600)})  # HTTP statuses worth one more try
 

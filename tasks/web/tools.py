@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dspy
 
+from tfgrpo.base.util import clip
 from tfgrpo.tasks.web.fetch import PageFetcher, Refused
 from tfgrpo.tasks.web.search import SearchError, format_results
-from tfgrpo.util import clip
 
 
 class PagePassages(dspy.Signature):

@@ -1,12 +1,16 @@
-"""Small helpers every part of the package uses: cutting text to size, writing a file atomically, and clearing
-the temporary files of atomic writes that a killed process left behind."""
+"""Small helpers every part of the package uses: cutting text to size, writing a file atomically, clearing the
+temporary files of atomic writes that a killed process left behind, and values as JSON (a stable hash of one, or
+a JSON-safe copy)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import uuid
 from pathlib import Path
+from typing import Any
 
 TMP_NAME = re.compile(r"^\..+\.[0-9a-f]{32}\.tmp$")  # write_atomic's temporary files: .<name>.<uuid4 hex>.tmp
 
@@ -65,3 +69,13 @@ def remove_stale_tmp(folder: str | Path, *, recursive: bool = True) -> int:
             p.unlink(missing_ok=True)
             removed += 1
     return removed
+
+
+def digest(value: Any) -> str:
+    """A short stable hash of a JSON-able value."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def jsonable(value: Any) -> Any:
+    """`value` made JSON-safe (checkpoints, records): structures kept, anything else as text."""
+    return json.loads(json.dumps(value, ensure_ascii=False, default=str))

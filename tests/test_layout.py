@@ -1,0 +1,171 @@
+"""The package's import graph, read from the source with `ast` (nothing is imported).
+
+Each top-level folder that pyproject.toml maps into `tfgrpo.*` is one floor: `base/` at the bottom, then
+`signatures/`, `programs/`, `optimizers/` and `tasks/`, with `tfgrpo/` (the CLI, configs, tracking, reports) on
+top. Imports between folders must form no cycle; an import inside a function of a tfgrpo module is allowed only
+with a reason below, never to dodge a cycle; importing a module changes nothing outside it.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE_DIR = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+
+# (importer, imported) -> why the import waits for a call; "*" stands for any tfgrpo module
+DEFERRED = {
+    ("tfgrpo.cli", "*"): "a command imports dspy and the optimizer (seconds) only when it runs: --help and a bad "
+                         "config answer at once",
+    ("tfgrpo.config", "tfgrpo.optimizers.knobs"): "checking a config's knobs imports dspy; loading one for the "
+                                                  "CLI's help and errors does not",
+    ("tfgrpo.task", "*"): "a task's modules and their optional dependencies load only when that task is picked",
+    ("tfgrpo.tracking", "tfgrpo.plots"): "matplotlib, only for a compile that is tracked",
+}
+
+
+def module_name(path: Path) -> str:
+    """`optimizers/step.py` -> `tfgrpo.optimizers.step`, by pyproject.toml's package-dir."""
+    rel = path.relative_to(ROOT)
+    for name, folder in sorted(PACKAGE_DIR.items(), key=lambda kv: -len(kv[1])):
+        if rel.parts[: len(Path(folder).parts)] == Path(folder).parts:
+            rest = list(rel.with_suffix("").parts[len(Path(folder).parts):])
+            return ".".join([name, *rest][: -1 if rest[-1] == "__init__" else None])
+    raise AssertionError(f"{rel} is in no package")
+
+
+def floor(module: str) -> str:
+    """The top-level folder a module lives in."""
+    return max((n for n in PACKAGE_DIR if module == n or module.startswith(n + ".")), key=len)
+
+
+MODULES = {module_name(p): p for folder in PACKAGE_DIR.values() for p in (ROOT / folder).rglob("*.py")}
+
+
+def imports(module: str) -> list[tuple[str, int, bool]]:
+    """(imported tfgrpo module, line, inside a function) for each import of `module`."""
+    path, found = MODULES[module], []
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+
+    def visit(node: ast.AST, deferred: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Import):
+                found.extend((a.name, child.lineno, deferred) for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - child.level + 1] + ([base] if base else []))
+                for a in child.names:  # `from tfgrpo.base import hooks` imports the module tfgrpo.base.hooks
+                    found.append((f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base, child.lineno, deferred))
+            visit(child, deferred or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+    visit(ast.parse(path.read_text()), False)
+    return [(name, line, deferred) for name, line, deferred in found if name.split(".")[0] == "tfgrpo"]
+
+
+EDGES = sorted({(m, target, line, deferred) for m in MODULES for target, line, deferred in imports(m)})
+
+
+def test_every_import_names_a_module_that_exists():
+    missing = [f"{m}:{line} imports {t}" for m, t, line, _ in EDGES if t not in MODULES]
+    assert not missing, "\n".join(missing)
+
+
+def test_no_cycle_between_folders():
+    graph, examples = defaultdict(set), defaultdict(list)
+    for m, t, line, _ in EDGES:
+        if floor(m) != floor(t):
+            graph[floor(m)].add(floor(t))
+            examples[floor(m), floor(t)].append(f"{m}:{line} -> {t}")
+
+    def reaches(a: str, b: str, seen: frozenset = frozenset()) -> bool:
+        return a == b or any(n not in seen and reaches(n, b, seen | {n}) for n in graph[a])
+
+    cycle = sorted(pair for pair in examples if reaches(pair[1], pair[0]))  # both ways: a cycle
+    assert not cycle, "the folders import each other in a cycle:\n" + "\n".join(
+        f"{a} -> {b}: " + ", ".join(examples[a, b][:3]) + (" ..." if len(examples[a, b]) > 3 else "") for a, b in cycle)
+
+
+def test_the_base_imports_nothing_above_it():
+    up = [f"{m}:{line} -> {t}" for m, t, line, _ in EDGES if floor(m) == "tfgrpo.base" and floor(t) != "tfgrpo.base"]
+    assert not up, "\n".join(up)
+
+
+def test_no_cycle_between_modules():
+    """Top-level imports only: a cycle there would leave a module half-initialised while another reads it."""
+    graph = defaultdict(set)
+    for m, t, _, deferred in EDGES:
+        if not deferred and t != m:
+            graph[m].add(t)
+    cycles, state = [], {}
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = "open"
+        for t in sorted(graph[m]):
+            if state.get(t) == "open":
+                cycles.append(" -> ".join(stack[stack.index(t):] + [t]))
+            elif t not in state:
+                visit(t, stack + [t])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, "\n".join(cycles)
+
+
+def test_a_deferred_import_says_why():
+    used, unexplained = set(), []
+    for m, t, line, deferred in EDGES:
+        if deferred:
+            key = next((k for k in ((m, t), (m, "*")) if k in DEFERRED), None)
+            if key is None:
+                unexplained.append(f"{m}:{line} imports {t} inside a function")
+            used.add(key)
+    assert not unexplained, ("move these imports to the top of the module, or give the reason in DEFERRED "
+                             "(never a cycle: import from a lower floor instead):\n" + "\n".join(unexplained))
+    assert not set(DEFERRED) - used, f"DEFERRED lists imports that are gone: {sorted(set(DEFERRED) - used)}"
+
+
+def test_importing_changes_nothing_outside_the_module():
+    """No call whose result is dropped and no assignment into another object (os.environ, a patched class) at
+    module level, outside `if __name__ == "__main__":`."""
+    found = []
+
+    def walk(body: list[ast.stmt], path: Path) -> None:
+        for node in body:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AugAssign, ast.AnnAssign)) else []
+            call = isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
+            if call and ast.unparse(node.value.func).endswith("add_typer"):  # the CLI assembling its own app
+                call = False
+            if call or any(isinstance(t, (ast.Attribute, ast.Subscript)) for t in targets):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)[:100]}")
+            if isinstance(node, ast.If) and "__main__" not in ast.unparse(node.test):
+                walk(node.body + node.orelse, path)
+            elif isinstance(node, ast.Try):
+                walk(node.body + node.orelse + node.finalbody + [s for h in node.handlers for s in h.body], path)
+
+    for path in MODULES.values():
+        walk(ast.parse(path.read_text()).body, path)
+    assert not found, "\n".join(found)
+
+
+def test_the_package_does_not_import_the_repository_around_it():
+    """Modules import `tfgrpo.*`, never a folder by its own name (`optimizers`, `benchmarks`, `tests`)."""
+    local = {p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")}
+    found = []
+    for m, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+            found += [f"{m}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in local - {"tfgrpo"}]
+    assert not found, "\n".join(found)

@@ -52,7 +52,7 @@ def _groups(step_dir: Path, trainset: list) -> list[Group]:
 
 
 def _valid(start: ExperienceLibrary, op, query: str, allowed: str) -> bool:
-    scratch = ExperienceLibrary.from_state(start.dump_state())
+    scratch = start.copy()
     general = not specific_terms(op.text, query, allowed=allowed) and not parroted_phrases(op.text)
     return scratch.apply([op], step=0).num_applied == 1 and (op.action == "delete" or general)
 
@@ -86,7 +86,7 @@ def main() -> None:
         for path in args.paths.split(","):
             knobs = {**_tfgrpo_knobs(cfg), "learning_path": path}
             opt = TrainingFreeGRPO(reward, reflection_lm=reflection, **knobs)
-            library, t0 = ExperienceLibrary.from_state(start.dump_state()), time.time()
+            library, t0 = start.copy(), time.time()
             learned, usage = run_path(opt.resolve_path(reflection)[0], kept, settings=path_settings(opt),
                                       reflection_lm=reflection, library=library, trainset=trainset,
                                       instructions=allowed, num_threads=opt.num_threads, step=args.step)

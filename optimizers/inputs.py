@@ -109,14 +109,14 @@ def starting_library(student: dspy.Module, program: dspy.Module, targets: list[s
     start = getattr(student, LIBRARY_KEY, None)
     own = isinstance(start, ExperienceLibrary)
     if own and (len(start) or start.retired):
-        library = ExperienceLibrary.from_state(start.dump_state())
+        library = start.copy()
     elif (library := library_from_instructions(program, targets, max_words=max_words,
                                                max_experiences=max_experiences)) is not None:
         logger.info("The program carries no experience_library, but its instructions hold %d experience(s) (%s): "
                     "recovered from there and kept; their provenance was not saved in the instructions",
                     len(library), ", ".join(e.id for e in library))
     else:
-        library = ExperienceLibrary.from_state(start.dump_state()) if own else ExperienceLibrary()
+        library = start.copy() if own else ExperienceLibrary()
     library.max_words, library.max_experiences = max_words, max_experiences
     return library
 

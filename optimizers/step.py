@@ -161,7 +161,7 @@ def run_step(opt, path, path_name, program, targets, library, demos, trainset, b
         demos = select_demos(demos, demo_candidates(kept, step), opt.max_demos)
     usage = {stage: add_usage(dict(before.get(stage, {})), u) for stage, u in usage.items()}
     # the plan is validated and applied in code, all or nothing, to a new library
-    library = ExperienceLibrary.from_state(library.dump_state())
+    library = library.copy()
     report = library.apply(plan, step=step, sources=sorted({q for q, _ in learned.proposals}))
     stats = StepResult(
         step=step, epoch=epoch, batch_size=len(batch), learning_path=path_name, mean_reward=mean_reward,
@@ -193,7 +193,7 @@ def probe_edits(opt, program, targets, library, demos, plan, kept, trainset, bat
     for op in plan:
         if len(candidates) >= opt.max_probed_edits:
             break
-        trial = ExperienceLibrary.from_state(library.dump_state())
+        trial = library.copy()
         if trial.apply([op], step=step).num_applied:  # an operation the library refuses is not worth a probe
             candidates.append(Candidate(label=f"{op.action} {op.ids or ''} {op.text[:60]!r}", operations=(op,)))
     if library.active and len(candidates) < opt.max_probed_edits:  # a spare slot: must a current experience stay?
@@ -207,7 +207,7 @@ def probe_edits(opt, program, targets, library, demos, plan, kept, trainset, bat
         if c.demo is not None:
             programs.append(with_learned(program, targets, library, keep_best(demos, opt.max_demos - 1) + [c.demo]))
         else:
-            trial = ExperienceLibrary.from_state(library.dump_state())
+            trial = library.copy()
             trial.apply(list(c.operations), step=step)
             programs.append(with_learned(program, targets, trial, demos))
     rollout_id = int(digest([opt.seed, step, "probe"]), 16) % 2**31

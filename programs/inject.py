@@ -19,15 +19,13 @@ from pathlib import Path
 import dspy
 
 from tfgrpo.base.util import write_atomic
-from tfgrpo.programs.library import ID, ExperienceLibrary
+from tfgrpo.programs.library import ExperienceLibrary, parse_rendered
 
 OPEN_TAG, CLOSE_TAG = "<experiences>", "</experiences>"
 PREAMBLE = "Lessons learned from earlier attempts at this task; apply the ones that fit the problem at hand."
 LIBRARY_KEY = "experience_library"  # attribute on the program and key in the saved JSON
 
 _BLOCK = re.compile(r"\s*" + re.escape(OPEN_TAG) + r".*?" + re.escape(CLOSE_TAG) + r"\s*$", re.DOTALL)
-_LINE = re.compile(r"^\[([A-Za-z]*\d+)\] (.*)$")  # an experience as `ExperienceLibrary.render` writes it (or an ID
-# that only looks like one, [X1] or [e2]: refused, not read as more text of the experience before)
 
 
 def strip_experiences(instructions: str) -> str:
@@ -44,9 +42,8 @@ def with_experiences(instructions: str, library: ExperienceLibrary) -> str:
 
 
 def rendered_experiences(instructions: str) -> list[tuple[str, str, str]] | None:
-    """The (ID, text, excerpt) triples of the experience block at the end of `instructions`; None when there is no
-    block. A line that does not start a new `[E<n>] ` item continues the text of the one before (multi-line texts),
-    except an indented fenced block right after it, which is its excerpt (`ExperienceLibrary.render`)."""
+    """The (ID, text, excerpt) triples of the experience block at the end of `instructions` (read by the library's
+    own `parse_rendered`); None when there is no block."""
     match = _BLOCK.search(instructions or "")
     tags = (instructions or "").count(OPEN_TAG), (instructions or "").count(CLOSE_TAG)
     if tags != ((1, 1) if match else (0, 0)):
@@ -57,27 +54,7 @@ def rendered_experiences(instructions: str) -> list[tuple[str, str, str]] | None
     lines = match.group(0).strip()[len(OPEN_TAG):-len(CLOSE_TAG)].strip("\n").split("\n")
     if lines and lines[0] == PREAMBLE:
         lines = lines[1:]
-    items: list[list] = []  # [id, text, excerpt lines or None, inside the excerpt's fence]
-    for line in lines:
-        if items and items[-1][3]:
-            if line == "    ```":
-                items[-1][3] = False
-            else:
-                items[-1][2].append(line[4:] if line.startswith("    ") else line)
-        elif (found := _LINE.match(line)) is not None:
-            exp_id = found.group(1)
-            if not ID.fullmatch(exp_id):
-                raise ValueError(f"malformed experience ID [{exp_id}] in {line[:80]!r}: IDs are E1, E2, ...")
-            if any(item[0] == exp_id for item in items):
-                raise ValueError(f"the experience block gives the ID {exp_id} to more than one experience")
-            items.append([exp_id, found.group(2), None, False])
-        elif items and line == "    ```" and items[-1][2] is None:
-            items[-1][2], items[-1][3] = [], True
-        elif items:
-            items[-1][1] += "\n" + line
-        elif line.strip():
-            raise ValueError(f"the experience block does not start with an '[E<n>] text' line: {line[:80]!r}")
-    return [(i, text, "\n".join(excerpt or [])) for i, text, excerpt, _ in items]
+    return parse_rendered(lines)
 
 
 def library_from_instructions(program: dspy.Module, targets: list[str], *, max_words: int = 32,
@@ -104,12 +81,7 @@ def library_from_instructions(program: dspy.Module, targets: list[str], *, max_w
         raise ValueError(f"the experience blocks in the instructions of predictors {first!r} and {differ} differ; "
                          "attach the library to recover (program.experience_library = ...) or strip the blocks "
                          "(tfgrpo.programs.strip_experiences)")
-    ids = [i for i, _, _ in items]
-    return ExperienceLibrary.from_state({
-        "format": "tfgrpo.experience_library/1", "max_words": max_words, "max_experiences": max_experiences,
-        "next_id": max(int(i[1:]) for i in ids) + 1, "retired": [],
-        "experiences": [{"id": i, "text": text, "excerpt": excerpt, "created_step": 0, "sources": [],
-                         "history": [{"step": 0, "action": "recovered", "text": text}]} for i, text, excerpt in items]})
+    return ExperienceLibrary.recovered(items, max_words=max_words, max_experiences=max_experiences)
 
 
 def resolve_targets(program: dspy.Module, target_predictors: list[str] | None) -> list[str]:

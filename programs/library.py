@@ -53,12 +53,45 @@ class ApplyReport:
         return sum(self.applied.values())
 
 
+FORMAT = "tfgrpo.experience_library/1"  # the tag of a saved library's state (`dump_state`)
 ID = re.compile(r"E[1-9]\d*")  # an experience's ID: E1, E2, ...
 MAX_EXCERPT_LINES = 40  # an excerpt longer than this is refused: it is a whole program, not an excerpt
 
 
 def _fenced(excerpt: str) -> str:
-    return "\n" + "\n".join("    " + line for line in ["```", *excerpt.splitlines(), "```"])
+    return "\n" + "\n".join("    " + line for line in [FENCE, *excerpt.splitlines(), FENCE])
+
+
+FENCE = "```"
+_LINE = re.compile(r"^\[([A-Za-z]*\d+)\] (.*)$")  # an experience as `render` writes it (or an ID that only looks
+# like one, [X1] or [e2]: refused, not read as more text of the experience before)
+
+
+def parse_rendered(lines: list[str]) -> list[tuple[str, str, str]]:
+    """The (ID, text, excerpt) triples of lines that `ExperienceLibrary.render` wrote. A line that does not start a
+    new `[E<n>] ` item continues the text of the one before (multi-line texts), except an indented fenced block
+    right after it, which is its excerpt. A ValueError for a malformed or repeated ID, or text before the first."""
+    items: list[list] = []  # [id, text, excerpt lines or None, inside the excerpt's fence]
+    for line in lines:
+        if items and items[-1][3]:
+            if line == "    " + FENCE:
+                items[-1][3] = False
+            else:
+                items[-1][2].append(line[4:] if line.startswith("    ") else line)
+        elif (found := _LINE.match(line)) is not None:
+            exp_id = found.group(1)
+            if not ID.fullmatch(exp_id):
+                raise ValueError(f"malformed experience ID [{exp_id}] in {line[:80]!r}: IDs are E1, E2, ...")
+            if any(item[0] == exp_id for item in items):
+                raise ValueError(f"the experience block gives the ID {exp_id} to more than one experience")
+            items.append([exp_id, found.group(2), None, False])
+        elif items and line == "    " + FENCE and items[-1][2] is None:
+            items[-1][2], items[-1][3] = [], True
+        elif items:
+            items[-1][1] += "\n" + line
+        elif line.strip():
+            raise ValueError(f"the experience block does not start with an '[E<n>] text' line: {line[:80]!r}")
+    return [(i, text, "\n".join(excerpt or [])) for i, text, excerpt, _ in items]
 
 
 # Chinese and Japanese put no spaces between words: each of these characters counts as one word
@@ -207,7 +240,7 @@ class ExperienceLibrary(Parameter):
     # -- persistence (the dspy Parameter protocol) ----------------------------------------------------------
     def dump_state(self, json_mode: bool = True) -> dict:
         return {
-            "format": "tfgrpo.experience_library/1",
+            "format": FORMAT,
             "max_words": self.max_words,
             "max_experiences": self.max_experiences,
             "next_id": self.next_id,
@@ -223,7 +256,7 @@ class ExperienceLibrary(Parameter):
     @classmethod
     def from_state(cls, state: dict) -> "ExperienceLibrary":
         """Rebuild a library from `dump_state()` output; raise ValueError with the reason on bad input."""
-        if not isinstance(state, dict) or state.get("format") != "tfgrpo.experience_library/1":
+        if not isinstance(state, dict) or state.get("format") != FORMAT:
             raise ValueError("not a tfgrpo experience library (missing or unknown 'format')")
         try:
             lib = cls(max_words=int(state["max_words"]), max_experiences=state.get("max_experiences"))
@@ -249,6 +282,21 @@ class ExperienceLibrary(Parameter):
         if used and lib.next_id <= max(used):
             raise ValueError("corrupt experience library: next_id would reuse an existing ID")
         return lib
+
+    @classmethod
+    def recovered(cls, items: list[tuple[str, str, str]], *, max_words: int = 32,
+                  max_experiences: int | None = None) -> "ExperienceLibrary":
+        """A library of the (ID, text, excerpt) triples read back from a rendering (`parse_rendered`): their
+        provenance was not rendered, so each experience's history starts with a "recovered" entry."""
+        return cls.from_state({
+            "format": FORMAT, "max_words": max_words, "max_experiences": max_experiences,
+            "next_id": max(int(i[1:]) for i, _, _ in items) + 1, "retired": [],
+            "experiences": [{"id": i, "text": text, "excerpt": excerpt, "created_step": 0, "sources": [],
+                             "history": [{"step": 0, "action": "recovered", "text": text}]} for i, text, excerpt in items]})
+
+    def copy(self) -> "ExperienceLibrary":
+        """An independent copy: the same state, nothing shared (checked as a loaded state is)."""
+        return self.from_state(self.dump_state())
 
     def reset(self) -> None:
         self.__init__(max_words=self.max_words, max_experiences=self.max_experiences)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # before dspy: litellm reads its bundled price map, no fetch
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # before dspy: no fetch of litellm's price map
 import dspy  # noqa: E402
 
 from benchmarks.common import add_endpoint_args, endpoint  # noqa: E402

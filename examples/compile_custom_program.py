@@ -11,7 +11,7 @@ knows about tfgrpo. After compiling, it is saved to JSON and loaded back into a 
 import argparse
 import os
 
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # before dspy: litellm reads its bundled price map, no fetch
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # before dspy: no fetch of litellm's price map
 import dspy
 
 from tfgrpo.optimizers import TrainingFreeGRPO

@@ -10,8 +10,8 @@ or, for small reflection LMs (`learning_path="contrast"`, see `contrast.py`):
 
     rollouts -> rewards -> (groups with contrast) -> one best-vs-worst call per group -> folded in code -> library
 
-Each group goes through the step at its own pace: its summaries start as soon as its own attempts are scored,
-while other groups still roll out (`parallel.run_flows`, `learning_paths.py`); only the consolidation waits for the batch.
+Each group goes through the step at its own pace: its summaries start as soon as its own attempts are scored, while
+other groups still roll out (`parallel.run_flows`, `learning_paths.py`); only the consolidation waits for the batch.
 Every finished unit of work is checkpointed in `log_dir` (see `checkpoint.py`), so a crashed run resumes without
 resending it.
 """
@@ -198,7 +198,8 @@ class TrainingFreeGRPO(Teleprompter):
                              "a stronger model make the learning calls, pass reflection_lm=")
         check_program(student)
         ckpt = Checkpoint(self.log_dir)
-        info = hooks.CompileInfo(knobs={name: getattr(self, name) for name in KNOBS}, params=lambda: self._params(student))
+        knobs = {name: getattr(self, name) for name in KNOBS}
+        info = hooks.CompileInfo(knobs=knobs, params=lambda: self._params(student))
         with ckpt.locked(), hooks.tracked(info) as trackers:  # one compile per log_dir; trackers such as MLflow's
             compiled = self._compile(student, trainset=trainset, valset=valset, trackers=trackers, ckpt=ckpt)
             for tracker in trackers:

@@ -292,7 +292,8 @@ class ExperienceLibrary(Parameter):
             "format": FORMAT, "max_words": max_words, "max_experiences": max_experiences,
             "next_id": max(int(i[1:]) for i, _, _ in items) + 1, "retired": [],
             "experiences": [{"id": i, "text": text, "excerpt": excerpt, "created_step": 0, "sources": [],
-                             "history": [{"step": 0, "action": "recovered", "text": text}]} for i, text, excerpt in items]})
+                             "history": [{"step": 0, "action": "recovered", "text": text}]}
+                            for i, text, excerpt in items]})
 
     def copy(self) -> "ExperienceLibrary":
         """An independent copy: the same state, nothing shared (checked as a loaded state is)."""

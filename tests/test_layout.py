@@ -61,10 +61,12 @@ def imports(module: str) -> list[tuple[str, int, bool]]:
                 found.extend((a.name, child.lineno, deferred) for a in child.names)
             elif isinstance(child, ast.ImportFrom):
                 base = child.module or ""
-                if child.level:
-                    base = ".".join(package.split(".")[: len(package.split(".")) - child.level + 1] + ([base] if base else []))
+                if child.level:  # relative: from the package, or from a package above it
+                    parts = package.split(".")[: len(package.split(".")) - child.level + 1]
+                    base = ".".join(parts + ([base] if base else []))
                 for a in child.names:  # `from tfgrpo.base import hooks` imports the module tfgrpo.base.hooks
-                    found.append((f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base, child.lineno, deferred))
+                    name = f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base
+                    found.append((name, child.lineno, deferred))
             visit(child, deferred or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
 
     visit(ast.parse(path.read_text()), False)

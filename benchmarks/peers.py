@@ -48,7 +48,7 @@ TFGRPO_ARMS = {  # arm -> knobs on top of the shared ones; every arm that keeps 
     "tfgrpo-rules+demos": {"max_demos": 2},  # demos picked by their own reward, as in the issue's hand measurement
     "tfgrpo-probed+demos": {"max_demos": 2, "probe_size": 4},
     # demos probed on every training query outside the batch (8 of 12): room to tell a flat search from a bracketed
-    # one; the main job (configs/local.toml)
+    # one; the main job until 2026-11-26 (three steps of 4)
     "tfgrpo-probed-wide+demos": {"max_demos": 2, "probe_size": 8},
     # experiences only: a rule carries the better attempt's whole program (query values masked), probed on 8 queries
     "tfgrpo-solver-excerpts-wide": {"max_excerpt_lines": 40, "excerpt_whole_attempt": True, "probe_size": 8},
@@ -57,6 +57,8 @@ TFGRPO_ARMS = {  # arm -> knobs on top of the shared ones; every arm that keeps 
                                           "max_demos": 2},
     # a probe keeps a demo that ties a program already solving some of it: for a task the model half solves (GSM8K)
     "tfgrpo-probed-ties+demos": {"max_demos": 2, "probe_size": 4, "keep_tied_demos": True},
+    # the main job since 2026-11-26 (configs/local.toml): one step of 6 queries, each edit probed on 4 of the others
+    "tfgrpo-onestep+demos": {"max_demos": 2, "probe_size": 4, "batch_size": 6, "max_steps": 1},
 }
 ONLY_FOR = {"tfgrpo-probed-ties+demos": "gsm8k"}  # arms made for one task; elsewhere they are not in the menu
 # Arms measured once and superseded, kept on disk with their results (the README tells what each taught): the report
@@ -71,7 +73,7 @@ EXPLORED = {
     "tfgrpo-solver-excerpts-wide-lists-unmasked": "probed on 8, the query's values masked one by one",
 }
 PEER_ARMS = ("baseline", "bootstrap", "bootstrap-rs", "infer-rules", "knn", "simba", "simba-solved", "gepa", "mipro")
-MAIN_ARM = "tfgrpo-probed-wide+demos"  # the main job's configuration: the arm the others' budget is matched to
+MAIN_ARM = "tfgrpo-probed-wide+demos"  # the best arm measured on both tasks: the others' budget is matched to it
 
 
 def menu(task: str) -> list[str]:
@@ -105,9 +107,10 @@ def scalar(metric):
 def compile_arm(arm: str, student, reward, trainset: list, lm: dspy.LM, seed: int, args, where: Path) -> dspy.Module:
     G, threads = args.generations, args.threads
     if arm in TFGRPO_ARMS:
-        opt = TrainingFreeGRPO(reward, num_generations=G, num_train_epochs=1, batch_size=args.batch, seed=seed,
-                               learning_path="contrast", constrained_decoding="json_object", max_operations_per_group=1,
-                               num_threads=threads, log_dir=str(where / "checkpoint"), **TFGRPO_ARMS[arm])
+        shared = dict(num_generations=G, num_train_epochs=1, batch_size=args.batch, seed=seed, learning_path="contrast",
+                      constrained_decoding="json_object", max_operations_per_group=1, num_threads=threads,
+                      log_dir=str(where / "checkpoint"))
+        opt = TrainingFreeGRPO(reward, **{**shared, **TFGRPO_ARMS[arm]})  # an arm may set a shared knob its own way
         return opt.compile(student, trainset=trainset)
     metric = scalar(reward)
     if arm == "bootstrap":  # the student's own traces that pass, as demos; G rounds over the trainset at most
@@ -338,7 +341,7 @@ def main() -> None:
     ap.add_argument("--task", default="game24", choices=["game24", "gsm8k"])
     ap.add_argument("--arms", default=None, help="comma-separated arms; default: every arm of the task's menu")
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
-    ap.add_argument("--train", type=int, default=12, help="training examples (the main job's 12 puzzles)")
+    ap.add_argument("--train", type=int, default=12, help="training examples (the earlier main job's 12 puzzles)")
     ap.add_argument("--train-offset", type=int, default=100)
     ap.add_argument("--eval", type=int, default=48, help="held-out examples")
     ap.add_argument("--eval-offset", type=int, default=None,

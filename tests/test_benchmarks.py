@@ -88,7 +88,7 @@ def test_local_learning(fake, tmp_path):
 
 
 PEER_ARMS = ["baseline", "bootstrap", "bootstrap-rs", "infer-rules", "knn", "simba", "simba-solved", "gepa", "mipro",
-             "tfgrpo-rules", "tfgrpo-probed+demos",
+             "tfgrpo-rules", "tfgrpo-probed+demos", "tfgrpo-onestep+demos",
              "tfgrpo-probed-wide+demos", "tfgrpo-solver-excerpts-wide+demos"]
 
 

@@ -47,9 +47,13 @@ class Tracker(Protocol):
 
 
 @functools.cache
+def installed() -> dict[str, Tracker]:
+    """The installed trackers by entry point name, in name order."""
+    return {ep.name: ep.load() for ep in sorted(entry_points(group=GROUP), key=lambda ep: ep.name)}
+
+
 def trackers() -> tuple[Tracker, ...]:
-    """The installed trackers, in name order."""
-    return tuple(ep.load() for ep in sorted(entry_points(group=GROUP), key=lambda ep: ep.name))
+    return tuple(installed().values())
 
 
 def built(optimizer: Any) -> None:

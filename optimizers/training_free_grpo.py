@@ -189,6 +189,9 @@ class TrainingFreeGRPO(Teleprompter):
         if probe_size and not use_ground_truth:
             raise ValueError("probe_size needs use_ground_truth=True: a probe scores single attempts, which have no "
                              "group to take a majority answer from")
+        if use_mlflow and "mlflow" not in hooks.installed():
+            raise RuntimeError("use_mlflow=True, but no MLflow tracker is registered: tfgrpo's entry point "
+                               f"{hooks.GROUP}:mlflow comes with its install (pip install -e . in a clone)")
         hooks.built(self)  # trackers learn of it (tfgrpo.base.hooks)
 
     # -- the outer loop -------------------------------------------------------------------------------------

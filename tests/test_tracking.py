@@ -324,3 +324,11 @@ def test_the_tracking_section_is_checked(tmp_path):
         Config.load(path)
     path.write_text("[tracking]\nenabled = false\n")
     assert Config.load(path).tracking.enabled is False
+
+
+def test_use_mlflow_without_the_registered_tracker_is_a_clear_error(monkeypatch):
+    from tfgrpo.base import hooks
+
+    monkeypatch.setattr(hooks, "installed", lambda: {})  # a source tree used without installing tfgrpo
+    with pytest.raises(RuntimeError, match="no MLflow tracker is registered"):
+        TrainingFreeGRPO(lambda ex, pred, trace=None: 1.0, use_mlflow=True)

@@ -259,9 +259,7 @@ def _tfgrpo_knobs(cfg: Config) -> dict:
     """The [optimizer] section as TrainingFreeGRPO keyword arguments (the direct baseline's keys left out)."""
     knobs = cfg.optimizer.model_dump(exclude={"method", "num_direct_experiences"})
     if knobs["constrained_decoding"] == "auto":
-        from tfgrpo.lms import backend_constrained_mode
-
-        knobs["constrained_decoding"] = backend_constrained_mode(cfg.reflection or cfg.policy) or "auto"
+        knobs["constrained_decoding"] = cfg.reflection_config().constrained_mode or "auto"
     return knobs
 
 
@@ -277,8 +275,7 @@ def _dry_run(cfg: Config) -> None:
     knobs = _tfgrpo_knobs(cfg)
     turns = cfg.task.max_iters + 1 if cfg.task.program == "react" or cfg.task.name == "web" else 1
     optimizer = TrainingFreeGRPO(metric, **knobs)
-    learner = cfg.reflection or cfg.policy
-    path = optimizer.resolve_learning_path(learner.model)
+    path = optimizer.resolve_learning_path(cfg.reflection_config().model)
     est = estimate_run(optimizer, make(), trainset, turns_per_rollout=turns, max_tokens=cfg.policy.max_tokens,
                        learning_path=path)
     table = Table(title=f"dry run: {est['steps']} step(s), {path} learning path, upper bounds (no call is made)")

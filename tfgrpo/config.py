@@ -16,6 +16,7 @@ from typing import Literal, get_args, get_type_hints
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from tfgrpo.local_model import DEFAULT_SPECULATIVE, SpeculativeMode
+from tfgrpo.local_weights import DEFAULT_MODEL
 from tfgrpo.optimizers.knobs import KNOBS, Knobs, check_knob
 
 if sys.version_info >= (3, 11):
@@ -30,7 +31,7 @@ class _Strict(BaseModel):
 
 class LMConfig(_Strict):
     backend: Literal["local", "litellm"] = "local"  # local: the embedded llama.cpp model; litellm: any provider
-    model: str = "qwen2.5-coder-1.5b"  # local model name, or a LiteLLM model string ("deepseek/deepseek-chat")
+    model: str = DEFAULT_MODEL  # local model name, or a LiteLLM model string ("deepseek/deepseek-chat")
     api_base: str | None = None  # OpenAI-compatible endpoint (vLLM, Ollama, a remote llama.cpp server)
     api_key_env: str | None = None  # NAME of the environment variable holding the key (never the key)
     temperature: float = Field(0.3, ge=0, le=2)  # used for evaluation; learning rollouts use optimizer.temperature
@@ -44,6 +45,13 @@ class LMConfig(_Strict):
     # replies are samples of the same model either way, only faster
     speculative: SpeculativeMode = DEFAULT_SPECULATIVE
     parallel: int | None = Field(None, ge=1)  # local only: requests decoded together (llama-server; default: cores/2, at most 4)
+
+    @property
+    def constrained_mode(self) -> str | None:
+        """How to ask this backend for JSON-schema constrained decoding, where the project knows it: the embedded
+        llama.cpp server takes the schema in `{"type": "json_object", "schema": ...}` ("json_object"). None for other
+        backends (the optimizer's `constrained_decoding="auto"` then asks LiteLLM)."""
+        return "json_object" if self.backend == "local" else None
 
     @model_validator(mode="after")
     def _key_present(self):
@@ -196,6 +204,14 @@ class Config(_Strict):
     evaluate: EvaluateConfig = EvaluateConfig()
     tracking: TrackingConfig | None = None  # MLflow; None: nothing is logged and MLflow is not imported
     run_dir: str = "runs/default"  # compiled program, library, stats, plots and evaluations go here
+
+    def reflection_config(self) -> LMConfig:
+        """The LM of the learning calls: [reflection], else the policy LM."""
+        return self.reflection or self.policy
+
+    def judge_config(self) -> LMConfig:
+        """The web task's judge: [judge], else the reflection LM (else the policy LM)."""
+        return self.judge or self.reflection_config()
 
     @classmethod
     def load(cls, path: str | Path) -> "Config":

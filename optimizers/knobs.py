@@ -206,8 +206,8 @@ def default_text(name: str) -> str:
 
 def args_doc() -> str:
     """The knobs as the Args entries of a Google-style docstring, each ending with its default."""
-    return "".join(textwrap.fill(f"{name}: {f.metadata['doc']} Default {default_text(name)}.", 116,
-                                 initial_indent=" " * 8, subsequent_indent=" " * 12) + "\n" for name, f in KNOBS.items())
+    entries = [f"{name}: {f.metadata['doc']} Default {default_text(name)}." for name, f in KNOBS.items()]
+    return "".join(textwrap.fill(e, 116, initial_indent=" " * 8, subsequent_indent=" " * 12) + "\n" for e in entries)
 
 
 def knob_table() -> str:

@@ -61,8 +61,8 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
     instructions) goes on learning from it. Every finished unit of work is saved in `log_dir`; the same call
     resumes an interrupted run.
 
-    Every knob is a keyword argument, declared once with its type, default and check in `optimizers/knobs.py`;
-    the Args after `metric` are written from there (and docs/usage.md lists them in a table).
+    Every knob is a keyword argument, declared once (type, default, check, doc) in `optimizers/knobs.py`, from
+    which the Args after `metric` are filled in at import and the knob table of docs/usage.md is written.
 
     Args:
         metric: `metric(example, prediction, trace=None)` (or `metric(example, prediction)`, as dspy.Evaluate

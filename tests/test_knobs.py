@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from tfgrpo.config import SET_ELSEWHERE, OptimizerConfig
 from tfgrpo.optimizers import TrainingFreeGRPO
-from tfgrpo.optimizers.knobs import KNOBS, Knobs, default_text, knob_table
+from tfgrpo.optimizers.knobs import KNOBS, Knobs, default_text, fingerprinted_knobs, knob_table
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -108,8 +108,14 @@ FINGERPRINTED = ["num_generations", "temperature", "num_train_epochs", "batch_si
 
 
 def test_the_fingerprint_holds_the_knobs_that_change_what_a_run_computes():
-    """The saved run.json's knobs: changing this list makes old run directories refuse to resume."""
+    """The saved run.json's knobs: changing these names, their order or their defaults makes old run directories
+    refuse to resume."""
     assert [k for k, f in KNOBS.items() if f.metadata["fingerprinted"]] == FINGERPRINTED
+    assert list(fingerprinted_knobs(TrainingFreeGRPO(metric)).items()) == [
+        ("num_generations", 5), ("temperature", 0.7), ("num_train_epochs", 3), ("batch_size", 50), ("seed", 0),
+        ("max_operations_per_group", 2), ("use_ground_truth", True), ("learning_path", "auto"),
+        ("max_experiences", None), ("max_words_per_experience", 32), ("max_demos", 0), ("max_excerpt_lines", 0),
+        ("excerpt_whole_attempt", False), ("probe_size", 0), ("keep_tied_demos", False), ("max_probed_edits", 3)]
 
 
 def reference_section() -> tuple[list[str], str]:

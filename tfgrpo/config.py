@@ -159,8 +159,8 @@ SET_ELSEWHERE = {"reflection_lm": "the [reflection] section", "log_dir": "run_di
 class _OptimizerSection(_Strict):
     """The [optimizer] keys of the CLI alone; `OptimizerConfig` adds the optimizer's knobs."""
 
-    model_config = ConfigDict(strict=True, validate_default=True,  # no coercion ("yes" is no bool); defaults checked
-                              arbitrary_types_allowed=True)  # learning_path's type names LearningPath (no file holds one)
+    # strict: no coercion ("yes" is no bool); defaults checked too; learning_path's type names a class (LearningPath)
+    model_config = ConfigDict(strict=True, validate_default=True, arbitrary_types_allowed=True)
 
     method: Literal["tfgrpo", "direct"] = "tfgrpo"  # direct: the "directly generated experiences" baseline
     num_direct_experiences: int = Field(27, ge=1)  # direct only: how many tips to ask for (match a learned library)
@@ -171,13 +171,15 @@ class _OptimizerSection(_Strict):
         return check_knob(info.field_name, value) if info.field_name in KNOBS else value
 
 
-_hints = get_type_hints(Knobs)
-# TrainingFreeGRPO's knobs (optimizers/knobs.py), with the optimizer's types, defaults and checks
-OptimizerConfig = create_model("OptimizerConfig", __base__=_OptimizerSection, __module__=__name__,
+def _knob_fields() -> dict:
+    """The knobs a file can hold, as pydantic fields with the optimizer's types and defaults."""
+    types = get_type_hints(Knobs)
+    return {name: (types[name], knob.default) for name, knob in KNOBS.items() if name not in SET_ELSEWHERE}
+
+
+OptimizerConfig = create_model("OptimizerConfig", __base__=_OptimizerSection, __module__=__name__, **_knob_fields(),
                                __doc__="The [optimizer] section: TrainingFreeGRPO's knobs (optimizers/knobs.py), "
-                                       "checked by the same rules as its constructor, and the CLI's own keys.",
-                               **{name: (_hints[name], knob.default) for name, knob in KNOBS.items()
-                                  if name not in SET_ELSEWHERE})
+                                       "checked by the same rules as its constructor, and the CLI's own keys.")
 
 
 class EvaluateConfig(_Strict):

@@ -22,6 +22,7 @@ from rich.table import Table
 from tfgrpo.cli_help import VERSION, HelpCommand, HelpGroup, reference_text
 from tfgrpo.cli_lm import lm_app
 from tfgrpo.config import Config, ConfigError
+from tfgrpo.optimizers.knobs import KNOBS
 from tfgrpo.progress import RunBars, progress_display
 from tfgrpo.util import write_atomic
 
@@ -257,7 +258,7 @@ def _print_library(state: dict) -> None:
 
 def _tfgrpo_knobs(cfg: Config) -> dict:
     """The [optimizer] section as TrainingFreeGRPO keyword arguments (the direct baseline's keys left out)."""
-    knobs = cfg.optimizer.model_dump(exclude={"method", "num_direct_experiences"})
+    knobs = cfg.optimizer.model_dump(include=set(KNOBS))
     if knobs["constrained_decoding"] == "auto":
         knobs["constrained_decoding"] = cfg.reflection_config().constrained_mode or "auto"
     return knobs

@@ -12,7 +12,7 @@ import argparse
 import contextlib
 from collections.abc import Iterator
 
-DEFAULT_MODEL = "qwen2.5-coder-1.5b"
+from tfgrpo.local_weights import DEFAULT_MODEL
 
 
 def add_endpoint_args(ap: argparse.ArgumentParser) -> None:

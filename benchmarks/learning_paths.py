@@ -34,7 +34,6 @@ from tfgrpo.optimizers import TrainingFreeGRPO  # noqa: E402
 from tfgrpo.optimizers.attempts import Attempt, Group, Scored  # noqa: E402
 from tfgrpo.optimizers.learning_paths import run_path  # noqa: E402
 from tfgrpo.optimizers.render import query_key  # noqa: E402
-from tfgrpo.optimizers.step import path_settings  # noqa: E402
 from tfgrpo.programs import ExperienceLibrary  # noqa: E402
 from tfgrpo.programs.generality import parroted_phrases, specific_terms  # noqa: E402
 
@@ -87,7 +86,7 @@ def main() -> None:
             knobs = {**_tfgrpo_knobs(cfg), "learning_path": path}
             opt = TrainingFreeGRPO(reward, reflection_lm=reflection, **knobs)
             library, t0 = start.copy(), time.time()
-            learned, usage = run_path(opt.resolve_path(reflection)[0], kept, settings=path_settings(opt),
+            learned, usage = run_path(opt.resolve_path(reflection)[0], kept, settings=opt,
                                       reflection_lm=reflection, library=library, trainset=trainset,
                                       instructions=allowed, num_threads=opt.num_threads, step=args.step)
             plan, proposals = learned.plan, learned.proposals

@@ -42,6 +42,7 @@ from tfgrpo.config import Config  # noqa: E402
 from tfgrpo.evaluate import evaluate_program, paired_difference  # noqa: E402
 from tfgrpo.lms import local_dspy_lm  # noqa: E402
 from tfgrpo.local_model import SPECULATIVE, LocalServer  # noqa: E402
+from tfgrpo.local_weights import DEFAULT_MODEL  # noqa: E402
 from tfgrpo.tasks.game24 import Game24Solver, game24_metric, load_game24  # noqa: E402
 
 MAIN_JOB_PROGRAM = ROOT / "benchmarks/results/peers/game24/tfgrpo-probed-wide+demos/seed0/program.json"
@@ -111,7 +112,7 @@ def main_job_seconds() -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--modes", nargs="+", default=["off", "ngram-simple", "ngram-mod", "ngram-map-k", "draft"],
                     choices=list(SPECULATIVE), help="speculative modes to time; off is always timed")
     ap.add_argument("--program", type=Path, default=MAIN_JOB_PROGRAM, help="a saved Game24Solver with its demo")

@@ -1,14 +1,18 @@
-"""The knobs of `TrainingFreeGRPO`, checked in one place.
+"""The knobs of `TrainingFreeGRPO`, each declared once: its type, default, check, documentation, and whether the
+checkpoint's fingerprint holds it.
 
-The constructor checks every knob here, `tfgrpo.config.OptimizerConfig` runs the same checks on a config
-file's `[optimizer]` section, and the knobs that change what a run computes make up the checkpoint's
-fingerprint (a resume must use the same values).
+`Knobs` is a dataclass; `TrainingFreeGRPO` is one too, built on it, so `TrainingFreeGRPO(metric, num_generations=5)`
+takes every knob as a keyword argument (an editor completes them) and checks it here. The config file's
+`[optimizer]` section (`tfgrpo.config.OptimizerConfig`) is made from the same fields, the docstring's Args and the
+knob table of docs/usage.md are written from their docs, and the knobs marked `fingerprinted` change what a run
+computes: a resume must keep their values.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import textwrap
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
 import dspy
@@ -17,86 +21,198 @@ from tfgrpo.optimizers.learning_paths import LearningPath
 
 
 @dataclass(frozen=True)
-class Knob:
+class Check:
     valid: Callable[[Any], bool]
     expected: str  # what a valid value is, for the error message
-    fingerprinted: bool = False  # changes what a run computes: a resume must use the same value
 
 
-def _int(low: int | None = None) -> Callable[[Any], bool]:
-    return lambda v: isinstance(v, int) and not isinstance(v, bool) and (low is None or v >= low)
+def integer(low: int | None = None) -> Check:
+    return Check(lambda v: isinstance(v, int) and not isinstance(v, bool) and (low is None or v >= low),
+                 "an integer" if low is None else f"an integer >= {low}")
 
 
-def _number(low: float, high: float | None = None, *, open_low: bool = False) -> Callable[[Any], bool]:
-    def valid(v: Any) -> bool:
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or v != v:
-            return False
-        return (v > low if open_low else v >= low) and (high is None or v <= high)
-
-    return valid
+def number(low: float, high: float) -> Check:
+    return Check(lambda v: _is_number(v) and low <= v <= high, f"a number in [{low}, {high}]")
 
 
-def _is_path(v: Any) -> bool:
-    return isinstance(v, LearningPath)
+def positive(expected: str) -> Check:
+    return Check(lambda v: _is_number(v) and v > 0, expected)
 
 
-def _flag(*, fingerprinted: bool = False) -> Knob:
-    """A True-or-False knob."""
-    return Knob(lambda v: isinstance(v, bool), "True or False", fingerprinted=fingerprinted)
+def one_of(*values: str) -> Check:
+    return Check(lambda v: v in values, ", ".join(map(repr, values[:-1])) + f" or {values[-1]!r}")
 
 
-def _optional(valid: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    return lambda v: v is None or valid(v)
+def instance(kind: type | tuple[type, ...], expected: str) -> Check:
+    return Check(lambda v: isinstance(v, kind), expected)
 
 
-KNOBS: dict[str, Knob] = {
+def optional(check: Check) -> Check:
+    return Check(lambda v: v is None or check.valid(v), f"None or {check.expected}")
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v  # NaN is no number here
+
+
+FLAG = instance(bool, "True or False")
+PATHS = ("auto", "paper", "contrast")
+PREDICTOR_NAMES = Check(lambda v: isinstance(v, (list, tuple)) and len(v) > 0 and all(isinstance(n, str) for n in v),
+                        "a non-empty list of predictor names")
+
+
+def knob(default: Any, check: Check, doc: str, *, fingerprinted: bool = False) -> Any:
+    """A knob's field: its default, the check a value must pass, one paragraph of documentation, and whether the
+    resume fingerprint holds it (True when it changes what a run computes)."""
+    return field(default=default, metadata={"check": check, "doc": doc, "fingerprinted": fingerprinted})
+
+
+@dataclass(kw_only=True, eq=False)
+class Knobs:
+    """Every knob of `TrainingFreeGRPO`, checked when set (a ValueError says what a valid value is)."""
+
     # group rollouts
-    "num_generations": Knob(_int(1), "an integer >= 1", fingerprinted=True),
-    "temperature": Knob(_number(0, 2), "a number in [0, 2]", fingerprinted=True),
+    num_generations: int = knob(5, integer(1), fingerprinted=True, doc=(
+        "Attempts per query (G). A group is only learned from when its rewards differ; 1 turns the group "
+        "comparison off (the paper's ablation)."))
+    temperature: float = knob(0.7, number(0, 2), fingerprinted=True, doc=(
+        "Sampling temperature of the attempts while learning, in [0, 2]."))
     # schedule
-    "num_train_epochs": Knob(_int(0), "an integer >= 0", fingerprinted=True),
-    "batch_size": Knob(_int(1), "an integer >= 1", fingerprinted=True),
-    "max_steps": Knob(_optional(_int(1)), "None or an integer >= 1"),  # more steps on a resume go on from the last
-    "seed": Knob(_int(), "an integer", fingerprinted=True),
+    num_train_epochs: int = knob(3, integer(0), fingerprinted=True, doc="Passes over the trainset.")
+    batch_size: int = knob(50, integer(1), fingerprinted=True, doc="Queries per optimization step.")
+    max_steps: int | None = knob(None, optional(integer(1)), doc=(  # more steps on a resume go on from the last
+        "Stop after this many steps, part way through an epoch if need be (TRL's `max_steps`); the epoch it stops "
+        "in is still validated. None: every batch of every epoch."))
+    seed: int = knob(0, integer(), fingerprinted=True, doc=(
+        "Seeds the order of the trainset and the attempts' rollout IDs."))
     # learning calls
-    "reflection_lm": Knob(_optional(lambda v: isinstance(v, dspy.BaseLM)), "None or a dspy.BaseLM"),
-    "max_operations_per_group": Knob(_int(1), "an integer >= 1", fingerprinted=True),
-    "use_ground_truth": _flag(fingerprinted=True),
-    "learning_path": Knob(lambda v: _is_path(v) or (isinstance(v, str) and v in ("auto", "paper", "contrast")),
-                          "'auto', 'paper', 'contrast' or a LearningPath instance", fingerprinted=True),
-    "constrained_decoding": Knob(lambda v: v in ("auto", "json_object", "json_schema", "off"),
-                                 "'auto', 'json_object', 'json_schema' or 'off'"),
+    reflection_lm: dspy.BaseLM | None = knob(None, optional(instance(dspy.BaseLM, "a dspy.BaseLM")), doc=(
+        "LM of the learning calls (summaries, group advantages, consolidation). None: `dspy.settings.lm`, else the "
+        "student's LM. A stronger model than the student learns better."))
+    max_operations_per_group: int = knob(2, integer(1), fingerprinted=True, doc=(
+        "Most library edits one group may propose."))
+    use_ground_truth: bool = knob(True, FLAG, fingerprinted=True, doc=(
+        "False scores each attempt against the majority answer of its group and shows the learning calls no "
+        "answer key."))
+    learning_path: str | LearningPath = knob(
+        "auto", Check(lambda v: isinstance(v, LearningPath) or (isinstance(v, str) and v in PATHS),
+                      "'auto', 'paper', 'contrast' or a LearningPath instance"), fingerprinted=True, doc=(
+            "\"paper\" (summaries, group advantages, one consolidation call), \"contrast\" (one short call per "
+            "best-vs-worst pair of a group, typed from the live library, folded in code; made for small reflection "
+            "LMs) or \"auto\": contrast when the reflection model's name gives at most 8B parameters, the paper's "
+            "path when it gives more or no size at all (the choice is logged). Set it yourself when the name does "
+            "not tell: \"paper\" for a capable API model, \"contrast\" for a small local one. A `LearningPath` "
+            "instance plugs in a path of your own."))
+    constrained_decoding: str = knob("auto", one_of("auto", "json_object", "json_schema", "off"), doc=(
+        "For the contrast path: \"json_object\" (llama.cpp servers' JSON-schema form), \"json_schema\" (OpenAI, "
+        "vLLM, SGLang, Ollama), \"off\" (parse and validate only) or \"auto\" (json_schema where LiteLLM says the "
+        "model supports it, else off)."))
     # the library
-    "max_experiences": Knob(_optional(_int(1)), "None or an integer >= 1", fingerprinted=True),
-    "max_words_per_experience": Knob(_int(4), "an integer >= 4", fingerprinted=True),
-    "target_predictors": Knob(_optional(lambda v: isinstance(v, (list, tuple)) and len(v) > 0 and
-                                        all(isinstance(n, str) for n in v)),
-                              "None or a non-empty list of predictor names"),
-    "max_demos": Knob(_int(0), "an integer >= 0", fingerprinted=True),
-    "max_excerpt_lines": Knob(_int(0), "an integer >= 0", fingerprinted=True),
-    "excerpt_whole_attempt": _flag(fingerprinted=True),
-    "probe_size": Knob(_int(0), "an integer >= 0", fingerprinted=True),
-    "keep_tied_demos": _flag(fingerprinted=True),
-    "max_probed_edits": Knob(_int(1), "an integer >= 1", fingerprinted=True),
+    max_experiences: int | None = knob(None, optional(integer(1)), fingerprinted=True, doc=(
+        "Cap on the library's size; None for no cap."))
+    max_words_per_experience: int = knob(32, integer(4), fingerprinted=True, doc=(
+        "Experiences longer than this are refused (at least 4)."))
+    target_predictors: list[str] | None = knob(None, optional(PREDICTOR_NAMES), doc=(
+        "Names of the predictors that get the library; None for all."))
+    max_demos: int = knob(0, integer(0), fingerprinted=True, doc=(
+        "Winning attempts kept as few-shot demos of the target predictors: after each step, a query's best attempt "
+        "that fully succeeded (reward >= 1) while its groupmates did worse, ranked by group advantage, one per query "
+        "(see optimizers/demos.py). An extension of the paper for small policy models, which copy a working example "
+        "far better than they follow advice. 0: off."))
+    max_excerpt_lines: int = knob(0, integer(0), fingerprinted=True, doc=(
+        "Contrast path: a rule the reflection LM adds carries up to this many lines copied from the better attempt "
+        "(code, a formula, a tool-call pattern), picked by the LM and checked in code to be copied, not invented "
+        "(programs/excerpt.py). An extension for small reflection LMs, which select code far better than they "
+        "describe it. 0: off."))
+    excerpt_whole_attempt: bool = knob(False, FLAG, fingerprinted=True, doc=(
+        "With max_excerpt_lines, the excerpt is the better attempt's own code (its largest fenced block, the "
+        "query's own values masked as `<?>`) when it fits, as Dynamic Cheatsheet keeps a whole working solver; the "
+        "reflection LM picks lines only from a longer attempt."))
+    probe_size: int = knob(0, integer(0), fingerprinted=True, doc=(
+        "Each step's candidate edits (library operations, demos) are tried on this many training queries outside "
+        "the step's batch, one attempt each, against the current program on the same queries, ranked by full "
+        "successes first and mean reward second: an operation is kept only if it ranks no lower; a demo, or an "
+        "experience carrying an excerpt, only if it adds full successes; of the winning demos the best one's set "
+        "is kept, and of the winning experiences with an excerpt the best one (optimizers/probe.py). Needs "
+        "use_ground_truth. 0: off, every valid operation is applied, as in the paper."))
+    keep_tied_demos: bool = knob(False, FLAG, fingerprinted=True, doc=(
+        "With probe_size, a demo that solves as many probe queries as the current program (no more) is kept too, "
+        "provided the program already solves at least one: on a task the model half solves, a probe of a few "
+        "queries is at its ceiling and a demo can rarely add a success there. A tie at zero stays refused (on the "
+        "Game of 24, narrow demos that tied at zero taught nothing)."))
+    max_probed_edits: int = knob(3, integer(1), fingerprinted=True, doc=(
+        "Most candidate edits probed per step (half of them demos, when max_demos > 0); edits beyond it are "
+        "dropped."))
     # execution
-    "num_threads": Knob(_int(1), "an integer >= 1"),
-    "max_failure_rate": Knob(_number(0, 1), "a number in [0, 1]"),
-    "metric_timeout_s": Knob(_optional(_number(0, open_low=True)), "None or a number of seconds > 0"),
-    "max_cost": Knob(_optional(_number(0, open_low=True)), "None or a number > 0 (USD)"),
-    "max_total_tokens": Knob(_optional(_int(1)), "None or an integer >= 1"),
-    "log_dir": Knob(_optional(lambda v: isinstance(v, (str, os.PathLike))), "None or a folder path"),
-    "progress": Knob(_optional(callable), "None or a callable progress(stage, done, total)"),
-    "use_mlflow": _flag(),
-}
+    num_threads: int = knob(8, integer(1), doc="Concurrent LM calls of a step (all stages share them).")
+    max_failure_rate: float = knob(0.5, number(0, 1), doc=(
+        "When more than this share of a step's attempts, summaries or group advantages, or of an epoch's "
+        "validation runs, fail, the run stops with `TooManyFailuresError` and the step is not done; a resume "
+        "redoes the failed units."))
+    metric_timeout_s: float | None = knob(None, optional(positive("a number of seconds > 0")), doc=(
+        "Seconds one metric call may take: a call still running then (a judge LM that hangs, a sandbox that never "
+        "returns) is abandoned and scores 0, counted as a failure: said in a warning, under "
+        "`details[\"metric_timeouts\"]` of the step, in `val_failures` of a validation; more than "
+        "`max_failure_rate` of a step's attempts timing out stops the run, as an outage does. None waits for ever. "
+        "Ctrl-C stops a run at once either way."))
+    max_cost: float | None = knob(None, optional(positive("a number > 0 (USD)")), doc=(
+        "USD: stop after the step that reaches it, keeping the library so far. Refused when DSPy knows no price "
+        "for the policy or reflection model (LiteLLM's price map has no entry: the cost would stay $0), and under "
+        "`disable_history=True` (the price is only kept in DSPy's LM history)."))
+    max_total_tokens: int | None = knob(None, optional(integer(1)), doc=(
+        "Prompt plus completion tokens of all calls: stop after the step that reaches it."))
+    log_dir: str | os.PathLike | None = knob(None, optional(instance((str, os.PathLike), "a folder path")), doc=(
+        "Folder where every finished unit of work is saved and resumed from; None keeps nothing. A resume must use "
+        "the same fingerprinted knobs, data, program, target predictors and LM models (the refusal names what "
+        "differs); num_threads, max_failure_rate, the budgets and progress may change. One compile at a time: the "
+        "folder is locked while a compile runs, and a second one is refused with a `RunLockedError` naming the "
+        "holder (a lock of a process that died is taken over)."))
+    progress: Callable[[str, int, int], None] | None = knob(
+        None, optional(Check(callable, "a callable progress(stage, done, total)")), doc=(
+            "`progress(stage, done, total)`, called as units finish, for UIs; stage \"step\" is the whole run (steps "
+            "done of all, the steps a resume reuses counted in its first call), the others restart with each step. "
+            "None: a tqdm bar for the run and one per stage of each step on stderr, as DSPy's own optimizers draw, "
+            "when stderr is a terminal (pass `lambda *_: None` for silence)."))
+    use_mlflow: bool = knob(False, FLAG, doc=(
+        "Log the compile to MLflow (`tfgrpo.tracking`): per step metrics, validation scores, knobs, the library "
+        "and program; into the active MLflow run, else one it starts (or resumes from log_dir). It logs into an "
+        "active run (e.g. `mlflow.dspy.autolog(log_compiles=True)`'s) even when off."))
+
+    def __post_init__(self):
+        for name in KNOBS:
+            check_knob(name, getattr(self, name))
+
+
+KNOBS = {f.name: f for f in fields(Knobs)}  # name -> dataclasses.Field, in the declaration's order
 
 
 def check_knob(name: str, value: Any) -> Any:
     """`value` if it is valid for the knob `name`, else a ValueError that says what is expected."""
-    knob = KNOBS[name]
-    if not knob.valid(value):
-        raise ValueError(f"{name} must be {knob.expected}, not {value!r}")
+    check = KNOBS[name].metadata["check"]
+    if not check.valid(value):
+        raise ValueError(f"{name} must be {check.expected}, not {value!r}")
     return value
 
 
-def fingerprinted_knobs(optimizer: Any) -> dict[str, Any]:
-    return {name: getattr(optimizer, name) for name, knob in KNOBS.items() if knob.fingerprinted}
+def fingerprinted_knobs(knobs: Knobs) -> dict[str, Any]:
+    return {name: getattr(knobs, name) for name, f in KNOBS.items() if f.metadata["fingerprinted"]}
+
+
+def default_text(name: str) -> str:
+    """A knob's default as Python writes it, with strings in double quotes ("auto")."""
+    default = KNOBS[name].default
+    return f'"{default}"' if isinstance(default, str) else repr(default)
+
+
+def args_doc() -> str:
+    """The knobs as the Args entries of a Google-style docstring, each ending with its default."""
+    entries = [f"{name}: {f.metadata['doc']} Default {default_text(name)}." for name, f in KNOBS.items()]
+    return "".join(textwrap.fill(e, 116, initial_indent=" " * 8, subsequent_indent=" " * 12) + "\n" for e in entries)
+
+
+def knob_table() -> str:
+    """The knobs as a Markdown table (docs/usage.md holds it between its `knobs` markers)."""
+    rows = [f"| `{name}` | `{default_text(name)}` | {'yes' if f.metadata['fingerprinted'] else ''} | "
+            f"{f.metadata['doc']} |" for name, f in KNOBS.items()]
+    return "\n".join(["| knob | default | a resume keeps it | what it does |", "|---|---|---|---|", *rows]) + "\n"
+

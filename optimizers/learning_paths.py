@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import dspy
 
@@ -39,23 +39,12 @@ from tfgrpo.programs.learning import AdvantageExtractor, Consolidator, Summarize
 from tfgrpo.programs.library import ExperienceLibrary
 from tfgrpo.signatures.operations import Operation
 
+if TYPE_CHECKING:
+    from tfgrpo.optimizers.knobs import Knobs  # the knobs import this module (a learning_path may be a LearningPath)
+
 logger = logging.getLogger(__name__)
 
 EMPTY_LIBRARY = "(no experiences yet: only 'add' is possible)"
-
-
-@dataclass(frozen=True)
-class PathSettings:
-    """The optimizer's settings a learning path may read."""
-
-    num_generations: int = 5
-    max_operations_per_group: int = 2
-    max_words_per_experience: int = 32
-    use_ground_truth: bool = True
-    constrained_decoding: str = "auto"
-    max_excerpt_lines: int = 0
-    excerpt_whole_attempt: bool = False
-    max_failure_rate: float = 0.5
 
 
 @dataclass
@@ -74,7 +63,7 @@ class StepContext:
     trainset, the program's instructions, the reflection LM and one private copy of it per stage (`lm(stage)`, so
     each stage's usage is priced apart), checkpointed calls and the failure guard."""
 
-    def __init__(self, *, step: int, settings: PathSettings, reflection_lm: dspy.BaseLM, library: ExperienceLibrary,
+    def __init__(self, *, step: int, settings: Knobs, reflection_lm: dspy.BaseLM, library: ExperienceLibrary,
                  trainset: list, instructions: str, ckpt: Checkpoint, key: str, meters: dict,
                  progress: Callable[[str, int, int], None] | None = None, saved: Callable[[], None] | None = None):
         self.step, self.settings, self.reflection_lm, self.library = step, settings, reflection_lm, library
@@ -229,7 +218,7 @@ class PaperPath(LearningPath):
         return [Operation.model_validate(o) for o in saved["plan"]], saved["status"]
 
 
-def run_path(path: LearningPath, groups: list[Group], *, settings: PathSettings, reflection_lm: dspy.BaseLM,
+def run_path(path: LearningPath, groups: list[Group], *, settings: Knobs, reflection_lm: dspy.BaseLM,
              library: ExperienceLibrary, trainset: list, instructions: str, num_threads: int = 4,
              ckpt: Checkpoint | None = None, step: int = 0) -> tuple[Learned, dict]:
     """A path's learning of `groups` whose attempts are all scored, outside a step (benchmarks): its flows, the

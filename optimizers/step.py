@@ -19,7 +19,7 @@ from tfgrpo.base.util import digest
 from tfgrpo.optimizers.attempts import Attempt, Group, Scored
 from tfgrpo.optimizers.checkpoint import TALLY
 from tfgrpo.optimizers.demos import demo_candidates, keep_best, select_demos, with_learned
-from tfgrpo.optimizers.learning_paths import PathSettings, StepContext
+from tfgrpo.optimizers.learning_paths import StepContext
 from tfgrpo.optimizers.parallel import StageBars, TooManyFailuresError, WaitFor, run_flows, run_parallel
 from tfgrpo.optimizers.probe import Candidate, probe_queries, run_probe
 from tfgrpo.optimizers.render import format_attempt, query_key
@@ -31,13 +31,6 @@ from tfgrpo.programs.library import ExperienceLibrary
 from tfgrpo.signatures.operations import Operation
 
 logger = logging.getLogger(__name__)
-
-
-def path_settings(opt) -> PathSettings:
-    return PathSettings(num_generations=opt.num_generations, max_operations_per_group=opt.max_operations_per_group,
-                        max_words_per_experience=opt.max_words_per_experience, use_ground_truth=opt.use_ground_truth,
-                        constrained_decoding=opt.constrained_decoding, max_excerpt_lines=opt.max_excerpt_lines,
-                        excerpt_whole_attempt=opt.excerpt_whole_attempt, max_failure_rate=opt.max_failure_rate)
 
 
 def candidates_for(opt, program, targets, library, demos, step):
@@ -131,7 +124,7 @@ def run_step(opt, path, path_name, program, targets, library, demos, trainset, b
     logger.info("Step %d: %d queries x %d attempts on %d thread(s), %s path", step, len(batch), G, opt.num_threads,
                 path_name)
     with metered_stages(stages) as meters:
-        ctx = StepContext(step=step, settings=path_settings(opt), reflection_lm=reflection_lm, library=library,
+        ctx = StepContext(step=step, settings=opt, reflection_lm=reflection_lm, library=library,
                           trainset=trainset, instructions=instructions, ckpt=ckpt, key=key, meters=meters,
                           progress=opt.progress, saved=save_spent)
         try:

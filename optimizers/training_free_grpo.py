@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import random
 import statistics
+from dataclasses import dataclass
 from typing import Callable
 
 import dspy
@@ -33,7 +34,7 @@ from tfgrpo.optimizers.contrast import SMALL_REFLECTOR_B, ContrastPath, model_si
 from tfgrpo.optimizers.demos import with_learned
 from tfgrpo.optimizers.inputs import (check_examples, check_inputs, check_prices, check_program, explain_learning_path,
                                       starting_library)
-from tfgrpo.optimizers.knobs import KNOBS, check_knob, fingerprinted_knobs
+from tfgrpo.optimizers.knobs import KNOBS, Knobs, args_doc, fingerprinted_knobs
 from tfgrpo.optimizers.learning_paths import LearningPath, PaperPath
 from tfgrpo.optimizers.parallel import StageBar, TooManyFailuresError, run_parallel
 from tfgrpo.optimizers.result import EpochResult, TrainingFreeGRPOResult
@@ -46,7 +47,9 @@ from tfgrpo.programs.library import ExperienceLibrary
 
 logger = logging.getLogger(__name__)
 
-class TrainingFreeGRPO(Teleprompter):
+
+@dataclass(eq=False)
+class TrainingFreeGRPO(Teleprompter, Knobs):
     """Learns a library of natural-language experiences for a DSPy program, and writes it into the
     instructions of its predictors; the weights and the program's own instructions are left alone.
 
@@ -59,137 +62,28 @@ class TrainingFreeGRPO(Teleprompter):
     instructions) goes on learning from it. Every finished unit of work is saved in `log_dir`; the same call
     resumes an interrupted run.
 
+    Every knob is a keyword argument, declared once (type, default, check, doc) in `optimizers/knobs.py`, from
+    which the Args after `metric` are filled in at import and the knob table of docs/usage.md is written.
+
     Args:
         metric: `metric(example, prediction, trace=None)` (or `metric(example, prediction)`, as dspy.Evaluate
             calls it) returns a reward in [0, 1] (a bool counts as 0 or 1), or a
             `dspy.Prediction(score=..., feedback=...)` whose feedback the learning calls read. A metric that
             raises, leaves [0, 1] or returns anything else (such as the string "1") stops the run with a
             `MetricError`.
-        num_generations: Attempts per query (G). A group is only learned from when its rewards differ; 1
-            turns the group comparison off (the paper's ablation). Default 5.
-        temperature: Sampling temperature of the attempts while learning, in [0, 2]. Default 0.7.
-        num_train_epochs: Passes over the trainset. Default 3.
-        batch_size: Queries per optimization step. Default 50.
-        max_steps: Stop after this many steps, part way through an epoch if need be (TRL's `max_steps`); the
-            epoch it stops in is still validated. Default None: every batch of every epoch.
-        seed: Seeds the order of the trainset and the attempts' rollout IDs. Default 0.
-        reflection_lm: LM of the learning calls (summaries, group advantages, consolidation). Default None:
-            `dspy.settings.lm`, else the student's LM. A stronger model than the student learns better.
-        max_operations_per_group: Most library edits one group may propose. Default 2.
-        use_ground_truth: False scores each attempt against the majority answer of its group and shows the
-            learning calls no answer key. Default True.
-        learning_path: "paper" (summaries, group advantages, one consolidation call), "contrast" (one short
-            call per best-vs-worst pair of a group, typed from the live library, folded in code; made for small
-            reflection LMs) or "auto": contrast when the reflection model's name gives at most 8B parameters,
-            the paper's path when it gives more or no size at all (the choice is logged). Set it yourself when the
-            name does not tell: "paper" for a capable API model, "contrast" for a small local one. Default "auto".
-        constrained_decoding: For the contrast path: "json_object" (llama.cpp servers' JSON-schema form),
-            "json_schema" (OpenAI, vLLM, SGLang, Ollama), "off" (parse and validate only) or "auto" (json_schema
-            where LiteLLM says the model supports it, else off). Default "auto".
-        max_experiences: Cap on the library's size; None for no cap. Default None.
-        max_words_per_experience: Experiences longer than this are refused (at least 4). Default 32.
-        target_predictors: Names of the predictors that get the library; None for all. Default None.
-        max_demos: Winning attempts kept as few-shot demos of the target predictors: after each step, a
-            query's best attempt that fully succeeded (reward >= 1) while its groupmates did worse, ranked by
-            group advantage, one per query (see optimizers/demos.py). An extension of the paper for small
-            policy models, which copy a working example far better than they follow advice. Default 0 (off).
-        max_excerpt_lines: Contrast path: a rule the reflection LM adds carries up to this many lines copied from
-            the better attempt (code, a formula, a tool-call pattern), picked by the LM and checked in code to be
-            copied, not invented (programs/excerpt.py). An extension for small reflection LMs, which select code
-            far better than they describe it. Default 0 (off).
-        excerpt_whole_attempt: With max_excerpt_lines, the excerpt is the better attempt's own code (its largest
-            fenced block, the query's own values masked as `<?>`) when it fits, as Dynamic Cheatsheet keeps a
-            whole working solver; the reflection LM picks lines only from a longer attempt. Default False.
-        probe_size: Each step's candidate edits (library operations, demos) are tried on this many training
-            queries outside the step's batch, one attempt each, against the current program on the same queries,
-            ranked by full successes first and mean reward second: an operation is kept only if it ranks no lower;
-            a demo, or an experience carrying an excerpt, only if it adds full successes; of the winning demos the
-            best one's set is kept, and of the winning experiences with an excerpt the best one
-            (optimizers/probe.py). Needs use_ground_truth. Default 0 (off: every valid
-            operation is applied, as in the paper).
-        keep_tied_demos: With probe_size, a demo that solves as many probe queries as the current program (no more)
-            is kept too, provided the program already solves at least one: on a task the model half solves, a
-            probe of a few queries is at its ceiling and a demo can rarely add a success there. A tie at zero
-            stays refused (on the Game of 24, narrow demos that tied at zero taught nothing). Default False.
-        max_probed_edits: Most candidate edits probed per step (half of them demos, when max_demos > 0); edits
-            beyond it are dropped. Default 3.
-        num_threads: Concurrent LM calls of a step (all stages share them). Default 8.
-        max_failure_rate: When more than this share of a step's attempts, summaries or group advantages, or of
-            an epoch's validation runs, fail, the run stops with `TooManyFailuresError` and the step is not done;
-            a resume redoes the failed units. Default 0.5.
-        metric_timeout_s: Seconds one metric call may take: a call still running then (a judge LM that hangs, a
-            sandbox that never returns) is abandoned and scores 0, counted as a failure: said in a warning, under
-            `details["metric_timeouts"]` of the step, in `val_failures` of a validation; more than
-            `max_failure_rate` of a step's attempts timing out stops the run, as an outage does. None waits for
-            ever. Ctrl-C stops a run at once either way. Default None.
-        max_cost: USD: stop after the step that reaches it, keeping the library so far. Refused when DSPy knows
-            no price for the policy or reflection model (LiteLLM's price map has no entry: the cost would stay $0),
-            and under `disable_history=True` (the price is only kept in DSPy's LM history). Default None.
-        max_total_tokens: Prompt plus completion tokens of all calls: stop after the step that reaches it.
-            Default None.
-        log_dir: Folder where every finished unit of work is saved and resumed from; None keeps nothing. A
-            resume must use the same fingerprinted knobs, data, program, target predictors and LM models (the
-            refusal names what differs); num_threads, max_failure_rate, the budgets and progress may change. One
-            compile at a time: the folder is locked while a compile runs, and a second one is refused with a
-            `RunLockedError` naming the holder (a lock of a process that died is taken over). Default None.
-        progress: `progress(stage, done, total)`, called as units finish, for UIs; stage "step" is the whole
-            run (steps done of all, the steps a resume reuses counted in its first call), the others restart with
-            each step. Default None: a tqdm bar for the run and one per stage of each step on stderr, as DSPy's own
-            optimizers draw, when stderr is a terminal (pass `lambda *_: None` for silence).
-        use_mlflow: Log the compile to MLflow (`tfgrpo.tracking`): per step metrics, validation scores, knobs,
-            the library and program; into the active MLflow run, else one it starts (or resumes from log_dir).
-            It logs into an active run (e.g. `mlflow.dspy.autolog(log_compiles=True)`'s) even when off.
-            Default False.
     """
 
-    def __init__(
-        self,
-        metric: Callable,
-        *,
-        # group rollouts
-        num_generations: int = 5,  # G: attempts per query; 1 disables the group comparison (an ablation)
-        temperature: float = 0.7,  # sampling temperature of the attempts while learning
-        # schedule
-        num_train_epochs: int = 3,  # passes over the trainset
-        batch_size: int = 50,  # queries per optimization step
-        max_steps: int | None = None,  # stop after this many steps; None: every batch of every epoch
-        seed: int = 0,  # shuffling of the trainset and the attempts' rollout IDs
-        # learning calls
-        reflection_lm: dspy.BaseLM | None = None,  # LM of the learning calls; None: the student's LM
-        max_operations_per_group: int = 2,  # cap on the edits one group may propose
-        use_ground_truth: bool = True,  # False: majority vote of the group is the pseudo-label, no answer key shown
-        learning_path: str = "auto",  # "paper" | "contrast" (pairwise, for small reflectors) | "auto": by model size
-        constrained_decoding: str = "auto",  # contrast path: "json_object" (llama.cpp) | "json_schema" | "off" | "auto"
-        # the library
-        max_experiences: int | None = None,  # cap on the library's size; None: no cap
-        max_words_per_experience: int = 32,  # longer experiences are refused
-        target_predictors: list[str] | None = None,  # predictor names that get the library; None: all
-        max_demos: int = 0,  # keep this many winning attempts as few-shot demos (an extension; 0: the paper's method)
-        max_excerpt_lines: int = 0,  # contrast path: rules carry this many lines copied from the better attempt
-        excerpt_whole_attempt: bool = False,  # an excerpt is the better attempt's code itself when it fits
-        probe_size: int = 0,  # try each edit on this many other training queries before keeping it (0: off)
-        keep_tied_demos: bool = False,  # probe: keep a demo that ties a program already solving some probe queries
-        max_probed_edits: int = 3,  # most candidate edits probed per step
-        # execution
-        num_threads: int = 8,  # concurrent LM calls of a step (rollouts and learning calls share them)
-        max_failure_rate: float = 0.5,  # stop when more of a stage's units than this fail (the checkpoint stays)
-        metric_timeout_s: float | None = None,  # a metric call still running after this many seconds scores 0, counted
-        max_cost: float | None = None,  # USD (where litellm knows the price): stop after the step that reaches it
-        max_total_tokens: int | None = None,  # prompt + completion tokens of all calls: stop after the step reaching it
-        log_dir: str | None = None,  # where every finished unit of work is saved, and resumed from
-        progress: Callable[[str, int, int], None] | None = None,  # progress(stage, done, total); None: tqdm bars
-        use_mlflow: bool = False,  # log to MLflow (a run is started); an active MLflow run is logged to anyway
-    ):
-        if not callable(metric):
+    metric: Callable  # the knobs follow, keyword-only (Knobs)
+
+    def __post_init__(self):
+        if not callable(self.metric):
             raise TypeError("metric must be callable: metric(example, prediction, trace=None) -> float | dspy.Prediction")
-        metric_takes_trace(metric)  # a TypeError now for a metric that takes neither (example, pred) nor a trace
-        self.metric = metric
-        for name in KNOBS:  # every knob is checked (knobs.py) and kept under its own name
-            setattr(self, name, check_knob(name, locals()[name]))
-        if probe_size and not use_ground_truth:
+        metric_takes_trace(self.metric)  # a TypeError now for a metric that takes neither (example, pred) nor a trace
+        super().__post_init__()  # every knob is checked (knobs.py)
+        if self.probe_size and not self.use_ground_truth:
             raise ValueError("probe_size needs use_ground_truth=True: a probe scores single attempts, which have no "
                              "group to take a majority answer from")
-        if use_mlflow and "mlflow" not in hooks.installed():
+        if self.use_mlflow and "mlflow" not in hooks.installed():
             raise RuntimeError("use_mlflow=True, but no MLflow tracker is registered: tfgrpo's entry point "
                                f"{hooks.GROUP}:mlflow comes with its install (pip install -e . in a clone)")
         hooks.built(self)  # trackers learn of it (tfgrpo.base.hooks)
@@ -387,3 +281,6 @@ class TrainingFreeGRPO(Teleprompter):
 
 def _lm_name(lm) -> str:
     return str(getattr(lm, "model", None) or type(lm).__name__)
+
+
+TrainingFreeGRPO.__doc__ = TrainingFreeGRPO.__doc__.rstrip() + "\n" + args_doc()  # the knobs' Args, from knobs.py

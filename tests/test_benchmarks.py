@@ -168,6 +168,7 @@ train_limit = 2
 evalset = "game24_test"
 [optimizer]
 num_generations = 4
+num_train_epochs = 1
 batch_size = 2
 num_threads = 4
 """)

@@ -32,6 +32,7 @@ evalset = "gsm8k_test"
 eval_limit = 5
 [optimizer]
 num_generations = 3
+num_train_epochs = 1
 batch_size = 4
 num_threads = 8
 [evaluate]

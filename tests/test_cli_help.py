@@ -114,6 +114,7 @@ train_limit = 2
 evalset = "{data}"
 [optimizer]
 num_generations = 2
+num_train_epochs = 1
 batch_size = 2
 num_threads = 4
 [tracking]

@@ -70,6 +70,7 @@ def config(tmp_path: Path, api_base: str, program: str, files: dict, *, optimize
         {task}
         [optimizer]
         num_generations = 3
+        num_train_epochs = 1
         batch_size = 4
         num_threads = {threads}
         {optimizer}

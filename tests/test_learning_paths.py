@@ -91,7 +91,8 @@ def test_run_path_learns_from_given_groups_outside_a_step():
     from test_optimizer import make_trainset
     from tfgrpo.optimizers.attempts import Attempt, Group, Scored
     from tfgrpo.optimizers.contrast import ContrastPath
-    from tfgrpo.optimizers.learning_paths import PathSettings, run_path
+    from tfgrpo.optimizers.knobs import Knobs
+    from tfgrpo.optimizers.learning_paths import run_path
     from tfgrpo.programs.library import ExperienceLibrary
 
     lm = ScriptedLM(contrast_learner())
@@ -99,7 +100,7 @@ def test_run_path_learns_from_given_groups_outside_a_step():
     groups = [Group(index=i, key=f"train#{i}", example=ex, attempts=tuple(
         Scored(Attempt(outputs={"answer": a}, error=None, trace=[], tool_calls=0, text=f"answer: {a}"), reward=r)
         for a, r in ((ex.answer, 1.0), ("-1", 0.0)))) for i, ex in enumerate(trainset)]
-    learned, usage = run_path(ContrastPath(), groups, settings=PathSettings(constrained_decoding="off",
+    learned, usage = run_path(ContrastPath(), groups, settings=Knobs(constrained_decoding="off",
                               max_operations_per_group=1), reflection_lm=lm, library=ExperienceLibrary(),
                               trainset=trainset, instructions="")
     assert [op.text for op in learned.plan] == [LESSON] and usage["contrast"]["calls"] == 2

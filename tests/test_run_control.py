@@ -178,6 +178,7 @@ def cli_config(tmp_path: Path, api_base: str) -> Path:
         evalset = "{tmp_path / 'train.jsonl'}"
         [optimizer]
         num_generations = 3
+        num_train_epochs = 1
         batch_size = 2
         num_threads = 4
         """))

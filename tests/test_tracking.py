@@ -221,6 +221,7 @@ evalset = "{data}"
 eval_limit = 6
 [optimizer]
 num_generations = 3
+num_train_epochs = 1
 batch_size = 2
 num_threads = 4
 [evaluate]

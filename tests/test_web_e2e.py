@@ -132,7 +132,9 @@ max_iters = 2
 reward = "f1"
 [optimizer]
 num_generations = 2
+num_train_epochs = 1
 batch_size = 2
+num_threads = 4
 [evaluate]
 num_threads = 2
 """

@@ -24,6 +24,7 @@ from tfgrpo.base.util import write_atomic
 from tfgrpo.cli_help import VERSION, HelpCommand, HelpGroup, reference_text
 from tfgrpo.cli_lm import lm_app
 from tfgrpo.config import Config, ConfigError
+from tfgrpo.optimizers.knobs import KNOBS
 from tfgrpo.progress import RunBars, progress_display
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, cls=HelpGroup,
@@ -259,11 +260,9 @@ def _print_library(state: dict) -> None:
 
 def _tfgrpo_knobs(cfg: Config) -> dict:
     """The [optimizer] section as TrainingFreeGRPO keyword arguments (the direct baseline's keys left out)."""
-    knobs = cfg.optimizer.model_dump(exclude={"method", "num_direct_experiences"})
+    knobs = cfg.optimizer.model_dump(include=set(KNOBS))
     if knobs["constrained_decoding"] == "auto":
-        from tfgrpo.lms import backend_constrained_mode
-
-        knobs["constrained_decoding"] = backend_constrained_mode(cfg.reflection or cfg.policy) or "auto"
+        knobs["constrained_decoding"] = cfg.reflection_config().constrained_mode or "auto"
     return knobs
 
 
@@ -279,8 +278,7 @@ def _dry_run(cfg: Config) -> None:
     knobs = _tfgrpo_knobs(cfg)
     turns = cfg.task.max_iters + 1 if cfg.task.program == "react" or cfg.task.name == "web" else 1
     optimizer = TrainingFreeGRPO(metric, **knobs)
-    learner = cfg.reflection or cfg.policy
-    path = optimizer.resolve_learning_path(learner.model)
+    path = optimizer.resolve_learning_path(cfg.reflection_config().model)
     est = estimate_run(optimizer, make(), trainset, turns_per_rollout=turns, max_tokens=cfg.policy.max_tokens,
                        learning_path=path)
     table = Table(title=f"dry run: {est['steps']} step(s), {path} learning path, upper bounds (no call is made)")

@@ -6,13 +6,14 @@ from rich.console import Console
 
 from tfgrpo.cli_help import HelpCommand, HelpGroup
 from tfgrpo.local_model import DEFAULT_SPECULATIVE, SPECULATIVE, start_detached, status, stop_detached
+from tfgrpo.local_weights import DEFAULT_MODEL
 
 lm_app = typer.Typer(no_args_is_help=True, cls=HelpGroup, help="Manage the embedded local model server.")
 console = Console()
 
 
 @lm_app.command("start", cls=HelpCommand)
-def lm_start(model: str = "qwen2.5-coder-1.5b", n_ctx: int = 8192,
+def lm_start(model: str = DEFAULT_MODEL, n_ctx: int = 8192,
              speculative: str = typer.Option(DEFAULT_SPECULATIVE, help=f"how tokens are drafted: {' | '.join(SPECULATIVE)}"),
              parallel: int = typer.Option(None, help="requests decoded together (llama-server; default: cores/2, at most 4)")) -> None:
     """Start the embedded model server in the background (reused by later runs until `tfgrpo lm stop`)."""

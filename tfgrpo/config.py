@@ -11,11 +11,13 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal, get_args, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from tfgrpo.local_model import DEFAULT_SPECULATIVE, SpeculativeMode
+from tfgrpo.local_weights import DEFAULT_MODEL
+from tfgrpo.optimizers.knobs import KNOBS, Knobs, check_knob
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -29,7 +31,7 @@ class _Strict(BaseModel):
 
 class LMConfig(_Strict):
     backend: Literal["local", "litellm"] = "local"  # local: the embedded llama.cpp model; litellm: any provider
-    model: str = "qwen2.5-coder-1.5b"  # local model name, or a LiteLLM model string ("deepseek/deepseek-chat")
+    model: str = DEFAULT_MODEL  # local model name, or a LiteLLM model string ("deepseek/deepseek-chat")
     api_base: str | None = None  # OpenAI-compatible endpoint (vLLM, Ollama, a remote llama.cpp server)
     api_key_env: str | None = None  # NAME of the environment variable holding the key (never the key)
     temperature: float = Field(0.3, ge=0, le=2)  # used for evaluation; learning rollouts use optimizer.temperature
@@ -43,6 +45,13 @@ class LMConfig(_Strict):
     # replies are samples of the same model either way, only faster
     speculative: SpeculativeMode = DEFAULT_SPECULATIVE
     parallel: int | None = Field(None, ge=1)  # local only: requests decoded together (llama-server; default: cores/2, at most 4)
+
+    @property
+    def constrained_mode(self) -> str | None:
+        """How to ask this backend for JSON-schema constrained decoding, where the project knows it: the embedded
+        llama.cpp server takes the schema in `{"type": "json_object", "schema": ...}` ("json_object"). None for other
+        backends (the optimizer's `constrained_decoding="auto"` then asks LiteLLM)."""
+        return "json_object" if self.backend == "local" else None
 
     @model_validator(mode="after")
     def _key_present(self):
@@ -142,49 +151,35 @@ class WebConfig(_Strict):
         return value
 
 
-class OptimizerConfig(_Strict):
-    """TrainingFreeGRPO's knobs (see its docstring), checked by the same rules as its constructor."""
+# TrainingFreeGRPO's knobs a file cannot hold, and where the CLI gets them instead
+SET_ELSEWHERE = {"reflection_lm": "the [reflection] section", "log_dir": "run_dir/checkpoint",
+                 "progress": "the CLI's own progress bars", "use_mlflow": "the [tracking] section"}
 
-    model_config = ConfigDict(strict=True, validate_default=True)  # no coercion ("yes" is no bool); defaults checked too
+
+class _OptimizerSection(_Strict):
+    """The [optimizer] keys of the CLI alone; `OptimizerConfig` adds the optimizer's knobs."""
+
+    # strict: no coercion ("yes" is no bool); defaults checked too; learning_path's type names a class (LearningPath)
+    model_config = ConfigDict(strict=True, validate_default=True, arbitrary_types_allowed=True)
 
     method: Literal["tfgrpo", "direct"] = "tfgrpo"  # direct: the "directly generated experiences" baseline
     num_direct_experiences: int = Field(27, ge=1)  # direct only: how many tips to ask for (match a learned library)
-    # The CLI's defaults differ from the optimizer's (the paper's: G=5, 3 epochs, batch 50, 8 threads) for a
-    # first run on the embedded model with 2 CPU cores: one short pass that finishes in minutes.
-    num_generations: int = 4
-    num_train_epochs: int = 1
-    batch_size: int = 12
-    num_threads: int = 4
-    # the optimizer's defaults
-    max_steps: int | None = Field(None, ge=1)
-    temperature: float = 0.7
-    max_operations_per_group: int = 2
-    learning_path: str = "auto"  # paper | contrast (pairwise, for small reflection LMs) | auto: contrast up to 8B
-    constrained_decoding: str = "auto"  # contrast path: json_object (llama.cpp) | json_schema | off | auto
-    max_experiences: int | None = None
-    max_words_per_experience: int = 32
-    use_ground_truth: bool = True
-    target_predictors: list[str] | None = None
-    max_demos: int = 0  # winning attempts kept as few-shot demos (an extension of the paper; 0: off)
-    max_excerpt_lines: int = 0  # contrast path: rules carry up to this many lines copied from the better attempt
-    excerpt_whole_attempt: bool = False  # an excerpt is the better attempt's code itself when it fits
-    probe_size: int = 0  # try each edit on this many other training queries before keeping it (0: off)
-    keep_tied_demos: bool = False  # probe: keep a demo that ties a program already solving some probe queries
-    max_probed_edits: int = 3  # most candidate edits probed per step
-    max_failure_rate: float = 0.5
-    metric_timeout_s: float | None = None  # a metric call still running after this many seconds scores 0, counted
-    max_cost: float | None = None  # USD; stop after the step that reaches it (best library so far is kept)
-    max_total_tokens: int | None = None  # same, in prompt + completion tokens
-    seed: int = 0
 
     @field_validator("*")
     @classmethod
     def _same_rules_as_the_optimizer(cls, value, info):
-        if info.field_name in ("method", "num_direct_experiences"):
-            return value
-        from tfgrpo.optimizers.knobs import check_knob  # imports dspy: only when a config is validated
+        return check_knob(info.field_name, value) if info.field_name in KNOBS else value
 
-        return check_knob(info.field_name, value)
+
+def _knob_fields() -> dict:
+    """The knobs a file can hold, as pydantic fields with the optimizer's types and defaults."""
+    types = get_type_hints(Knobs)
+    return {name: (types[name], knob.default) for name, knob in KNOBS.items() if name not in SET_ELSEWHERE}
+
+
+OptimizerConfig = create_model("OptimizerConfig", __base__=_OptimizerSection, __module__=__name__, **_knob_fields(),
+                               __doc__="The [optimizer] section: TrainingFreeGRPO's knobs (optimizers/knobs.py), "
+                                       "checked by the same rules as its constructor, and the CLI's own keys.")
 
 
 class EvaluateConfig(_Strict):
@@ -211,6 +206,14 @@ class Config(_Strict):
     evaluate: EvaluateConfig = EvaluateConfig()
     tracking: TrackingConfig | None = None  # MLflow; None: nothing is logged and MLflow is not imported
     run_dir: str = "runs/default"  # compiled program, library, stats, plots and evaluations go here
+
+    def reflection_config(self) -> LMConfig:
+        """The LM of the learning calls: [reflection], else the policy LM."""
+        return self.reflection or self.policy
+
+    def judge_config(self) -> LMConfig:
+        """The web task's judge: [judge], else the reflection LM (else the policy LM)."""
+        return self.judge or self.reflection_config()
 
     @classmethod
     def load(cls, path: str | Path) -> "Config":

@@ -21,17 +21,14 @@ def open_lms(config: Config):
     judges (the web task's reward)."""
     with contextlib.ExitStack() as stack:
         started: dict[tuple, str] = {}  # one server per local model, shared by policy, reflection and judge
-        policy = _build(config.policy, stack, started)
-        reflection = _build(config.reflection, stack, started) if config.reflection else policy
-        judge = _build(config.judge, stack, started) if config.judge else reflection
-        yield policy, reflection, judge
+        built: dict[int, dspy.LM] = {}  # a section that falls back to another gets that one's LM itself
 
+        def lm(cfg: LMConfig) -> dspy.LM:
+            if id(cfg) not in built:
+                built[id(cfg)] = _build(cfg, stack, started)
+            return built[id(cfg)]
 
-def backend_constrained_mode(cfg: LMConfig) -> str | None:
-    """How to ask this backend for JSON-schema constrained decoding, where the project knows it: the embedded
-    llama.cpp server takes the schema in `{"type": "json_object", "schema": ...}` ("json_object"). None for other
-    backends (the optimizer's `constrained_decoding="auto"` then asks LiteLLM)."""
-    return "json_object" if cfg.backend == "local" else None
+        yield lm(config.policy), lm(config.reflection_config()), lm(config.judge_config())
 
 
 def local_dspy_lm(model: str, api_base: str, *, max_tokens: int, **kwargs) -> dspy.LM:

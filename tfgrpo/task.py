@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Callable
 
 from tfgrpo.config import Config
-from tfgrpo.lms import backend_constrained_mode
 
 ONLINE_KEYS = {"serper": "SERPER_API_KEY", "tavily": "TAVILY_API_KEY", "brave": "BRAVE_API_KEY"}
 
@@ -57,12 +56,11 @@ def _web_parts(config: Config, stack: contextlib.ExitStack, policy, judge_lm) ->
         backend = make_backend(w.search, api_key_env=w.api_key_env or ONLINE_KEYS[w.search])
     tools = WebTools(backend, fetcher=PageFetcher(allowed_origins=allowed), top_k=w.top_k, snippet_chars=w.snippet_chars,
                      page_chars=w.page_chars, page_lm=policy if w.page_passages else None)
-    judge_cfg = config.judge or config.reflection or config.policy
-    judge = LLMJudge(judge_lm, constrained=backend_constrained_mode(judge_cfg),
+    judge = LLMJudge(judge_lm, constrained=config.judge_config().constrained_mode,
                      cache_path=Path(config.run_dir) / "judge_cache.jsonl")
     metrics = {"judge": judge_metric(judge), "f1": f1_metric, "em": em_metric}
     reward = metrics[w.reward]
-    iters, step_mode = config.task.max_iters, backend_constrained_mode(config.policy)
+    iters, step_mode = config.task.max_iters, config.policy.constrained_mode
 
     def make():
         if w.agent == "react":

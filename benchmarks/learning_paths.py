@@ -32,9 +32,11 @@ from tfgrpo.lms import open_lms  # noqa: E402
 from tfgrpo.task import task_parts  # noqa: E402
 from tfgrpo.optimizers import TrainingFreeGRPO  # noqa: E402
 from tfgrpo.optimizers.attempts import Attempt, Group, Scored  # noqa: E402
-from tfgrpo.optimizers.learning_paths import run_path  # noqa: E402
+from tfgrpo.optimizers.checkpoint import Checkpoint  # noqa: E402
+from tfgrpo.optimizers.step import Step  # noqa: E402
 from tfgrpo.optimizers.render import query_key  # noqa: E402
 from tfgrpo.programs import ExperienceLibrary  # noqa: E402
+from tfgrpo.programs.inject import resolve_targets  # noqa: E402
 from tfgrpo.programs.generality import parroted_phrases, specific_terms  # noqa: E402
 
 
@@ -78,20 +80,23 @@ def main() -> None:
         ExperienceLibrary(max_words=cfg.optimizer.max_words_per_experience)
     print(f"step {args.step}: {len(groups)} queries, {len(kept)} with reward contrast, library of {len(start)}")
     queries = {g.key: str(g.example.inputs().toDict()) for g in groups}
-    allowed = " ".join(p.signature.instructions for _, p in make().named_predictors())
+    program = make()
     lines = []
     with stack, open_lms(cfg) as (policy, reflection, _):
         dspy.configure(lm=policy)
         for path in args.paths.split(","):
             knobs = {**_tfgrpo_knobs(cfg), "learning_path": path}
             opt = TrainingFreeGRPO(reward, reflection_lm=reflection, **knobs)
-            library, t0 = start.copy(), time.time()
-            learned, usage = run_path(opt.resolve_path(reflection)[0], kept, settings=opt,
-                                      reflection_lm=reflection, library=library, trainset=trainset,
-                                      instructions=allowed, num_threads=opt.num_threads, step=args.step)
-            plan, proposals = learned.plan, learned.proposals
+            t0 = time.time()
+            step = Step(opt, path=opt.resolve_path(reflection)[0], program=program,
+                        targets=resolve_targets(program, opt.target_predictors), library=start, demos=[],
+                        trainset=trainset, batch=[g.index for g in kept], index=args.step, reflection_lm=reflection,
+                        ckpt=Checkpoint(None))
+            learning = step.learn(kept)  # the learning path alone, on the groups scored by the compile
+            learned, usage = learning.learned, learning.usage
+            plan, proposals, allowed = learned.plan, learned.proposals, step.instructions
             seconds = time.time() - t0
-            report = library.apply(plan, step=args.step)
+            library, report = step.apply(plan, learning)
             calls = sum(u.get("calls", 0) for u in usage.values())
             # the same test for both paths: each proposal alone against the starting library, plus generality
             proposed = learned.counts.get("operations_proposed", len(proposals))  # contrast: includes refused rules

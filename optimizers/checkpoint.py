@@ -121,11 +121,6 @@ class Checkpoint:
         if self.enabled and not self.closed:
             self._write(self.root / f"{key}.json", value)
 
-    def discard(self, key: str) -> None:
-        """Forget a unit, so that a resume computes it again."""
-        if self.enabled:
-            (self.root / f"{key}.json").unlink(missing_ok=True)
-
     @staticmethod
     def _read(path: Path) -> Any | None:
         try:

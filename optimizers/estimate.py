@@ -9,7 +9,6 @@ the LM's `max_tokens` cap.
 
 from __future__ import annotations
 
-import math
 import statistics
 
 CHARS_PER_TOKEN = 4
@@ -22,8 +21,7 @@ def estimate_run(optimizer, student, trainset: list, *, turns_per_rollout: int =
     """`learning_path`: "paper" (summaries, advantages, consolidation) or "contrast" (one call per pair of
     attempts, plus at most one rewrite of a rule that repeated its query)."""
     opt = optimizer
-    steps = opt.num_train_epochs * math.ceil(len(trainset) / opt.batch_size)
-    steps = min(steps, opt.max_steps or steps)
+    steps = opt.total_steps(len(trainset))
     batch = min(opt.batch_size, len(trainset))
     G = opt.num_generations
     instructions = sum(len(p.signature.instructions) for _, p in student.named_predictors()) // CHARS_PER_TOKEN

@@ -182,6 +182,12 @@ class Knobs:
         for name in KNOBS:
             check_knob(name, getattr(self, name))
 
+    def total_steps(self, trainset_size: int) -> int:
+        """How many steps a run over `trainset_size` training queries makes: every epoch's batches, cut at
+        `max_steps`."""
+        steps = self.num_train_epochs * -(-trainset_size // self.batch_size)
+        return min(steps, self.max_steps or steps)
+
 
 KNOBS = {f.name: f for f in fields(Knobs)}  # name -> dataclasses.Field, in the declaration's order
 

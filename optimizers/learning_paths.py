@@ -32,9 +32,8 @@ import dspy
 from tfgrpo.base.util import clip
 from tfgrpo.optimizers.attempts import Group
 from tfgrpo.optimizers.checkpoint import Checkpoint
-from tfgrpo.optimizers.parallel import Failed, StageBar, TooManyFailuresError, WaitFor, run_flows
+from tfgrpo.optimizers.parallel import Failed, StageBar, TooManyFailuresError, WaitFor
 from tfgrpo.optimizers.render import format_fields, outcome
-from tfgrpo.optimizers.usage import metered_stages, stage_usage
 from tfgrpo.programs.learning import AdvantageExtractor, Consolidator, Summarizer
 from tfgrpo.programs.library import ExperienceLibrary
 from tfgrpo.signatures.operations import Operation
@@ -217,23 +216,3 @@ class PaperPath(LearningPath):
         progress("consolidation", 1, 1)
         return [Operation.model_validate(o) for o in saved["plan"]], saved["status"]
 
-
-def run_path(path: LearningPath, groups: list[Group], *, settings: Knobs, reflection_lm: dspy.BaseLM,
-             library: ExperienceLibrary, trainset: list, instructions: str, num_threads: int = 4,
-             ckpt: Checkpoint | None = None, step: int = 0) -> tuple[Learned, dict]:
-    """A path's learning of `groups` whose attempts are all scored, outside a step (benchmarks): its flows, the
-    stage checks, then `finish`. Returns what it learned and the usage per stage."""
-    results = {}
-    with metered_stages(path.stages) as meters:
-        ctx = StepContext(step=step, settings=settings, reflection_lm=reflection_lm, library=library, trainset=trainset,
-                          instructions=instructions, ckpt=ckpt or Checkpoint(None), key=f"steps/{step:04d}",
-                          meters=meters)
-
-        def flow(group):
-            results[group.index] = yield from path.learn(ctx, group)
-
-        run_flows([flow(g) for g in groups], num_threads=num_threads, meters=meters, on_stage_done=ctx.check)
-        for stage in path.stages:
-            ctx.check(stage)
-        learned = path.finish(ctx, [(g, results[g.index]) for g in groups])
-    return learned, {stage: stage_usage(meters[stage], ctx.stage_lms(stage)) for stage in path.stages}

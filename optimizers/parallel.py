@@ -76,13 +76,12 @@ def run_parallel(fn: Callable, items: list, *, num_threads: int, stage: str,
     """
     if not items:
         return []
-    results = [None] * len(items)
 
-    def flow(i, item):
-        results[i], = yield [(stage, fn, item)]
+    def flow(item):
+        (result,) = yield [(stage, fn, item)]
+        return result
 
-    run_flows([flow(i, item) for i, item in enumerate(items)], num_threads=num_threads, progress=progress or StageBar())
-    return results
+    return run_flows([flow(item) for item in items], num_threads=num_threads, progress=progress or StageBar())
 
 
 class DaemonPool:
@@ -139,8 +138,9 @@ class WaitFor:
 
 
 def run_flows(flows: list, *, num_threads: int, progress: Callable[[str, int, int], None] | None = None,
-              meters: dict | None = None, on_stage_done: Callable[[str], None] | None = None) -> None:
-    """Drive generator `flows` (one per group of a step) to their end, each as far as its own results allow.
+              meters: dict | None = None, on_stage_done: Callable[[str], None] | None = None) -> list:
+    """Drive generator `flows` (one per group of a step) to their end, each as far as its own results allow, and
+    return what each flow returned, in order.
 
     A flow yields a list of units `(stage, fn, item)` and is sent back the list of `fn(item)`s, in order, once all of
     them are done; the units of every flow share one pool of `num_threads` threads, so a group's learning calls start
@@ -152,6 +152,7 @@ def run_flows(flows: list, *, num_threads: int, progress: Callable[[str, int, in
     """
     from dspy.dsp.utils.settings import thread_local_overrides
 
+    flows = list(flows)
     bars = StageBars() if progress is None else None
     progress, meters = progress or bars, meters or {}
     parent = thread_local_overrides.get().copy()
@@ -159,6 +160,7 @@ def run_flows(flows: list, *, num_threads: int, progress: Callable[[str, int, in
     pending: dict = {}  # future -> (flow, its batch of results, units of the batch left, index in it, stage)
     waiting: dict[str, list] = {}  # stage -> flows parked at WaitFor(stage)
     finished: queue.SimpleQueue = queue.SimpleQueue()  # futures as they finish (waiting on all pending is O(n) each)
+    returned: dict[int, object] = {}  # id(flow) -> the value it returned
 
     def in_worker(stage, fn, item):
         overrides = {**parent, **({"usage_tracker": meters[stage]} if stage in meters else {})}
@@ -171,7 +173,8 @@ def run_flows(flows: list, *, num_threads: int, progress: Callable[[str, int, in
     def advance(flow, value) -> None:
         try:
             request = flow.send(value)
-        except StopIteration:
+        except StopIteration as stop:
+            returned[id(flow)] = stop.value
             return
         if isinstance(request, WaitFor):
             waiting.setdefault(request.stage, []).append(flow)
@@ -220,3 +223,4 @@ def run_flows(flows: list, *, num_threads: int, progress: Callable[[str, int, in
     finally:
         if bars is not None:
             bars.close()
+    return [returned[id(flow)] for flow in flows]

@@ -115,7 +115,7 @@ def score_attempt(metric: Callable, example: dspy.Example, record: dict, timeout
     return {"reward": score, "feedback": feedback}
 
 
-def check_metric_timeouts(opt, step: int, timed_out: list[str], total: int, ckpt) -> None:
+def check_metric_timeouts(opt, step: int, timed_out: list[str], total: int) -> None:
     """Say how many of a step's metric calls timed out (each scored 0); more than `max_failure_rate` of them stop the
     step, unfinished, as an outage of the LM does (a resume asks the metric again)."""
     if not timed_out:

@@ -40,7 +40,7 @@ from tfgrpo.optimizers.parallel import StageBar, TooManyFailuresError, run_paral
 from tfgrpo.optimizers.result import EpochResult, TrainingFreeGRPOResult
 from tfgrpo.optimizers.rewards import MetricTimeout, call_metric, metric_takes_trace
 from tfgrpo.optimizers.rollout import run_program, with_own_lms
-from tfgrpo.optimizers.step import run_step
+from tfgrpo.optimizers.step import Step
 from tfgrpo.optimizers.usage import add_usage, history_kept, over_budget
 from tfgrpo.programs.inject import resolve_targets
 from tfgrpo.programs.library import ExperienceLibrary
@@ -131,8 +131,7 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
 
         path, path_name = self.resolve_path(reflection_lm)
         rng, step, steps, epochs, demos = random.Random(self.seed), 0, [], [], []
-        total_steps = self.num_train_epochs * -(-len(trainset) // self.batch_size)
-        total_steps = min(total_steps, self.max_steps or total_steps)
+        total_steps = self.total_steps(len(trainset))
         overall = self.progress or StageBar(resumed=True)  # the whole run: steps done of all, with its ETA
         if total_steps:
             overall("step", sum(ckpt.has(f"steps/{i:04d}/done") for i in range(total_steps)), total_steps)
@@ -149,8 +148,9 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
                     break
                 batch = order[at: at + self.batch_size]
                 reused = ckpt.has(f"steps/{step:04d}/done")
-                library, demos, stats = run_step(self, path, path_name, program, targets, library, demos, trainset,
-                                                 batch, step, epoch, reflection_lm, ckpt)
+                library, demos, stats = Step(self, path=path, path_name=path_name, program=program, targets=targets,
+                                             library=library, demos=demos, trainset=trainset, batch=batch, index=step,
+                                             epoch=epoch, reflection_lm=reflection_lm, ckpt=ckpt).run()
                 steps.append(stats)
                 for tracker in trackers:
                     tracker.step(stats)

@@ -81,6 +81,9 @@ def test_a_resume_after_the_failure_stop_retries_the_failed_attempts(tmp_path):
     with FakeLMServer(latency=0.002, faults={"malformed": 1.0}, fault_kinds=("student",)) as server, \
             pytest.raises(RuntimeError):
         F.compile_once(server.api_base, str(tmp_path), **FAST)
+    saved = [json.loads(p.read_text()) for p in tmp_path.glob("steps/*/rollouts/*.json")]
+    assert list(tmp_path.glob("steps/0000/*.json")), "the step's tally is saved where the rollouts are looked for"
+    assert not any(rec["error"] for rec in saved), "a failed attempt is saved only once its stage's check has passed"
     with FakeLMServer(latency=0.002) as healthy:  # the outage is over
         compiled = F.compile_once(healthy.api_base, str(tmp_path), **FAST)
     assert all(s["rollout_failures"] == 0 for s in compiled.detailed_results["steps"])

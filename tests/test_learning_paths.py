@@ -87,12 +87,14 @@ def test_a_teacher_is_refused():
         TrainingFreeGRPO(lambda e, p, t=None: 1.0).compile(dspy.Predict("q -> a"), trainset=[1], teacher=object())
 
 
-def test_run_path_learns_from_given_groups_outside_a_step():
+def test_a_step_learns_from_groups_it_is_given_and_applies_the_plan_to_a_copy():
+    """What benchmarks/learning_paths.py does: a learning path alone, on groups scored elsewhere (no rollout)."""
     from test_optimizer import make_trainset
     from tfgrpo.optimizers.attempts import Attempt, Group, Scored
+    from tfgrpo.optimizers.checkpoint import Checkpoint
     from tfgrpo.optimizers.contrast import ContrastPath
     from tfgrpo.optimizers.knobs import Knobs
-    from tfgrpo.optimizers.learning_paths import run_path
+    from tfgrpo.optimizers.step import Step
     from tfgrpo.programs.library import ExperienceLibrary
 
     lm = ScriptedLM(contrast_learner())
@@ -100,7 +102,12 @@ def test_run_path_learns_from_given_groups_outside_a_step():
     groups = [Group(index=i, key=f"train#{i}", example=ex, attempts=tuple(
         Scored(Attempt(outputs={"answer": a}, error=None, trace=[], tool_calls=0, text=f"answer: {a}"), reward=r)
         for a, r in ((ex.answer, 1.0), ("-1", 0.0)))) for i, ex in enumerate(trainset)]
-    learned, usage = run_path(ContrastPath(), groups, settings=Knobs(constrained_decoding="off",
-                              max_operations_per_group=1), reflection_lm=lm, library=ExperienceLibrary(),
-                              trainset=trainset, instructions="")
-    assert [op.text for op in learned.plan] == [LESSON] and usage["contrast"]["calls"] == 2
+    start = ExperienceLibrary()
+    step = Step(Knobs(constrained_decoding="off", max_operations_per_group=1), path=ContrastPath(),
+                program=dspy.Predict("question -> answer"), targets=["self"], library=start, demos=[],
+                trainset=trainset, batch=[0, 1], index=0, reflection_lm=lm, ckpt=Checkpoint(None))
+    learning = step.learn(groups)
+    assert [op.text for op in learning.learned.plan] == [LESSON] and learning.usage["contrast"]["calls"] == 2
+    assert learning.usage["rollout"].get("calls", 0) == 0 and learning.groups == groups
+    library, report = step.apply(learning.learned.plan, learning)
+    assert library.texts() == [LESSON] and report.num_applied == 1 and len(start) == 0  # the step's library is untouched

@@ -6,8 +6,6 @@ file-system store is refused by MLflow 3 unless MLFLOW_ALLOW_FILE_STORE is set."
 import json
 import logging
 import os
-import shutil
-from pathlib import Path
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # before MLflow is imported: no usage reports
 

@@ -17,8 +17,8 @@
    little on 2 cores).
 3. With --main-job: `tfgrpo run configs/local.toml` as a subprocess in a temp run dir and an empty DSPy cache.
 
-Last lines: one `throughput: mode=M tok_s=X acceptance=0.xx solved=S/N quality_diff=+0.xxx ci=[lo,hi]` per mode,
-then `throughput: mode=BEST speedup=X.XXx quality_diff=+0.xxx ci=[lo,hi] main_job_s=Z` for the fastest mode.
+Last lines: one `local_throughput: mode=M tok_s=X acceptance=0.xx solved=S/N quality_diff=+0.xxx ci=[lo,hi]` per mode,
+then `local_throughput: mode=BEST speedup=X.XXx quality_diff=+0.xxx ci=[lo,hi] main_job_s=Z` for the fastest mode.
 """
 
 from __future__ import annotations
@@ -134,13 +134,13 @@ def main() -> None:
         solved = sum(r["score"] >= 1 for r in run["rows"])
         diff = paired_difference(runs["off"]["rows"], run["rows"])
         run["diff"] = diff
-        print(f"throughput: mode={mode} tok_s={run['tok_s']:.1f} acceptance={run['acceptance']:.2f} "
+        print(f"local_throughput: mode={mode} tok_s={run['tok_s']:.1f} acceptance={run['acceptance']:.2f} "
               f"solved={solved}/{len(run['rows'])} tokens={run['tokens']:.0f} seconds={run['seconds']:.0f} "
               f"quality_diff={diff['difference']:+.3f} ci=[{diff['ci95'][0]:+.3f},{diff['ci95'][1]:+.3f}]", flush=True)
     best = max(runs, key=lambda m: runs[m]["tok_s"])
     diff = runs[best]["diff"]
     main_s = f"{main_job_seconds():.0f}" if args.main_job else "not-run"
-    print(f"throughput: mode={best} speedup={runs[best]['tok_s'] / runs['off']['tok_s']:.2f}x "
+    print(f"local_throughput: mode={best} speedup={runs[best]['tok_s'] / runs['off']['tok_s']:.2f}x "
           f"quality_diff={diff['difference']:+.3f} ci=[{diff['ci95'][0]:+.3f},{diff['ci95'][1]:+.3f}] "
           f"main_job_s={main_s}")
 

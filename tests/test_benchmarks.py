@@ -199,7 +199,7 @@ def test_local_throughput():
     lines = run("local_throughput.py", "--model", "qwen2.5-coder-0.5b", "--modes", "off", "ngram-mod", "--puzzles",
                 "1", "--max-tokens", "48", timeout=900)
     for mode, line in zip(("off", "ngram-mod"), lines[-3:-1]):
-        assert re.fullmatch(rf"throughput: mode={mode} tok_s={X} acceptance=[01]\.\d\d solved=[0-2]/2 tokens=\d+ "
+        assert re.fullmatch(rf"local_throughput: mode={mode} tok_s={X} acceptance=[01]\.\d\d solved=[0-2]/2 tokens=\d+ "
                             rf"seconds=\d+ quality_diff=[+-]\d\.\d{{3}} ci=\[[+-]\d\.\d{{3}},[+-]\d\.\d{{3}}\]", line), line
-    assert re.fullmatch(r"throughput: mode=(off|ngram-mod) speedup=\d+\.\d\dx quality_diff=[+-]\d\.\d{3} "
+    assert re.fullmatch(r"local_throughput: mode=(off|ngram-mod) speedup=\d+\.\d\dx quality_diff=[+-]\d\.\d{3} "
                         r"ci=\[[+-]\d\.\d{3},[+-]\d\.\d{3}\] main_job_s=not-run", lines[-1]), lines[-1]

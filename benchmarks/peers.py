@@ -11,7 +11,8 @@ train x G rollouts; BootstrapFewShot gets as many attempts (max_rounds = G), SIM
 with G candidates (`simba-solved`: the same, ranking its candidates by the held-out metric, solved or not, instead
 of the partial-credit training reward), GEPA `max_metric_calls` of the same size plus one evaluation of the
 trainset, MIPROv2 a light search. Each arm's compile is metered (LM calls and tokens of every model call, cache
-off) and timed.
+off; the calls of its training metric) and timed. With --budget-calls N every arm is matched to N metric calls
+instead, as GEPA's max_metric_calls budgets a search.
 
 Everything lands in --out/<task>/<arm>/seed<s>/ as it finishes (program.json, compile.json, eval.jsonl; tfgrpo
 arms also checkpoint every unit), so an interrupted run resumes where it stopped. Last lines, one per arm:
@@ -23,10 +24,12 @@ and a plot, --out/<task>/peers.png: held-out score against compile calls, one po
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -99,36 +102,54 @@ def task_parts(task: str):
     raise SystemExit(f"unknown task {task!r}: game24 or gsm8k")
 
 
+class Counted:
+    """The training metric, counting its calls (from any thread): what each arm's compile spent in metric calls, the
+    unit of GEPA's budget, saved as `metric_calls` in compile.json."""
+
+    def __init__(self, metric):
+        functools.update_wrapper(self, metric)  # its signature too: TrainingFreeGRPO reads whether it takes a trace
+        self.calls, self._lock = 0, threading.Lock()
+
+    def __call__(self, *args, **kwargs):
+        with self._lock:
+            self.calls += 1
+        return self.__wrapped__(*args, **kwargs)
+
+
 def scalar(metric):
     """The metric as a plain float, as DSPy's optimizers want it."""
     return lambda example, pred, trace=None, *_: float(getattr(m := metric(example, pred, trace), "score", m))
 
 
 def compile_arm(arm: str, student, reward, trainset: list, lm: dspy.LM, seed: int, args, where: Path) -> dspy.Module:
-    G, threads = args.generations, args.threads
+    G, threads, T, budget = args.generations, args.threads, len(trainset), args.match_calls
     if arm in TFGRPO_ARMS:
         shared = dict(num_generations=G, num_train_epochs=1, batch_size=args.batch, seed=seed, learning_path="contrast",
                       constrained_decoding="json_object", max_operations_per_group=1, num_threads=threads,
                       log_dir=str(where / "checkpoint"))
-        opt = TrainingFreeGRPO(reward, **{**shared, **TFGRPO_ARMS[arm]})  # an arm may set a shared knob its own way
-        return opt.compile(student, trainset=trainset)
+        knobs = {**shared, **TFGRPO_ARMS[arm]}  # an arm may set a shared knob its own way
+        if budget:  # as many epochs as the budget may need (the rollouts alone spend T x G an epoch), then stop
+            knobs.update(max_metric_calls=budget, num_train_epochs=-(-budget // (T * G)), max_steps=None)
+        return TrainingFreeGRPO(reward, **knobs).compile(student, trainset=trainset)
     metric = scalar(reward)
     if arm == "bootstrap":  # the student's own traces that pass, as demos; G rounds over the trainset at most
         opt = dspy.BootstrapFewShot(metric=metric, metric_threshold=1.0, max_bootstrapped_demos=2, max_labeled_demos=0,
                                     max_rounds=G)
         return opt.compile(student, trainset=trainset)
     if arm in ("simba", "simba-solved"):  # -solved: ranks its candidates by the held-out metric (solved or not)
-        opt = dspy.SIMBA(metric=metric, bsize=len(trainset), num_candidates=G, max_steps=1, max_demos=2,
-                         num_threads=threads)
+        # a step samples T x G trajectories and scores G + 1 programs on its batch; at the end G + 1 programs are
+        # scored on the trainset
+        steps = max(1, (budget - (G + 1) * T) // (T * (2 * G + 1))) if budget else 1
+        opt = dspy.SIMBA(metric=metric, bsize=T, num_candidates=G, max_steps=steps, max_demos=2, num_threads=threads)
         return opt.compile(student, trainset=trainset, seed=seed)
     if arm == "bootstrap-rs":  # validated demo sets: each candidate set scored on the trainset, the best kept
         opt = dspy.BootstrapFewShotWithRandomSearch(
             metric=metric, metric_threshold=1.0, max_bootstrapped_demos=2, max_labeled_demos=0, max_rounds=1,
-            num_candidate_programs=max(1, args.budget_calls // len(trainset) - 3), num_threads=threads)
+            num_candidate_programs=max(1, args.budget_calls // T - 3), num_threads=threads)
         return opt.compile(student, trainset=trainset, valset=trainset)
     if arm == "infer-rules":  # validated rules: rules induced from bootstrapped demos, the best rule set kept
         opt = dspy.InferRules(metric=metric, metric_threshold=1.0, max_bootstrapped_demos=2, max_labeled_demos=0,
-                              num_candidates=max(1, args.budget_calls // (len(trainset) + 1)), num_rules=5,
+                              num_candidates=max(1, args.budget_calls // (T + 1)), num_rules=5,
                               num_threads=threads)
         return opt.compile(student, trainset=trainset, valset=trainset)
     if arm == "knn":  # the k nearest training examples as demos, per query (see knn_arm)
@@ -140,13 +161,15 @@ def compile_arm(arm: str, student, reward, trainset: list, lm: dspy.LM, seed: in
                                    feedback=str(getattr(result, "feedback", "") or ""))
 
         opt = dspy.GEPA(metric=feedback_metric, reflection_lm=lm.copy(max_tokens=1024, extra_body={"max_tokens": 1024}),
-                        max_metric_calls=len(trainset) * (G + 1), num_threads=threads, seed=seed,
+                        max_metric_calls=budget or T * (G + 1), num_threads=threads, seed=seed,
                         log_dir=str(where / "gepa"))
         return opt.compile(student, trainset=trainset, valset=trainset)
     if arm == "mipro":
         opt = dspy.MIPROv2(metric=metric, auto=None, num_candidates=3, max_bootstrapped_demos=2, max_labeled_demos=0,
                            num_threads=threads, seed=seed, verbose=False)
-        return opt.compile(student, trainset=trainset, valset=trainset, num_trials=G, minibatch=False,
+        # a trial scores one candidate on the whole valset (the trainset), after the demo sets are bootstrapped
+        trials = max(1, budget // T - 2) if budget else G
+        return opt.compile(student, trainset=trainset, valset=trainset, num_trials=trials, minibatch=False,
                            requires_permission_to_run=False)
     raise AssertionError(f"arm {arm!r} has no compile step")  # main() lets only the menu's arms through
 
@@ -220,16 +243,17 @@ def _run_arm(arm: str, seed: int, args, lm: dspy.LM, where: Path) -> None:
         if not (where / "program.json").exists():
             trainset = load_train(args.train, args.train_offset)
             t0 = time.time()
-            train_metric = metric if arm.endswith("-solved") else reward
+            train_metric = Counted(metric if arm.endswith("-solved") else reward)
             with metered() as used:
                 compiled = compile_arm(arm, make_student(), train_metric, trainset, lm, seed, args, where)
-            usage, resumed = stage_usage(used, []), {}
+            usage, spent = stage_usage(used, []), {"metric_calls": train_metric.calls}
             run = getattr(getattr(compiled, "detailed_results", None), "run_usage", None)
             if run and sum(u.get("calls", 0) for u in run.values()) > usage["calls"]:  # tfgrpo resumed from its log
                 usage = {k: sum(u.get(k, 0) for u in run.values()) for k in usage}  # what the whole run spent
-                resumed = {"resumed": True}  # wall_s is this process's alone
+                # wall_s is this process's alone; the metric calls are the steps' own count
+                spent = {"resumed": True, "metric_calls": sum(s.metric_calls for s in compiled.detailed_results.steps)}
             save_program(compiled, where / "program.json")
-            (where / "compile.json").write_text(json.dumps({"wall_s": round(time.time() - t0, 1), **usage, **resumed}))
+            (where / "compile.json").write_text(json.dumps({"wall_s": round(time.time() - t0, 1), **usage, **spent}))
             print(json.dumps({"arm": arm, "seed": seed, "compile_s": round(time.time() - t0), **usage}), flush=True)
         program.load(str(where / "program.json"))
     t0 = time.time()
@@ -291,8 +315,10 @@ def report(args) -> None:
                                   for s in seeds.values())
         solved = ", ".join(f"{sum(r['score'] for r in seeds[s]['rows']):g}" for s in sorted(seeds))
         per_query = statistics.fmean(s["rows"][0].get("eval_calls", len(s["rows"])) / len(s["rows"]) for s in seeds.values())
+        counted = [s["compile"]["metric_calls"] for s in seeds.values() if "metric_calls" in s["compile"]]
+        metric_calls = f", {statistics.fmean(counted):.0f} metric calls" if counted else ""  # counted since 2026-11-26
         print(f"# {arm}: seeds {sorted(seeds)} scored {solved} of {lift['problems']}, compile {wall:.0f} s and "
-              f"{tokens:.0f} tokens per seed, {per_query:.1f} LM calls per held-out problem, best other arm {best} ({vs['difference']:+.3f}, CI {vs['ci95'][0]:+.3f} .. "
+              f"{tokens:.0f} tokens{metric_calls} per seed, {per_query:.1f} LM calls per held-out problem, best other arm {best} ({vs['difference']:+.3f}, CI {vs['ci95'][0]:+.3f} .. "
               f"{vs['ci95'][1]:+.3f})")
         if args.task == "game24" and (ceilings := template_ceilings(args, arm, seeds)):
             print(f"# {arm}: the kept demos' own search solves {ceilings} of {lift['problems']} (their ceiling), the "
@@ -351,9 +377,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=512)
-    ap.add_argument("--budget-calls", type=int, default=None,
-                    help="compile LM calls the validating peers (bootstrap-rs, infer-rules) may spend; default: the "
-                         f"mean of {MAIN_ARM} on the task in --out, else 120")
+    ap.add_argument("--budget-calls", type=int, default=None, metavar="N",
+                    help="match every arm to N metric calls of its compile, GEPA's max_metric_calls: tfgrpo's and "
+                         "GEPA's max_metric_calls, SIMBA's steps, MIPROv2's trials, the candidate sets of bootstrap-rs "
+                         "and infer-rules (BootstrapFewShot and KNN spend what they need: at most train x G, and "
+                         "none); give it its own --out. Default: each arm's own settings, and bootstrap-rs and "
+                         f"infer-rules matched to the mean compile calls of {MAIN_ARM} in --out (else 120)")
     ap.add_argument("--out", default="runs/bench-peers")
     ap.add_argument("--report", action="store_true", help="only print the lines and the plot from saved results")
     ap.add_argument("--mlflow", default=None, metavar="URI",
@@ -362,6 +391,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.eval_offset is None:
         args.eval_offset = {"game24": 52, "gsm8k": 1319 - args.eval}[args.task]
+    args.match_calls = args.budget_calls  # given: every arm is matched to it
     if args.budget_calls is None:
         main = load_results(Path(args.out), args.task).get(MAIN_ARM, {})
         args.budget_calls = round(statistics.fmean(s["compile"]["calls"] for s in main.values())) if main else 120

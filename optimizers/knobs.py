@@ -161,6 +161,9 @@ class Knobs:
         "`disable_history=True` (the price is only kept in DSPy's LM history)."))
     max_total_tokens: int | None = knob(None, optional(integer(1)), doc=(
         "Prompt plus completion tokens of all calls: stop after the step that reaches it."))
+    max_metric_calls: int | None = knob(None, optional(integer(1)), doc=(
+        "Attempts scored by the metric, GEPA's budget: a step's rollouts and probe attempts, and each validation "
+        "example. Stop after the step (or validation) that reaches it."))
     log_dir: str | os.PathLike | None = knob(None, optional(instance((str, os.PathLike), "a folder path")), doc=(
         "Folder where every finished unit of work is saved and resumed from; None keeps nothing. A resume must use "
         "the same fingerprinted knobs, data, program, target predictors and LM models (the refusal names what "

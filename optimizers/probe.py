@@ -72,6 +72,7 @@ class ProbeResult:
 
     def to_dict(self, candidates: list[Candidate]) -> dict:
         return {"queries": self.queries, "base_successes": self.base[0], "base_mean": self.base[1],
+                "attempts_run": len(self.queries) + sum(self.ran),  # the current program's, then the candidates'
                 "attempts_saved": sum(len(self.queries) - n for n in self.ran),
                 "candidates": [{"edit": c.label, "successes": s, "mean": m, "queries_run": n, "kept": k}
                                for c, (s, m), k, n in zip(candidates, self.scores, self.kept, self.ran)]}

@@ -32,6 +32,7 @@ class StepResult:
     usage: dict[str, dict[str, float]]  # per stage: calls, tokens (and cost where known)
     seconds: dict[str, float]  # when each stage's last unit finished, from the step's start
     wall_s: float
+    metric_calls: int = 0  # attempts the metric scored: rollouts, then probe attempts (a failed one counts, scored 0)
     demos: list[str] = field(default_factory=list)  # the queries of the demos kept after the step
     probe: dict[str, Any] | None = None  # with probe_size: the probed edits, their mean rewards and the verdicts
     details: dict[str, Any] = field(default_factory=dict)  # path-specific counts

@@ -299,7 +299,8 @@ class Step:
             operations_applied=report.applied, operations_rejected=len(report.rejected), library_size=len(library),
             consolidation=learned.consolidation,
             usage={stage: add_usage(dict(before.get(stage, {})), u) for stage, u in usage.items()},
-            seconds=learning.seconds, wall_s=time.time() - self._t0, demos=[d["query"] for d in demos], probe=probe,
+            seconds=learning.seconds, wall_s=time.time() - self._t0,
+            metric_calls=len(attempts) + (probe or {}).get("attempts_run", 0), demos=[d["query"] for d in demos], probe=probe,
             usage_before_resume=before,
             details={**{k: v for k, v in counts.items() if k not in ("learning_failures", "operations_proposed")},
                      **({"metric_timeouts": len(learning.timeouts)} if learning.timeouts else {})})

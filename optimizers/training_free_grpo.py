@@ -136,7 +136,7 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
         if total_steps:
             overall("step", sum(ckpt.has(f"steps/{i:04d}/done") for i in range(total_steps)), total_steps)
         best: tuple[float, dict, list, int] | None = None
-        run_totals, stopped = {"policy": {}, "reflection": {}}, None
+        run_totals, stopped, metric_calls = {"policy": {}, "reflection": {}}, None, 0
         totals = {"policy": {}, "reflection": {}}  # calls made by this call, not those of steps reused from log_dir
         for epoch in range(self.num_train_epochs):
             if step == total_steps:  # max_steps reached with the last epoch
@@ -163,12 +163,16 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
                     if not reused:  # nor what a stopped run had spent in this step
                         before = stats.usage_before_resume.get(stage, {})
                         add_usage(totals[role], {k: v - before.get(k, 0) for k, v in usage.items()})
-                stopped = over_budget(run_totals, max_total_tokens=self.max_total_tokens, max_cost=self.max_cost)
+                metric_calls += stats.metric_calls
+                stopped = self._over_budget(run_totals, metric_calls)
             if stopped:
                 logger.warning("Stopping early: %s", stopped)
                 break
             if valset:
                 record = self._validate(program, targets, library, demos, valset, epoch, ckpt)
+                metric_calls += len(valset)
+                if step < total_steps:  # steps remain: a budget reached here stops them
+                    stopped = self._over_budget(run_totals, metric_calls)
                 epochs.append(EpochResult(epoch=epoch, library_size=len(library), **record))
                 for tracker in trackers:
                     tracker.validation(epochs[-1].__dict__, step=step - 1)
@@ -207,6 +211,10 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
             raise ValueError("the contrast learning path compares attempts of one query and learns nothing from "
                              "num_generations=1: use learning_path='paper' (the paper's G = 1 ablation) or G >= 2")
         return (ContrastPath() if name == "contrast" else PaperPath()), name
+
+    def _over_budget(self, run_totals: dict, metric_calls: int) -> str | None:
+        return over_budget(run_totals, max_total_tokens=self.max_total_tokens, max_cost=self.max_cost,
+                           metric_calls=metric_calls, max_metric_calls=self.max_metric_calls)
 
     def _parallel(self, fn, items, stage):
         if items:

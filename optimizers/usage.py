@@ -88,8 +88,12 @@ def add_usage(total: dict[str, float], more: dict[str, float]) -> dict[str, floa
     return total
 
 
-def over_budget(totals: dict[str, dict], *, max_total_tokens: int | None, max_cost: float | None) -> str | None:
-    """Why the run must stop, when the usage `totals` (per role) reached a budget; else None."""
+def over_budget(totals: dict[str, dict], *, max_total_tokens: int | None, max_cost: float | None,
+                metric_calls: int = 0, max_metric_calls: int | None = None) -> str | None:
+    """Why the run must stop, when the usage `totals` (per role) or the `metric_calls` so far reached a budget; else
+    None."""
+    if max_metric_calls is not None and metric_calls >= max_metric_calls:
+        return f"{metric_calls} metric calls made, max_metric_calls={max_metric_calls}"
     tokens = sum(u.get("prompt_tokens", 0) + u.get("completion_tokens", 0) for u in totals.values())
     cost = sum(u.get("cost", 0.0) for u in totals.values())
     if max_total_tokens is not None and tokens >= max_total_tokens:

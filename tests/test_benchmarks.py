@@ -104,6 +104,9 @@ def test_peers(fake, tmp_path):
         assert re.fullmatch(rf"peers: task=game24 optimizer=\S+ seeds=1 problems=2 calls=\d+ score={X} lift={X} "
                             rf"ci_low={X} vs_best_other={X} ci_low_vs_best={X}", line), line
     assert (tmp_path / "game24" / "peers.png").stat().st_size > 0
+    spent = {arm: json.loads((tmp_path / "game24" / arm / "seed0" / "compile.json").read_text())["metric_calls"]
+             for arm in PEER_ARMS if arm not in ("baseline", "knn")}  # every compile counts its metric calls
+    assert all(spent[arm] >= 10 for arm in spent if arm.startswith("tfgrpo-")), spent  # run on to the budget
     calls = fake.stats()["calls"]
     assert [line for line in run("peers.py", *args) if line.startswith("peers: ")] == lines
     assert fake.stats()["calls"] == calls  # nothing was sent again

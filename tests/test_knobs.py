@@ -29,7 +29,7 @@ BAD = [("num_generations", 0), ("num_generations", 2.5), ("temperature", -0.1), 
        ("max_operations_per_group", 0), ("use_ground_truth", "yes"), ("max_experiences", 0),
        ("max_words_per_experience", 3), ("target_predictors", []), ("target_predictors", "predict"),
        ("num_threads", 0), ("max_failure_rate", 1.5), ("max_cost", 0), ("max_cost", -1.0),
-       ("max_total_tokens", 0), ("log_dir", 3), ("progress", "bar"), ("learning_path", "fast"),
+       ("max_total_tokens", 0), ("max_metric_calls", 0), ("log_dir", 3), ("progress", "bar"), ("learning_path", "fast"),
        ("constrained_decoding", "xml"), ("use_mlflow", "yes"), ("metric_timeout_s", 0), ("metric_timeout_s", "1"),
        ("max_steps", 0)]
 

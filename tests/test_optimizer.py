@@ -61,11 +61,11 @@ def learner(ops=None, plan=None, garbage=False):
     return respond
 
 
-def compile_with(lm, program, trainset=None, **kw):
+def compile_with(lm, program, trainset=None, valset=None, **kw):
     dspy.configure(lm=lm)
     opts = dict(num_generations=4, num_train_epochs=1, batch_size=4, num_threads=4)
     opts.update(kw)
-    return TrainingFreeGRPO(metric, **opts).compile(program, trainset=trainset or make_trainset())
+    return TrainingFreeGRPO(metric, **opts).compile(program, trainset=trainset or make_trainset(), valset=valset)
 
 
 def count(lm, kind):
@@ -324,6 +324,19 @@ def test_token_budget_stops_after_the_step_that_reaches_it():
     policy, reflection = results["usage"]["policy"], results["usage"]["reflection"]
     assert policy["calls"] == 8 and reflection["calls"] == 2 * 4 + 2 + 1
     assert compiled.experience_library.texts() == [LESSON]  # the library so far is kept
+
+
+def test_metric_call_budget_counts_rollouts_and_validation_and_stops_after_the_step_or_epoch_that_reaches_it():
+    valset = [dspy.Example(question="What is 1 + 2?", answer="3").with_inputs("question")]
+    # 2 queries x G = 4: 8 scored attempts per step, 2 steps an epoch, then 1 validation example
+    for budget, steps, epochs in ((9, 2, 0), (17, 2, 1), (34, 4, 2)):
+        compiled = compile_with(ScriptedLM(learner()), dspy.Predict("question -> answer"), num_train_epochs=2,
+                                batch_size=2, max_metric_calls=budget, valset=valset)
+        results = compiled.detailed_results
+        assert [s.metric_calls for s in results.steps] == [8] * steps and len(results.epochs) == epochs, budget
+        assert (results.stopped_early is None) == (budget == 34), results.stopped_early  # 34: the whole run
+        if results.stopped_early:
+            assert results.stopped_early.startswith(f"{8 * steps + epochs} metric calls made, max_metric_calls=")
 
 
 

@@ -297,6 +297,9 @@ def _dry_run(cfg: Config) -> None:
         console.print(f"{said}, so it uses at most {o.max_total_tokens + step:,} tokens (the budget plus one step of "
                       f"at most {step:,}) of the {run:,} above" if o.max_total_tokens + step < run else
                       f"{said}; at these bounds the whole run ({run:,} tokens) fits in the budget plus one step")
+    if o.max_metric_calls is not None:
+        console.print(f"max_metric_calls = {o.max_metric_calls:,}: the run stops after the step (or validation) that "
+                      "reaches it")
     if o.max_cost is not None:
         console.print(f"max_cost = ${o.max_cost:g}: the run stops after the step that reaches it (no price is "
                       "estimated here)")

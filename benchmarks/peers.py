@@ -51,7 +51,7 @@ TFGRPO_ARMS = {  # arm -> knobs on top of the shared ones; every arm that keeps 
     "tfgrpo-rules+demos": {"max_demos": 2},  # demos picked by their own reward, as in the hand measurement
     "tfgrpo-probed+demos": {"max_demos": 2, "probe_size": 4},
     # demos probed on every training query outside the batch (8 of 12): room to tell a flat search from a bracketed
-    # one; the main job until 2026-11-26 (three steps of 4)
+    # one; the main job (configs/local.toml: three steps of 4)
     "tfgrpo-probed-wide+demos": {"max_demos": 2, "probe_size": 8},
     # experiences only: a rule carries the better attempt's whole program (query values masked), probed on 8 queries
     "tfgrpo-solver-excerpts-wide": {"max_excerpt_lines": 40, "excerpt_whole_attempt": True, "probe_size": 8},
@@ -60,7 +60,7 @@ TFGRPO_ARMS = {  # arm -> knobs on top of the shared ones; every arm that keeps 
                                           "max_demos": 2},
     # a probe keeps a demo that ties a program already solving some of it: for a task the model half solves (GSM8K)
     "tfgrpo-probed-ties+demos": {"max_demos": 2, "probe_size": 4, "keep_tied_demos": True},
-    # the main job since 2026-11-26 (configs/local.toml): one step of 6 queries, each edit probed on 4 of the others
+    # configs/local-onestep.toml: one step of 6 queries, each edit probed on 4 of the others
     "tfgrpo-onestep+demos": {"max_demos": 2, "probe_size": 4, "batch_size": 6, "max_steps": 1},
 }
 ONLY_FOR = {"tfgrpo-probed-ties+demos": "gsm8k"}  # arms made for one task; elsewhere they are not in the menu

@@ -37,6 +37,10 @@ from tfgrpo.signatures.operations import Operation
 logger = logging.getLogger(__name__)
 
 
+def mean_reward(attempts: list[Scored]) -> float:
+    return statistics.fmean(a.reward for a in attempts) if attempts else 0.0
+
+
 @dataclass(frozen=True)
 class Learning:
     """What `Step.learn` made: each query's group (in batch order), the learning path's plan, the usage of each of
@@ -128,10 +132,9 @@ class Step:
             found = [g for g, _, _ in done]
             attempts = [a for g in found for a in g.attempts]
             timeouts = [t for _, _, ts in done for t in ts]
-            mean_reward = statistics.fmean(a.reward for a in attempts) if attempts else 0.0
             check_metric_timeouts(opt, self.index, timeouts, len(attempts))
             warn_context_refusals(self.index, [a.error for a in attempts if a.error])
-            logger.info("Step %d: mean reward %.3f, %d/%d groups with contrast", self.index, mean_reward,
+            logger.info("Step %d: mean reward %.3f, %d/%d groups with contrast", self.index, mean_reward(attempts),
                         sum(g.informative for g in found), len(found))
             for stage in self.path.stages:  # every unit of every stage has run: the stage-wide failure checks
                 ctx.check(stage)
@@ -152,10 +155,10 @@ class Step:
             ctx.count_failures("rollout", [attempts[g].error for g in failed], G)
             if failed:
                 yield WaitFor("rollout")  # the stage's failure check: nothing more is spent on the query before it
-                for g in failed:  # it passed, so these count (scored 0) and a resume replays them; had it failed,
-                    unit = f"{self.key}/rollouts/{qi}_{g}"  # a resume would retry them: the outage may be over
-                    if not self.ckpt.has(unit):
-                        self.ckpt.put(unit, attempts[g].to_record())
+                # it passed, so these count (scored 0) and a resume replays them (had it failed, a resume would retry
+                # them: the outage may be over); one loaded from the checkpoint is written again, unchanged
+                for g in failed:
+                    self.ckpt.put(f"{self.key}/rollouts/{qi}_{g}", attempts[g].to_record())
             reference = reference_example(example, [a.to_record() for a in attempts], self.opt.use_ground_truth)
             scored = yield [("reward", self._reward, (qi, g, a, reference)) for g, a in enumerate(attempts)]
             timeouts = [timeout for _, timeout in scored if timeout]
@@ -290,7 +293,7 @@ class Step:
         counts = learned.counts
         return StepResult(
             step=self.index, epoch=self.epoch, batch_size=len(self.batch), learning_path=self.path_name,
-            mean_reward=statistics.fmean(a.reward for a in attempts), groups=len(self.batch),
+            mean_reward=mean_reward(attempts), groups=len(self.batch),
             groups_kept=len(learning.kept), frac_skipped_zero_std=1 - len(learning.kept) / len(self.batch),
             rollout_failures=sum(bool(a.error) for a in attempts),
             tool_calls_mean=statistics.fmean(a.attempt.tool_calls for a in attempts),
@@ -300,7 +303,8 @@ class Step:
             consolidation=learned.consolidation,
             usage={stage: add_usage(dict(before.get(stage, {})), u) for stage, u in usage.items()},
             seconds=learning.seconds, wall_s=time.time() - self._t0,
-            metric_calls=len(attempts) + (probe or {}).get("attempts_run", 0), demos=[d["query"] for d in demos], probe=probe,
+            metric_calls=len(attempts) + (probe or {}).get("attempts_run", 0), demos=[d["query"] for d in demos],
+            probe=probe,
             usage_before_resume=before,
             details={**{k: v for k, v in counts.items() if k not in ("learning_failures", "operations_proposed")},
                      **({"metric_timeouts": len(learning.timeouts)} if learning.timeouts else {})})

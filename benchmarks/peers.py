@@ -17,7 +17,9 @@ instead, as GEPA's max_metric_calls budgets a search.
 Everything lands in --out/<task>/<arm>/seed<s>/ as it finishes (program.json, compile.json, eval.jsonl; tfgrpo
 arms also checkpoint every unit), so an interrupted run resumes where it stopped. Last lines, one per arm:
   peers: task=game24 optimizer=NAME seeds=N problems=M calls=C score=0.xxx lift=+0.xxx ci_low=+0.xxx vs_best_other=+0.xxx ci_low_vs_best=+0.xxx
-and a plot, --out/<task>/peers.png: held-out score against compile calls, one point per arm with its 95% CI. With
+each after a `#` line placing the arm on the cost frontier (dominated or not by a cheaper arm that beats it by a
+paired CI; which of the arms spending no more calls it beats), and a plot, --out/<task>/peers.png: held-out score
+against compile calls, one point per arm with its 95% CI. With
 --mlflow URI every arm and seed is its own MLflow run (experiment peers-<task>), to compare them in MLflow's UI.
 """
 
@@ -299,10 +301,9 @@ def report(args) -> None:
               f"{lift['ci95'][0]:+.3f} .. {lift['ci95'][1]:+.3f})")
     if missing := [a for a in menu(args.task) if a not in results]:
         print(f"# not measured on {args.task}: {', '.join(missing)}")
-    points = []
+    points, spent = [], {a: statistics.fmean(s["compile"].get("calls", 0) for s in results[a].values()) for a in arms}
     for arm in sorted(arms, key=lambda a: (a != "baseline", a)):
-        seeds = results[arm]
-        calls = statistics.fmean(s["compile"].get("calls", 0) for s in seeds.values())
+        seeds, calls = results[arm], spent[arm]
         lift = paired(results, arm, "baseline")
         others = [o for o in arms if o != arm]
         best = max(others, key=lambda o: score[o]) if others else None
@@ -323,10 +324,24 @@ def report(args) -> None:
         if args.task == "game24" and (ceilings := template_ceilings(args, arm, seeds)):
             print(f"# {arm}: the kept demos' own search solves {ceilings} of {lift['problems']} (their ceiling), the "
                   f"student {solved}")
+        print(f"# {arm}: {frontier(results, arm, spent)}")
         print(f"peers: task={args.task} optimizer={arm} seeds={len(seeds)} problems={lift['problems']} calls={calls:.0f} "
               f"score={score[arm]:.3f} lift={lift['difference']:+.3f} ci_low={lift['ci95'][0]:+.3f} "
               f"vs_best_other={vs['difference']:+.3f} ci_low_vs_best={vs['ci95'][0]:+.3f}", flush=True)
     plot(points, Path(args.out) / args.task / "peers.png", args.task)
+
+
+def frontier(results, arm: str, spent: dict[str, float]) -> str:
+    """Where `arm` stands on the cost frontier: the arms with fewer compile calls that beat it by a paired CI above
+    zero (it is dominated by them), and the arms with no more calls that it does not beat by such a CI."""
+    fewer = [o for o in spent if o != arm and spent[o] <= spent[arm]]
+    dominated = [o for o in fewer if spent[o] < spent[arm] and paired(results, o, arm)["ci95"][0] > 0]
+    beaten = [o for o in fewer if paired(results, arm, o)["ci95"][0] > 0]
+    level = [o for o in fewer if o not in beaten]
+    where = f"dominated by {', '.join(dominated)}" if dominated else "on the cost frontier"
+    parts = [f"ahead (paired CI above zero) of {', '.join(beaten)}"] * bool(beaten)
+    parts += [f"not ahead of {', '.join(level)}"] * bool(level)
+    return f"{where}; of the {len(fewer)} arm(s) spending no more compile calls: {'; '.join(parts) or 'none'}"
 
 
 def template_ceilings(args, arm: str, seeds: dict) -> str:

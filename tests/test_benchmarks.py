@@ -92,6 +92,26 @@ PEER_ARMS = ["baseline", "bootstrap", "bootstrap-rs", "infer-rules", "knn", "sim
              "tfgrpo-probed-wide+demos", "tfgrpo-solver-excerpts-wide+demos"]
 
 
+def test_the_cost_frontier_counts_an_arm_dominated_only_by_a_cheaper_one_that_beats_it_by_a_paired_ci(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))
+    from benchmarks.peers import frontier
+
+    def arm(calls, solved):  # 40 problems, one seed: the first `solved` are solved
+        return {0: {"compile": {"calls": calls},
+                    "rows": [{"problem": i, "run": 0, "score": float(i < solved)} for i in range(40)]}}
+
+    results = {"baseline": arm(0, 10), "cheap": arm(4, 30), "costly": arm(100, 12), "best": arm(200, 32)}
+    spent = {a: results[a][0]["compile"]["calls"] for a in results}
+    assert frontier(results, "costly", spent) == ("dominated by cheap; of the 2 arm(s) spending no more compile calls: "
+                                                  "not ahead of baseline, cheap")
+    assert frontier(results, "cheap", spent) == ("on the cost frontier; of the 1 arm(s) spending no more compile "
+                                                 "calls: ahead (paired CI above zero) of baseline")
+    assert frontier(results, "best", spent).startswith("on the cost frontier; of the 3 arm(s) spending no more "
+                                                       "compile calls: ahead (paired CI above zero) of baseline, "
+                                                       "costly; not ahead of cheap")
+    assert frontier(results, "baseline", spent).endswith("calls: none")
+
+
 def test_peers(fake, tmp_path):
     """Every optimizer compiles, is evaluated and gets its line and its point; a second run reuses what was saved."""
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -155,10 +155,10 @@ class Step:
             ctx.count_failures("rollout", [attempts[g].error for g in failed], G)
             if failed:
                 yield WaitFor("rollout")  # the stage's failure check: nothing more is spent on the query before it
-                # it passed, so these count (scored 0) and a resume replays them (had it failed, a resume would retry
-                # them: the outage may be over); one loaded from the checkpoint is written again, unchanged
-                for g in failed:
-                    self.ckpt.put(f"{self.key}/rollouts/{qi}_{g}", attempts[g].to_record())
+                for g in failed:  # it passed, so these count (scored 0) and a resume replays them; had it failed,
+                    unit = f"{self.key}/rollouts/{qi}_{g}"  # a resume would retry them: the outage may be over
+                    if not self.ckpt.has(unit):  # one a resume loaded is not written again (a finished unit)
+                        self.ckpt.put(unit, attempts[g].to_record())
             reference = reference_example(example, [a.to_record() for a in attempts], self.opt.use_ground_truth)
             scored = yield [("reward", self._reward, (qi, g, a, reference)) for g, a in enumerate(attempts)]
             timeouts = [timeout for _, timeout in scored if timeout]

@@ -335,8 +335,9 @@ def frontier(results, arm: str, spent: dict[str, float]) -> str:
     """Where `arm` stands on the cost frontier: the arms with fewer compile calls that beat it by a paired CI above
     zero (it is dominated by them), and the arms with no more calls that it does not beat by such a CI."""
     fewer = [o for o in spent if o != arm and spent[o] <= spent[arm]]
-    dominated = [o for o in fewer if spent[o] < spent[arm] and paired(results, o, arm)["ci95"][0] > 0]
-    beaten = [o for o in fewer if paired(results, arm, o)["ci95"][0] > 0]
+    ci = {o: paired(results, arm, o)["ci95"] for o in fewer}  # arm - o; o beats arm where its upper end is below 0
+    dominated = [o for o in fewer if spent[o] < spent[arm] and ci[o][1] < 0]
+    beaten = [o for o in fewer if ci[o][0] > 0]
     level = [o for o in fewer if o not in beaten]
     where = f"dominated by {', '.join(dominated)}" if dominated else "on the cost frontier"
     parts = [f"ahead (paired CI above zero) of {', '.join(beaten)}"] * bool(beaten)

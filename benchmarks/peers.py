@@ -154,8 +154,15 @@ def compile_arm(arm: str, student, reward, trainset: list, lm: dspy.LM, seed: in
                               num_candidates=max(1, args.budget_calls // (T + 1)), num_rules=5,
                               num_threads=threads)
         return opt.compile(student, trainset=trainset, valset=trainset)
-    if arm == "knn":  # the k nearest training examples as demos, per query (see knn_arm)
-        return knn_arm(student, trainset, metric, args.task)
+    if arm == "knn":  # the pool of solved training examples KNN retrieves from, saved as demos (see knn_program)
+        if args.task == "gsm8k":  # the training problems come solved: their reference solutions, no LM call
+            pool = student.deepcopy()
+            pool.predictors()[0].demos = [dspy.Example(ex, reasoning=ex.solution.split("####")[0].strip())
+                                          for ex in trainset]
+            return pool
+        # Game of 24 puzzles come unsolved: the student solves each once (G tries at most, as bootstrap does)
+        return dspy.BootstrapFewShot(metric=metric, metric_threshold=1.0, max_bootstrapped_demos=T,
+                                     max_labeled_demos=0, max_rounds=G).compile(student, trainset=trainset)
     if arm == "gepa":
         def feedback_metric(gold, pred, trace=None, pred_name=None, pred_trace=None):
             result = reward(gold, pred, trace)
@@ -179,7 +186,9 @@ def compile_arm(arm: str, student, reward, trainset: list, lm: dspy.LM, seed: in
 class TfidfEmbedding:
     """A TF-IDF vectorizer fitted on the first texts it embeds (KNN embeds its trainset first): words and numbers
     as tokens, rows of unit length, so a dot product is the cosine. A well-kept local vectorizer (scikit-learn),
-    deterministic and free, where a neural embedder would need weights from a hub or a second server mode."""
+    deterministic and free, where a neural embedder would need weights from a hub or a second server mode. Its
+    vectors depend on the texts it was fitted on, so the Embedder must not cache them: DSPy's disk cache keys a
+    callable embedder by the texts alone and would hand one pool's vectors to another (a shape error, or worse)."""
 
     def __init__(self):
         self.vectorizer = None
@@ -192,20 +201,17 @@ class TfidfEmbedding:
         return self.vectorizer.transform(texts).toarray()
 
 
-def knn_arm(student, trainset: list, metric, task: str) -> dspy.Module:
-    """dspy.KNNFewShot with k = 3, as the paper's appendix compares (top-3 retrieved solved examples). GSM8K's
-    training problems come solved (their reference solution is the demo's reasoning): no LM call at all. Game of 24
-    puzzles come unsolved, so the neighbours are solved by the student itself at each query (BootstrapFewShot over
-    the 3 neighbours, kept if solved): those calls are made while evaluating, and counted there."""
-    if task == "gsm8k":
-        solved = [dspy.Example(ex, reasoning=ex.solution.split("####")[0].strip()).with_inputs(*ex.inputs().keys())
-                  for ex in trainset]
-        opt = dspy.KNNFewShot(k=3, trainset=solved, vectorizer=dspy.Embedder(TfidfEmbedding()),
-                              max_bootstrapped_demos=0, max_labeled_demos=3)
-    else:
-        opt = dspy.KNNFewShot(k=3, trainset=trainset, vectorizer=dspy.Embedder(TfidfEmbedding()), metric=metric,
-                              metric_threshold=1.0, max_bootstrapped_demos=3, max_labeled_demos=0, max_rounds=1)
-    return opt.compile(student)
+def knn_program(student, pool: dspy.Module) -> dspy.Module:
+    """dspy.KNNFewShot with k = 3, as the paper's appendix compares (the top-3 retrieved solved examples): each query
+    gets the 3 nearest of the pool's solved examples as demos, by TF-IDF over their inputs. No LM call of its own."""
+    predictor = pool.predictors()[0]
+    inputs = list(predictor.signature.input_fields)
+    solved = [dspy.Example({k: v for k, v in (d.toDict() if isinstance(d, dspy.Example) else d).items()
+                            if k != "augmented"}).with_inputs(*inputs) for d in predictor.demos]
+    if not solved:  # nothing was solved: nothing to retrieve
+        return student
+    return dspy.KNNFewShot(k=3, trainset=solved, vectorizer=dspy.Embedder(TfidfEmbedding(), caching=False),
+                           max_bootstrapped_demos=0, max_labeled_demos=3).compile(student)
 
 
 def run_arm(arm: str, seed: int, args, lm: dspy.LM) -> None:
@@ -236,12 +242,7 @@ def run_arm(arm: str, seed: int, args, lm: dspy.LM) -> None:
 def _run_arm(arm: str, seed: int, args, lm: dspy.LM, where: Path) -> None:
     make_student, reward, metric, load_train, load_eval = task_parts(args.task)
     program = make_student()
-    if arm == "knn":  # no fixed demos to save: the program retrieves them per query, so it is rebuilt (no LM call)
-        program = compile_arm(arm, make_student(), reward, load_train(args.train, args.train_offset), lm, seed, args,
-                              where)
-        (where / "compile.json").write_text(json.dumps({"wall_s": 0.0, "calls": 0, "prompt_tokens": 0,
-                                                        "completion_tokens": 0, "cost": 0.0}))
-    elif arm != "baseline":
+    if arm != "baseline":
         if not (where / "program.json").exists():
             trainset = load_train(args.train, args.train_offset)
             t0 = time.time()
@@ -258,6 +259,8 @@ def _run_arm(arm: str, seed: int, args, lm: dspy.LM, where: Path) -> None:
             (where / "compile.json").write_text(json.dumps({"wall_s": round(time.time() - t0, 1), **usage, **spent}))
             print(json.dumps({"arm": arm, "seed": seed, "compile_s": round(time.time() - t0), **usage}), flush=True)
         program.load(str(where / "program.json"))
+        if arm == "knn":  # the saved program holds the pool; the demos are retrieved per query from it
+            program = knn_program(make_student(), program)
     t0 = time.time()
     with metered() as used:
         rows = evaluate_program(program, load_eval(args.eval, args.eval_offset), metric, lm=lm.copy(rollout_id=seed),

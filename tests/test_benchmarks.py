@@ -125,7 +125,7 @@ def test_peers(fake, tmp_path):
                             rf"ci_low={X} vs_best_other={X} ci_low_vs_best={X}", line), line
     assert (tmp_path / "game24" / "peers.png").stat().st_size > 0
     spent = {arm: json.loads((tmp_path / "game24" / arm / "seed0" / "compile.json").read_text())["metric_calls"]
-             for arm in PEER_ARMS if arm not in ("baseline", "knn")}  # every compile counts its metric calls
+             for arm in PEER_ARMS if arm != "baseline"}  # every compile counts its metric calls
     assert all(spent[arm] >= 10 for arm in spent if arm.startswith("tfgrpo-")), spent  # run on to the budget
     calls = fake.stats()["calls"]
     assert [line for line in run("peers.py", *args) if line.startswith("peers: ")] == lines
@@ -157,7 +157,39 @@ def test_peers_knn_on_gsm8k_retrieves_solved_training_problems(fake, tmp_path):
     assert len(lines) == 1 and " calls=0 " in lines[0], lines
     assert fake.stats()["calls"] - before == 4  # 2 baseline + 2 knn evaluation calls
     rows = [json.loads(line) for line in (tmp_path / "gsm8k" / "knn" / "seed0" / "eval.jsonl").read_text().splitlines()]
-    assert rows[0]["eval_calls"] == 2
+    assert rows[0]["eval_calls"] == 2 and [r["error"] for r in rows] == [None, None]
+
+
+def test_peers_knn_on_game24_solves_the_training_puzzles_once_and_retrieves_from_them(fake, tmp_path):
+    """Game of 24 puzzles come unsolved: the compile solves each training puzzle once (its calls counted there) and
+    saves the solved ones as the pool; evaluating then makes one call per held-out puzzle, retrieving from the pool."""
+    args = ["--arms", "baseline,knn", "--seeds", "0", "--train", "4", "--eval", "3", "--generations", "2", "--out",
+            str(tmp_path), *endpoint(fake)]
+    before = fake.stats()["calls"]
+    run("peers.py", *args)
+    where = tmp_path / "game24" / "knn" / "seed0"
+    spent = json.loads((where / "compile.json").read_text())
+    assert 4 <= spent["calls"] == spent["metric_calls"] <= 8  # each puzzle tried until solved, 2 tries at most
+    pool = json.loads((where / "program.json").read_text())["write_program"]["demos"]
+    assert pool  # the fake student solves some of them
+    import dspy
+    from tfgrpo.tasks.game24 import game24_metric, load_game24
+    from tfgrpo.tasks.game24.program import last_line, strip_fences
+    from tfgrpo.tasks.sandbox import run_python
+
+    train = [sorted(int(n) for n in str(ex.numbers).split()) for ex in load_game24("game24_train", limit=4, offset=100)]
+    for demo in pool:  # every pooled demo is a training puzzle, and its code solves it
+        assert sorted(demo["numbers"]) in train
+        answer = last_line(run_python(strip_fences(demo["code"])).stdout)
+        assert game24_metric(dspy.Example(numbers=demo["numbers"]), dspy.Prediction(answer=answer)).score == 1.0
+    assert fake.stats()["calls"] - before == spent["calls"] + 3 + 3  # then one call per held-out puzzle (each arm)
+    assert any(line.startswith("peers: task=game24 optimizer=knn ") for line in run("peers.py", *args))
+    assert fake.stats()["calls"] - before == spent["calls"] + 3 + 3  # the second run reloads the pool, sends nothing
+    # another pool, the same held-out puzzles: their vectors come from this pool's fit, never from a cache of the last
+    run("peers.py", "--arms", "baseline,knn", "--seeds", "0", "--train", "4", "--train-offset", "104", "--eval", "3",
+        "--generations", "2", "--out", str(tmp_path / "other"), *endpoint(fake))
+    rows = [json.loads(line) for line in (tmp_path / "other" / "game24" / "knn" / "seed0" / "eval.jsonl").open()]
+    assert [r["error"] for r in rows] == [None] * 3
 
 
 def test_peers_refuses_an_arm_outside_the_tasks_menu():

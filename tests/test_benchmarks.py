@@ -160,7 +160,7 @@ def test_peers_knn_on_gsm8k_retrieves_solved_training_problems(fake, tmp_path):
     assert rows[0]["eval_calls"] == 2 and [r["error"] for r in rows] == [None, None]
 
 
-def test_peers_knn_on_game24_solves_the_training_puzzles_once_and_retrieves_from_them(fake, tmp_path):
+def test_peers_knn_on_game24_solves_the_training_puzzles_once_and_retrieves_from_them(fake, tmp_path, monkeypatch):
     """Game of 24 puzzles come unsolved: the compile solves each training puzzle once (its calls counted there) and
     saves the solved ones as the pool; evaluating then makes one call per held-out puzzle, retrieving from the pool."""
     args = ["--arms", "baseline,knn", "--seeds", "0", "--train", "4", "--eval", "3", "--generations", "2", "--out",
@@ -172,16 +172,13 @@ def test_peers_knn_on_game24_solves_the_training_puzzles_once_and_retrieves_from
     assert 4 <= spent["calls"] == spent["metric_calls"] <= 8  # each puzzle tried until solved, 2 tries at most
     pool = json.loads((where / "program.json").read_text())["write_program"]["demos"]
     assert pool  # the fake student solves some of them
-    import dspy
-    from tfgrpo.tasks.game24 import game24_metric, load_game24
-    from tfgrpo.tasks.game24.program import last_line, strip_fences
-    from tfgrpo.tasks.sandbox import run_python
+    monkeypatch.syspath_prepend(str(ROOT))
+    from benchmarks.ceiling import solves
+    from tfgrpo.tasks.game24 import load_game24
 
     train = [sorted(int(n) for n in str(ex.numbers).split()) for ex in load_game24("game24_train", limit=4, offset=100)]
     for demo in pool:  # every pooled demo is a training puzzle, and its code solves it
-        assert sorted(demo["numbers"]) in train
-        answer = last_line(run_python(strip_fences(demo["code"])).stdout)
-        assert game24_metric(dspy.Example(numbers=demo["numbers"]), dspy.Prediction(answer=answer)).score == 1.0
+        assert sorted(demo["numbers"]) in train and solves(demo["code"], demo["numbers"], demo["numbers"])
     assert fake.stats()["calls"] - before == spent["calls"] + 3 + 3  # then one call per held-out puzzle (each arm)
     assert any(line.startswith("peers: task=game24 optimizer=knn ") for line in run("peers.py", *args))
     assert fake.stats()["calls"] - before == spent["calls"] + 3 + 3  # the second run reloads the pool, sends nothing

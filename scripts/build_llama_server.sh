@@ -1,15 +1,24 @@
 #!/usr/bin/env bash
 # Build llama.cpp's own server (llama-server), the only llama.cpp build tfgrpo needs, from the llama.cpp source
 # vendored in the llama-cpp-python sdist pinned by hash in scripts/llama-cpp-source.lock, and put it next to the
-# virtualenv's python (.venv/bin), where tfgrpo looks for it.
-# Idempotent: skipped when the binary is there and reports the same llama.cpp build. ~5 min on 2 cores.
+# virtualenv's python (.venv/bin), where tfgrpo looks for it first. Optional: `scripts/setup.sh` installs the same
+# server prebuilt (the xllamacpp wheel); a native build may decode faster on a CPU with features that wheel leaves
+# out (AVX-512). Run it by hand, or as TFGRPO_BUILD_LLAMA_SERVER=1 bash scripts/setup.sh.
+# Idempotent: skipped when the binary is there and reports the same llama.cpp build. ~10 min on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Built native but without Intel AMX: some VMs list AMX in /proc/cpuinfo yet fault on its first tile instruction
+# (seen here: llama.cpp died with SIGSEGV at `ldtilecfg` in its first matrix product). An explicit -mno-* wins over
+# the -march=native that llama.cpp adds, whatever their order (compilers before gcc 11 know no AMX).
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+if [ "$(uname -m)" = x86_64 ] && echo | "${CC:-cc}" $NO_AMX -E - > /dev/null 2>&1; then
+    export CFLAGS="${CFLAGS:-} $NO_AMX" CXXFLAGS="${CXXFLAGS:-} $NO_AMX"
+fi
 VENV=${VENV:-.venv}
 OUT="$VENV/bin/llama-server"
 PIN=$(grep -A1 '^llama-cpp-python==' scripts/llama-cpp-source.lock)  # name==version and its sha256
 VERSION=$(head -1 <<<"$PIN" | sed 's/^llama-cpp-python==\([^ ]*\).*/\1/')
-STAMP="$OUT.source"  # which sdist, with which compiler flags (CFLAGS and CXXFLAGS, set by setup.sh), the binary was built from
+STAMP="$OUT.source"  # which sdist, with which compiler flags (CFLAGS and CXXFLAGS), the binary was built from
 BUILT="llama-cpp-python==$VERSION CFLAGS=${CFLAGS:-} CXXFLAGS=${CXXFLAGS:-}"
 if [ -x "$OUT" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$BUILT" ]; then
     echo "llama-server ($BUILT) is built"; exit 0

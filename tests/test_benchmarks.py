@@ -237,7 +237,7 @@ def _local_model_or_skip(model: str) -> None:
     from tfgrpo import local_model, local_weights
 
     try:
-        local_model.require_llama_server()
+        local_model.require_server_command()
         local_weights.find_parts(local_weights.MODELS[model])
     except Exception as exc:  # not installed, not built, or weights missing
         if os.environ.get("TFGRPO_REQUIRE_LOCAL_MODEL"):

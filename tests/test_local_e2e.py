@@ -29,7 +29,7 @@ MODEL = "qwen2.5-coder-0.5b"
 
 def _missing() -> str | None:
     try:
-        local_model.require_llama_server()
+        local_model.require_server_command()
         local_weights.find_parts(local_weights.MODELS[MODEL])
     except Exception as exc:  # not installed, or weights missing
         return f"{type(exc).__name__}: {exc}"

@@ -15,6 +15,7 @@ import textwrap
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -72,9 +73,10 @@ def _chat(api_base: str, content: str, max_tokens: int = 16, **extra) -> dict:
 
 @pytest.fixture
 def llama_server():
-    """llama-server must be built for the lifecycle tests; CI (TFGRPO_REQUIRE_LOCAL_MODEL) fails rather than skips."""
-    if lm.find_llama_server() is None:
-        reason = "llama-server is not built (bash scripts/setup.sh)"
+    """llama.cpp's server must be installed for the lifecycle tests; CI (TFGRPO_REQUIRE_LOCAL_MODEL) fails rather
+    than skips."""
+    if lm.server_command() is None:
+        reason = "llama.cpp's server is not installed (bash scripts/setup.sh)"
         if os.environ.get("TFGRPO_REQUIRE_LOCAL_MODEL"):
             pytest.fail(f"llama-server is required here but unavailable: {reason}")
         pytest.skip(reason)
@@ -88,10 +90,38 @@ def test_server_binary_is_required(monkeypatch, tmp_path):
     fake.write_text("#!/bin/sh\n")
     fake.chmod(0o755)
     monkeypatch.setenv("TFGRPO_LLAMA_SERVER", str(fake))
-    assert lm.find_llama_server() == str(fake)
-    monkeypatch.setenv("TFGRPO_LLAMA_SERVER", str(tmp_path / "missing"))
-    with pytest.raises(LocalServerError, match="llama-server was not found.*scripts/setup.sh"):
+    assert lm.find_llama_server() == str(fake) and lm.server_command() == [str(fake)]
+    monkeypatch.setenv("TFGRPO_LLAMA_SERVER", str(tmp_path / "missing"))  # named, so neither wheel nor PATH stands in
+    with pytest.raises(LocalServerError, match=r"TFGRPO_LLAMA_SERVER=.*missing is no executable"):
         LocalServer(SMALL, cache_dir=tmp_path)
+
+
+def test_without_a_binary_the_wheel_serves_and_without_both_setup_is_named(monkeypatch, tmp_path):
+    monkeypatch.delenv("TFGRPO_LLAMA_SERVER", raising=False)
+    monkeypatch.setattr(lm.sys, "executable", str(tmp_path / "python"))  # no llama-server next to it
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert lm.server_command() == [str(tmp_path / "python"), "-m", "tfgrpo.llama_server"]  # xllamacpp is installed
+    monkeypatch.setattr(lm.importlib.util, "find_spec", lambda name: None)  # as if it were not
+    with pytest.raises(LocalServerError, match=r"server was not found \(no xllamacpp, no llama-server\).*setup.sh"):
+        LocalServer(SMALL, cache_dir=tmp_path)
+
+
+def test_the_wheel_server_takes_llama_servers_flags():
+    """tfgrpo.llama_server maps the flags LocalServer passes onto xllamacpp's parameters, and refuses others."""
+    from tfgrpo import llama_server
+
+    server = LocalServer.__new__(LocalServer)  # only for its flags: no model, no process
+    server.command, server.model_path, server.model_alias, server.host, server.port = [], "m.gguf", "q", "127.0.0.1", 9
+    server.n_ctx, server.parallel, server.n_threads, server.speculative = 2048, 2, 3, "ngram-mod"
+    server.draft_path = Path("d.gguf")
+    p = llama_server.params(llama_server.parse(server.server_args()))
+    assert (p.model.path, p.model_alias, p.hostnames, p.port) == ("m.gguf", {"q"}, ["127.0.0.1"], 9)
+    assert (p.n_ctx, p.n_parallel, p.kv_unified, p.n_batch) == (4096, 2, True, 512)
+    assert (p.cpuparams.n_threads, p.cpuparams_batch.n_threads, p.endpoint_metrics, p.ui) == (3, 3, True, False)
+    assert [t.name for t in p.speculative.types] == ["COMMON_SPECULATIVE_TYPE_NGRAM_MOD"]
+    assert (p.speculative.draft.mparams.path, p.speculative.draft.cpuparams.n_threads) == ("d.gguf", 3)
+    with pytest.raises(SystemExit):
+        llama_server.parse(["-m", "m.gguf", "--port", "9", "--flash-attn"])
 
 
 def test_llama_server_arguments(monkeypatch, tmp_path):

@@ -1,9 +1,10 @@
 """The embedded model's inference server, llama.cpp's ``llama-server``, as a child process of this one or detached.
 
-``scripts/setup.sh`` builds the server into the virtualenv from pinned source. Several slots can decode in one batch
-(``parallel``); each slot keeps its prompt's KV cache for the next request with the same prefix; and with
-``speculative`` the server drafts tokens cheaply and has the model check them all in one pass, which pays where a
-reply copies text from its prompt (a demo, an excerpt): see ``SPECULATIVE``.
+The server is the prebuilt ``xllamacpp`` wheel's (``tfgrpo.llama_server``, installed by ``scripts/setup.sh``), or a
+``llama-server`` binary built from pinned source (``scripts/build_llama_server.sh``) where one is found. Several
+slots can decode in one batch (``parallel``); each slot keeps its prompt's KV cache for the next request with the
+same prefix; and with ``speculative`` the server drafts tokens cheaply and has the model check them all in one pass,
+which pays where a reply copies text from its prompt (a demo, an excerpt): see ``SPECULATIVE``.
 
 ``LocalServer`` owns a server; ``start_detached``/``status``/``stop_detached`` manage one that outlives
 this process (``tfgrpo lm start``), found again through a JSON state file. The weights come from
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -36,7 +38,7 @@ from tfgrpo.local_weights import DEFAULT_MODEL, default_cache_dir, ensure_model,
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "server.json"
-BUILD_HINT = "bash scripts/setup.sh (it builds llama-server into the virtualenv)"
+BUILD_HINT = "bash scripts/setup.sh (it installs llama.cpp's server, the xllamacpp wheel, into the virtualenv)"
 # llama-server slots decoded in one batch. On 2 cores decoding is nearly compute-bound: 4 streams gave 1.0-1.44x the
 # tokens/s of one (benchmarks/local_throughput.py, within run-to-run noise) and each slot warms shared prefixes on its
 # own, so one slot there; batching pays where there are cores (or a GPU) to spare.
@@ -65,25 +67,42 @@ class LocalServerError(RuntimeError):
 
 
 def find_llama_server() -> str | None:
-    """Path of the llama-server binary: ``$TFGRPO_LLAMA_SERVER``, else next to this Python (where
-    ``scripts/setup.sh`` puts it), else on ``PATH``; None if there is none."""
+    """Path of a llama-server binary: ``$TFGRPO_LLAMA_SERVER``, else next to this Python (where
+    ``scripts/build_llama_server.sh`` puts it); None if there is none."""
     env = os.environ.get("TFGRPO_LLAMA_SERVER")
     if env:
         return env if os.access(env, os.X_OK) else None
     here = Path(sys.executable).parent / "llama-server"
-    return str(here) if os.access(here, os.X_OK) else shutil.which("llama-server")
+    return str(here) if os.access(here, os.X_OK) else None
 
 
-def require_llama_server() -> str:
-    """Path of the llama-server binary, or a ``LocalServerError`` that says how to build it."""
-    if (binary := find_llama_server()) is None:
-        raise LocalServerError(f"llama-server was not found (nor $TFGRPO_LLAMA_SERVER); build it with: {BUILD_HINT}")
-    return binary
+def server_command() -> list[str] | None:
+    """The command that runs llama.cpp's server, before its flags: a llama-server binary (``find_llama_server``), else
+    the server of the xllamacpp wheel, else a ``llama-server`` on PATH; None if there is none of them. The binary
+    comes first because whoever built one (or named it) meant it to be used; the wheel before PATH because it is the
+    version pinned here."""
+    if (binary := find_llama_server()) is not None:
+        return [binary]
+    if os.environ.get("TFGRPO_LLAMA_SERVER"):  # named, but no executable: nothing else stands in for it
+        return None
+    if importlib.util.find_spec("xllamacpp") is not None:
+        return [sys.executable, "-m", "tfgrpo.llama_server"]
+    return [on_path] if (on_path := shutil.which("llama-server")) else None
+
+
+def require_server_command() -> list[str]:
+    """``server_command()``, or a ``LocalServerError`` that says how to install the server."""
+    if (command := server_command()) is None:
+        where = os.environ.get("TFGRPO_LLAMA_SERVER")
+        raise LocalServerError(f"$TFGRPO_LLAMA_SERVER={where} is no executable" if where else
+                               f"llama.cpp's server was not found (no xllamacpp, no llama-server); install it with: "
+                               f"{BUILD_HINT}")
+    return command
 
 
 # Started as ``python -c`` in the child: when asked (first argument = our pid), make Linux send the child
 # SIGTERM if its parent dies (prctl PR_SET_PDEATHSIG = 1), so even a SIGKILLed parent leaves no orphan; then
-# exec the llama-server binary (the death signal survives exec).
+# exec the server's command (the death signal survives exec).
 _LAUNCHER = """\
 import os, sys
 parent = int(sys.argv.pop(1))
@@ -95,8 +114,9 @@ if parent:
 os.execv(sys.argv[1], sys.argv[1:])
 """
 _CRASH_HINT = ("; likely a llama.cpp built for another CPU, or using a CPU feature this machine lists but cannot run "
-               "(Intel AMX in some VMs): `bash scripts/setup.sh` rebuilds llama-server natively without AMX")
-_SERVER_MARKS = (b"llama_cpp.server", b"llama-server")  # in the cmdline of our servers (guards against pid reuse)
+               "(Intel AMX in some VMs): `bash scripts/build_llama_server.sh` builds llama-server natively without AMX")
+# in the cmdline of our servers (guards against pid reuse)
+_SERVER_MARKS = (b"llama_cpp.server", b"llama-server", b"tfgrpo.llama_server")
 # Environment variables the server would prefer to our command line.
 _SCRUB_ENV = {"HOST", "PORT", "CONFIG_FILE", "MODEL", "MODEL_ALIAS", "N_CTX", "N_THREADS", "API_KEY"}
 _SCRUB_PREFIX = "LLAMA_ARG_"
@@ -218,7 +238,7 @@ class LocalServer:
             raise ValueError(f"parallel must be at least 1, got {parallel}")
         if speculative not in SPECULATIVE:
             raise ValueError(f"unknown speculative mode {speculative!r}; choose one of {', '.join(SPECULATIVE)}")
-        self.binary = require_llama_server()
+        self.command = require_server_command()
         self.parallel, self.speculative = parallel or DEFAULT_PARALLEL, speculative
         self.draft_path: Path | None = None
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
@@ -241,7 +261,7 @@ class LocalServer:
         # --metrics: /metrics counts prompt tokens processed vs taken from a slot's cache.
         # -t/-tb: generation and prompt processing use the same cores.
         args = [
-            self.binary, "-m", str(self.model_path), "--alias", self.model_alias,
+            *self.command, "-m", str(self.model_path), "--alias", self.model_alias,
             "--host", self.host, "--port", str(self.port), "-c", str(self.n_ctx * self.parallel),
             "--kv-unified", "-np", str(self.parallel), "-b", "512", "-t", str(self.n_threads),
             "-tb", str(self.n_threads), "--metrics", "--no-webui", *SPECULATIVE[self.speculative],

@@ -91,6 +91,7 @@ def test_server_binary_is_required(monkeypatch, tmp_path):
     fake.chmod(0o755)
     monkeypatch.setenv("TFGRPO_LLAMA_SERVER", str(fake))
     assert lm.find_llama_server() == str(fake) and lm.server_command() == [str(fake)]
+    assert LocalServer(SMALL, cache_dir=tmp_path).engine == str(fake)
     monkeypatch.setenv("TFGRPO_LLAMA_SERVER", str(tmp_path / "missing"))  # named, so neither wheel nor PATH stands in
     with pytest.raises(LocalServerError, match=r"TFGRPO_LLAMA_SERVER=.*missing is no executable"):
         LocalServer(SMALL, cache_dir=tmp_path)
@@ -101,6 +102,7 @@ def test_without_a_binary_the_wheel_serves_and_without_both_setup_is_named(monke
     monkeypatch.setattr(lm.sys, "executable", str(tmp_path / "python"))  # no llama-server next to it
     monkeypatch.setenv("PATH", str(tmp_path))
     assert lm.server_command() == [str(tmp_path / "python"), "-m", "tfgrpo.llama_server"]  # xllamacpp is installed
+    assert LocalServer(SMALL, cache_dir=tmp_path).engine == "xllamacpp"  # what `tfgrpo lm start` and the log say
     monkeypatch.setattr(lm.importlib.util, "find_spec", lambda name: None)  # as if it were not
     with pytest.raises(LocalServerError, match=r"server was not found \(no xllamacpp, no llama-server\).*setup.sh"):
         LocalServer(SMALL, cache_dir=tmp_path)

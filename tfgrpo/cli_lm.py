@@ -18,8 +18,8 @@ def lm_start(model: str = DEFAULT_MODEL, n_ctx: int = 8192,
              parallel: int = typer.Option(None, help="requests decoded together (llama-server; default: cores/2, at most 4)")) -> None:
     """Start the embedded model server in the background (reused by later runs until `tfgrpo lm stop`)."""
     info = start_detached(model, n_ctx=n_ctx, speculative=speculative, parallel=parallel)
-    console.print(f"serving {info.model} at {info.api_base}, {info.parallel} slot(s), speculative {info.speculative} "
-                  f"(pid {info.pid}, log {info.log_path})")
+    console.print(f"serving {info.model} at {info.api_base} by {info.engine}, {info.parallel} slot(s), speculative "
+                  f"{info.speculative} (pid {info.pid}, log {info.log_path})")
 
 
 @lm_app.command("stop", cls=HelpCommand)

@@ -200,7 +200,7 @@ class ServerInfo:
     log_path: str
     model_path: str
     started_at: float
-    engine: str = "llama-server"  # kept so that state files of older versions still read
+    engine: str = "llama-server"  # which server: "xllamacpp" (the wheel's) or a llama-server binary's path
     parallel: int = 1
     speculative: str = "off"
 
@@ -287,7 +287,8 @@ class LocalServer:
             os.replace(self.log_path, self.log_path.with_name(self.log_path.name + ".old"))
         t0 = time.monotonic()
         with open(self.log_path, "ab") as log:  # the child keeps its own handle
-            log.write(f"\n=== tfgrpo: {self.model} on {self.api_base} ({self.parallel} slot(s), speculative {self.speculative}) ===\n".encode())
+            log.write(f"\n=== tfgrpo: {self.model} on {self.api_base} by {self.engine} ({self.parallel} slot(s), "
+                      f"speculative {self.speculative}) ===\n".encode())
             log.flush()
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", _LAUNCHER, str(os.getpid() if watch else 0), *self.server_args()],
@@ -337,8 +338,13 @@ class LocalServer:
         return ServerInfo(
             pid=self.proc.pid, port=self.port, host=self.host, model=self.model, model_alias=self.model_alias,
             api_base=self.api_base, log_path=str(self.log_path), model_path=str(self.model_path),
-            started_at=time.time(), parallel=self.parallel, speculative=self.speculative,
+            started_at=time.time(), parallel=self.parallel, speculative=self.speculative, engine=self.engine,
         )  # fmt: skip
+
+    @property
+    def engine(self) -> str:
+        """Which server runs: "xllamacpp" (the wheel's, tfgrpo.llama_server) or the llama-server binary's path."""
+        return "xllamacpp" if self.command[-1] == "tfgrpo.llama_server" else self.command[0]
 
     def __enter__(self) -> LocalServer:
         return self.start()

@@ -53,7 +53,8 @@ def params(args: argparse.Namespace):
         p.cpuparams_batch.n_threads = args.threads_batch or args.threads
     p.endpoint_metrics, p.ui = args.metrics, not args.no_webui
     if args.spec_type:
-        p.speculative.types = [getattr(xlc.common_speculative_type, f"COMMON_SPECULATIVE_TYPE_{SPEC_TYPES[args.spec_type]}")]
+        name = f"COMMON_SPECULATIVE_TYPE_{SPEC_TYPES[args.spec_type]}"
+        p.speculative.types = [getattr(xlc.common_speculative_type, name)]
     if args.spec_draft_model:
         p.speculative.draft.mparams.path = args.spec_draft_model
         if args.threads_draft:

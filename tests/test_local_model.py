@@ -122,6 +122,8 @@ def test_the_wheel_server_takes_llama_servers_flags():
     assert (p.cpuparams.n_threads, p.cpuparams_batch.n_threads, p.endpoint_metrics, p.ui) == (3, 3, True, False)
     assert [t.name for t in p.speculative.types] == ["COMMON_SPECULATIVE_TYPE_NGRAM_MOD"]
     assert (p.speculative.draft.mparams.path, p.speculative.draft.cpuparams.n_threads) == ("d.gguf", 3)
+    for spec_type in llama_server.SPEC_TYPES:  # every speculative mode of LocalServer has its xllamacpp type
+        llama_server.params(llama_server.parse(["-m", "m.gguf", "--port", "9", "--spec-type", spec_type]))
     with pytest.raises(SystemExit):
         llama_server.parse(["-m", "m.gguf", "--port", "9", "--flash-attn"])
 

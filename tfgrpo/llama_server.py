@@ -12,9 +12,10 @@ import argparse
 import signal
 import sys
 
-# --spec-type values of llama-server -> xllamacpp's names for them
-SPEC_TYPES = {"ngram-simple": "NGRAM_SIMPLE", "ngram-mod": "NGRAM_MOD", "ngram-map-k": "NGRAM_MAP_K",
-              "ngram-cache": "NGRAM_CACHE", "draft-simple": "DRAFT_SIMPLE"}
+from tfgrpo.local_model import SPECULATIVE
+
+# the --spec-type values LocalServer passes; xllamacpp names each COMMON_SPECULATIVE_TYPE_ + its upper-case form
+SPEC_TYPES = [flags[1] for flags in SPECULATIVE.values() if flags]
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -53,7 +54,7 @@ def params(args: argparse.Namespace):
         p.cpuparams_batch.n_threads = args.threads_batch or args.threads
     p.endpoint_metrics, p.ui = args.metrics, not args.no_webui
     if args.spec_type:
-        name = f"COMMON_SPECULATIVE_TYPE_{SPEC_TYPES[args.spec_type]}"
+        name = "COMMON_SPECULATIVE_TYPE_" + args.spec_type.upper().replace("-", "_")
         p.speculative.types = [getattr(xlc.common_speculative_type, name)]
     if args.spec_draft_model:
         p.speculative.draft.mparams.path = args.spec_draft_model

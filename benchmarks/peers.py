@@ -9,10 +9,10 @@ run as the baseline of its seed (rollout_id = seed, temperature 0.3): difference
 over the seeds both arms have) with a 95% bootstrap CI over problems. Budgets are matched on attempts: tfgrpo makes
 train x G rollouts; BootstrapFewShot gets as many attempts (max_rounds = G), SIMBA a batch of the whole trainset
 with G candidates (`simba-solved`: the same, ranking its candidates by the held-out metric, solved or not, instead
-of the partial-credit training reward), GEPA `max_metric_calls` of the same size plus one evaluation of the
-trainset, MIPROv2 a light search. Each arm's compile is metered (LM calls and tokens of every model call, cache
-off; the calls of its training metric) and timed. With --budget-calls N every arm is matched to N metric calls
-instead, as GEPA's max_metric_calls budgets a search.
+of the partial-credit training reward; `bootstrap-rs-solved` likewise scores its demo sets), GEPA `max_metric_calls`
+of the same size plus one evaluation of the trainset, MIPROv2 a light search. Each arm's compile is metered (LM
+calls and tokens of every model call, cache off; the calls of its training metric) and timed. With --budget-calls N
+every arm is matched to N metric calls instead, as GEPA's max_metric_calls budgets a search.
 
 Everything lands in --out/<task>/<arm>/seed<s>/ as it finishes (program.json, compile.json, eval.jsonl; tfgrpo
 arms also checkpoint every unit), so an interrupted run resumes where it stopped. Last lines, one per arm:
@@ -77,7 +77,8 @@ EXPLORED = {
     "tfgrpo-solver-excerpts-wide-dropped": "probed on 8, the line holding the query's values dropped, not masked",
     "tfgrpo-solver-excerpts-wide-lists-unmasked": "probed on 8, the query's values masked one by one",
 }
-PEER_ARMS = ("baseline", "bootstrap", "bootstrap-rs", "infer-rules", "knn", "simba", "simba-solved", "gepa", "mipro")
+PEER_ARMS = ("baseline", "bootstrap", "bootstrap-rs", "bootstrap-rs-solved", "infer-rules", "knn", "simba",
+             "simba-solved", "gepa", "mipro")
 MAIN_ARM = "tfgrpo-probed-wide+demos"  # the best arm measured on both tasks: the others' budget is matched to it
 
 
@@ -144,7 +145,8 @@ def compile_arm(arm: str, student, reward, trainset: list, lm: dspy.LM, seed: in
         steps = max(1, (budget - (G + 1) * T) // (T * (2 * G + 1))) if budget else 1
         opt = dspy.SIMBA(metric=metric, bsize=T, num_candidates=G, max_steps=steps, max_demos=2, num_threads=threads)
         return opt.compile(student, trainset=trainset, seed=seed)
-    if arm == "bootstrap-rs":  # validated demo sets: each candidate set scored on the trainset, the best kept
+    if arm in ("bootstrap-rs", "bootstrap-rs-solved"):  # validated demo sets: each set scored on the trainset, the
+        # best kept; -solved scores them by the held-out metric (solved or not), as tfgrpo's probe ranks full successes
         opt = dspy.BootstrapFewShotWithRandomSearch(
             metric=metric, metric_threshold=1.0, max_bootstrapped_demos=2, max_labeled_demos=0, max_rounds=1,
             num_candidate_programs=max(1, args.budget_calls // T - 3), num_threads=threads)

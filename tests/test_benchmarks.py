@@ -87,8 +87,8 @@ def test_local_learning(fake, tmp_path):
                         rf"library=\d+ baseline={X} compiled={X} lift={X} ci_low={X} ci_high={X}", lines[-1])
 
 
-PEER_ARMS = ["baseline", "bootstrap", "bootstrap-rs", "infer-rules", "knn", "simba", "simba-solved", "gepa", "mipro",
-             "tfgrpo-rules", "tfgrpo-probed+demos", "tfgrpo-onestep+demos",
+PEER_ARMS = ["baseline", "bootstrap", "bootstrap-rs", "bootstrap-rs-solved", "infer-rules", "knn", "simba",
+             "simba-solved", "gepa", "mipro", "tfgrpo-rules", "tfgrpo-probed+demos", "tfgrpo-onestep+demos",
              "tfgrpo-probed-wide+demos", "tfgrpo-solver-excerpts-wide+demos"]
 
 

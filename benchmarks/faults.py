@@ -104,7 +104,7 @@ def compile_once(api_base: str, log_dir: str | None, *, child: bool = False, **o
     """One compile against the fake server at `api_base`; returns the compiled program. The LM never caches;
     in a child process DSPy's caches are switched off altogether (the server's counters are the truth)."""
     # isort: off
-    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # before dspy: no fetch of litellm's price map
+    import benchmarks  # noqa: E402,F401  (before dspy: LiteLLM's bundled price map, no fetch)
     import dspy
     from tfgrpo.optimizers import TrainingFreeGRPO
     # isort: on

@@ -16,14 +16,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # before dspy: no fetch of litellm's price map
+import benchmarks  # noqa: E402,F401  (before dspy: LiteLLM's bundled price map, no fetch)
 import dspy  # noqa: E402
 
 from tfgrpo.cli import _tfgrpo_knobs  # noqa: E402

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # before dspy: no fetch of litellm's price map
+import benchmarks  # noqa: E402,F401  (before dspy: LiteLLM's bundled price map, no fetch)
 import dspy  # noqa: E402
 
 from benchmarks.common import add_endpoint_args, endpoint  # noqa: E402

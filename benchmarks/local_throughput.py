@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # before dspy: no fetch of litellm's price map
+import benchmarks  # noqa: E402,F401  (before dspy: LiteLLM's bundled price map, no fetch)
 from tfgrpo.config import Config  # noqa: E402
 from tfgrpo.evaluate import evaluate_program, paired_difference  # noqa: E402
 from tfgrpo.lms import local_dspy_lm  # noqa: E402

@@ -29,7 +29,6 @@ import argparse
 import functools
 import json
 import statistics
-import os
 import sys
 import threading
 import time
@@ -37,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # before dspy: no fetch of litellm's price map
+import benchmarks  # noqa: E402,F401  (before dspy: LiteLLM's bundled price map, no fetch)
 import dspy  # noqa: E402
 
 from benchmarks.ceiling import ceiling  # noqa: E402

@@ -27,7 +27,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # isort: off
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # before dspy: no fetch of litellm's price map
+import benchmarks  # noqa: E402,F401  (before dspy: LiteLLM's bundled price map, no fetch)
 import dspy
 from tfgrpo.optimizers import TrainingFreeGRPO
 from tfgrpo.testing import FakeLMServer

@@ -10,7 +10,9 @@ over the seeds both arms have) with a 95% bootstrap CI over problems. Budgets ar
 train x G rollouts; BootstrapFewShot gets as many attempts (max_rounds = G), SIMBA a batch of the whole trainset
 with G candidates (`simba-solved`: the same, ranking its candidates by the held-out metric, solved or not, instead
 of the partial-credit training reward; `bootstrap-rs-solved` likewise scores its demo sets), GEPA `max_metric_calls`
-of the same size plus one evaluation of the trainset, MIPROv2 a light search. Each arm's compile is metered (LM
+of the same size plus one evaluation of the trainset, MIPROv2 a light search; KNN (k = 3) retrieves each query's
+demos from solved training examples: GSM8K's reference solutions (`knn`) or, as on the Game of 24, the student's
+own traces, each example tried until solved, G times at most (`knn-bootstrapped`). Each arm's compile is metered (LM
 calls and tokens of every model call, cache off; the calls of its training metric) and timed. With --budget-calls N
 every arm is matched to N metric calls instead, as GEPA's max_metric_calls budgets a search.
 
@@ -64,7 +66,9 @@ TFGRPO_ARMS = {  # arm -> knobs on top of the shared ones; every arm that keeps 
     # configs/local-onestep.toml: one step of 6 queries, each edit probed on 4 of the others
     "tfgrpo-onestep+demos": {"max_demos": 2, "probe_size": 4, "batch_size": 6, "max_steps": 1},
 }
-ONLY_FOR = {"tfgrpo-probed-ties+demos": "gsm8k"}  # arms made for one task; elsewhere they are not in the menu
+# arms made for one task; elsewhere they are not in the menu. knn-bootstrapped: KNN over the student's own solved
+# traces instead of GSM8K's reference solutions (on the Game of 24 `knn` already retrieves from such a pool)
+ONLY_FOR = {"tfgrpo-probed-ties+demos": "gsm8k", "knn-bootstrapped": "gsm8k"}
 # Arms measured once and superseded, kept on disk with their results (the README tells what each taught): the report
 # prints them as explored, apart from the menu, and never takes one as the best other arm.
 EXPLORED = {
@@ -76,8 +80,8 @@ EXPLORED = {
     "tfgrpo-solver-excerpts-wide-dropped": "probed on 8, the line holding the query's values dropped, not masked",
     "tfgrpo-solver-excerpts-wide-lists-unmasked": "probed on 8, the query's values masked one by one",
 }
-PEER_ARMS = ("baseline", "bootstrap", "bootstrap-rs", "bootstrap-rs-solved", "infer-rules", "knn", "simba",
-             "simba-solved", "gepa", "mipro")
+PEER_ARMS = ("baseline", "bootstrap", "bootstrap-rs", "bootstrap-rs-solved", "infer-rules", "knn",
+             "knn-bootstrapped", "simba", "simba-solved", "gepa", "mipro")
 MAIN_ARM = "tfgrpo-probed-wide+demos"  # the best arm measured on both tasks: the others' budget is matched to it
 
 
@@ -155,13 +159,14 @@ def compile_arm(arm: str, student, reward, trainset: list, lm: dspy.LM, seed: in
                               num_candidates=max(1, args.budget_calls // (T + 1)), num_rules=5,
                               num_threads=threads)
         return opt.compile(student, trainset=trainset, valset=trainset)
-    if arm == "knn":  # the pool of solved training examples KNN retrieves from, saved as demos (see knn_program)
-        if args.task == "gsm8k":  # the training problems come solved: their reference solutions, no LM call
+    if arm in ("knn", "knn-bootstrapped"):  # the pool of solved training examples KNN retrieves from, saved as
+        # demos (see knn_program)
+        if arm == "knn" and args.task == "gsm8k":  # the training problems come solved: their reference solutions
             pool = student.deepcopy()
             pool.predictors()[0].demos = [dspy.Example(ex, reasoning=ex.solution.split("####")[0].strip())
                                           for ex in trainset]
             return pool
-        # Game of 24 puzzles come unsolved: the student solves each once (G tries at most, as bootstrap does)
+        # the student solves each training example once (G tries at most, as bootstrap does): its own traces
         return dspy.BootstrapFewShot(metric=metric, metric_threshold=1.0, max_bootstrapped_demos=T,
                                      max_labeled_demos=0, max_rounds=G).compile(student, trainset=trainset)
     if arm == "gepa":
@@ -260,7 +265,7 @@ def _run_arm(arm: str, seed: int, args, lm: dspy.LM, where: Path) -> None:
             (where / "compile.json").write_text(json.dumps({"wall_s": round(time.time() - t0, 1), **usage, **spent}))
             print(json.dumps({"arm": arm, "seed": seed, "compile_s": round(time.time() - t0), **usage}), flush=True)
         program.load(str(where / "program.json"))
-        if arm == "knn":  # the saved program holds the pool; the demos are retrieved per query from it
+        if arm.startswith("knn"):  # the saved program holds the pool; the demos are retrieved per query from it
             program = knn_program(make_student(), program)
     t0 = time.time()
     with metered() as used:

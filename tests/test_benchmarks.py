@@ -160,6 +160,21 @@ def test_peers_knn_on_gsm8k_retrieves_solved_training_problems(fake, tmp_path):
     assert rows[0]["eval_calls"] == 2 and [r["error"] for r in rows] == [None, None]
 
 
+def test_peers_knn_bootstrapped_on_gsm8k_pools_the_students_own_solved_traces(fake, tmp_path):
+    """knn-bootstrapped tries each training problem until the student solves it (G tries at most) and pools only the
+    solved traces; the fake student solves no GSM8K problem, so every problem takes G tries, the pool stays empty
+    and the held-out problems are answered by the plain student, one call each."""
+    args = ["--task", "gsm8k", "--arms", "baseline,knn-bootstrapped", "--seeds", "0", "--train", "3", "--eval", "2",
+            "--generations", "2", "--out", str(tmp_path), *endpoint(fake)]
+    before = fake.stats()["calls"]
+    lines = [line for line in run("peers.py", *args) if line.startswith("peers: task=gsm8k optimizer=knn-bootstrapped ")]
+    where = tmp_path / "gsm8k" / "knn-bootstrapped" / "seed0"
+    spent = json.loads((where / "compile.json").read_text())
+    assert len(lines) == 1 and spent["calls"] == spent["metric_calls"] == 3 * 2, spent
+    assert json.loads((where / "program.json").read_text())["predict"]["demos"] == []  # nothing solved, nothing pooled
+    assert fake.stats()["calls"] - before == 6 + 2 + 2  # the compile, then one call per held-out problem (each arm)
+
+
 def test_peers_knn_on_game24_solves_the_training_puzzles_once_and_retrieves_from_them(fake, tmp_path, monkeypatch):
     """Game of 24 puzzles come unsolved: the compile solves each training puzzle once (its calls counted there) and
     saves the solved ones as the pool; evaluating then makes one call per held-out puzzle, retrieving from the pool."""

@@ -82,6 +82,7 @@ EXPLORED = {
 }
 PEER_ARMS = ("baseline", "bootstrap", "bootstrap-rs", "bootstrap-rs-solved", "infer-rules", "knn",
              "knn-bootstrapped", "simba", "simba-solved", "gepa", "mipro")
+KNN_ARMS = ("knn", "knn-bootstrapped")  # compile a pool of solved examples; evaluate by retrieving from it
 MAIN_ARM = "tfgrpo-probed-wide+demos"  # the best arm measured on both tasks: the others' budget is matched to it
 
 
@@ -159,8 +160,7 @@ def compile_arm(arm: str, student, reward, trainset: list, lm: dspy.LM, seed: in
                               num_candidates=max(1, args.budget_calls // (T + 1)), num_rules=5,
                               num_threads=threads)
         return opt.compile(student, trainset=trainset, valset=trainset)
-    if arm in ("knn", "knn-bootstrapped"):  # the pool of solved training examples KNN retrieves from, saved as
-        # demos (see knn_program)
+    if arm in KNN_ARMS:  # the pool of solved training examples KNN retrieves from, saved as demos (see knn_program)
         if arm == "knn" and args.task == "gsm8k":  # the training problems come solved: their reference solutions
             pool = student.deepcopy()
             pool.predictors()[0].demos = [dspy.Example(ex, reasoning=ex.solution.split("####")[0].strip())
@@ -265,7 +265,7 @@ def _run_arm(arm: str, seed: int, args, lm: dspy.LM, where: Path) -> None:
             (where / "compile.json").write_text(json.dumps({"wall_s": round(time.time() - t0, 1), **usage, **spent}))
             print(json.dumps({"arm": arm, "seed": seed, "compile_s": round(time.time() - t0), **usage}), flush=True)
         program.load(str(where / "program.json"))
-        if arm.startswith("knn"):  # the saved program holds the pool; the demos are retrieved per query from it
+        if arm in KNN_ARMS:  # the saved program holds the pool; the demos are retrieved per query from it
             program = knn_program(make_student(), program)
     t0 = time.time()
     with metered() as used:

@@ -85,14 +85,14 @@ def _content_words(text: str, ignored: set[str]) -> set[str]:
 
 
 def restated_words(experience: str, query: str, *, allowed: str = "") -> list[str]:
-    """The query's content words `experience` repeats, when they are at least `MIN_RESTATED` and `RESTATED_SHARE` of
-    its own: it restates the problem ("Each pack contains 5 uncommon cards.") instead of teaching a method. Empty
-    otherwise. Words of `allowed` (the program's instructions) never count. Quoted, as `specific_terms` quotes a run
+    """The query's content words `experience` repeats, when they are at least `MIN_RESTATED` (or all of its own, if it
+    has fewer: "Add goats to the total number of goats.") and `RESTATED_SHARE` of its own: it restates the problem
+    ("Each pack contains 5 uncommon cards.") instead of teaching a method. Empty otherwise. Words of `allowed` (the program's instructions) never count. Quoted, as `specific_terms` quotes a run
     of words: they are words to avoid, not values to mask."""
     ignored = _content_words(allowed, set())
     own = _content_words(experience, ignored)
     shared = own & _content_words(query, ignored)
-    if len(shared) >= MIN_RESTATED and len(shared) >= RESTATED_SHARE * len(own):
+    if shared and len(shared) >= min(MIN_RESTATED, len(own)) and len(shared) >= RESTATED_SHARE * len(own):
         return [f'"{w}"' for w in sorted(shared)]
     return []
 

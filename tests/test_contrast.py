@@ -43,10 +43,15 @@ BIKE = ("Ellie has found an old bicycle in a field and thinks it just needs some
         "does she need in total to fix the bike?")
 
 
+GOATS = ("Paddington has 40 more goats than Washington. If Washington has 140 goats, how many goats do they have in "
+         "total?")
+
+
 @pytest.mark.parametrize("rule,query", [  # rules the 1.5B wrote on GSM8K that named no one and no number
     ("Each person ate twice as many chicken nuggets as the person before them.", NUGGETS),
     ("Each pack contains 5 uncommon cards, which is consistent with the information provided in the task.", CARDS),
     ("Add 10ml of oil to each wheel and 5ml of oil to the rest of the bike. This will fix the bike.", BIKE),
+    ("Add goats to the total number of goats.", GOATS),  # kept on 2026-11-27 when 3 shared words were required
 ])
 def test_a_rule_made_of_its_problems_words_restates_it(rule, query):
     assert specific_terms(rule, query) == [] and restated_words(rule, query)
@@ -58,9 +63,11 @@ def test_a_rule_made_of_its_problems_words_restates_it(rule, query):
     "When a fraction of a group has a property, multiply the group size by the fraction.",
     "Write each quantity with its unit and convert units before combining them.",
     "Compute the cost of each item separately, then add the costs to get the total cost.",
+    "Multiply, then add.",  # no content word at all: nothing to restate
+    "Convert minutes to hours before you add.",
 ])
 def test_a_general_rule_shares_few_words_with_any_problem(rule):
-    assert not any(restated_words(rule, query) for query in (BETTY, NUGGETS, CARDS, BIKE))
+    assert not any(restated_words(rule, query) for query in (BETTY, NUGGETS, CARDS, BIKE, GOATS))
 
 
 def test_words_of_the_instructions_are_the_tasks_own():

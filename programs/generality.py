@@ -87,8 +87,9 @@ def _content_words(text: str, ignored: set[str]) -> set[str]:
 def restated_words(experience: str, query: str, *, allowed: str = "") -> list[str]:
     """The query's content words `experience` repeats, when they are at least `MIN_RESTATED` (or all of its own, if it
     has fewer: "Add goats to the total number of goats.") and `RESTATED_SHARE` of its own: it restates the problem
-    ("Each pack contains 5 uncommon cards.") instead of teaching a method. Empty otherwise. Words of `allowed` (the program's instructions) never count. Quoted, as `specific_terms` quotes a run
-    of words: they are words to avoid, not values to mask."""
+    ("Each pack contains 5 uncommon cards.") instead of teaching a method. Empty otherwise. Words of `allowed` (the
+    program's instructions) never count. Quoted, as `specific_terms` quotes a run of words: they are words to avoid,
+    not values to mask."""
     ignored = _content_words(allowed, set())
     own = _content_words(experience, ignored)
     shared = own & _content_words(query, ignored)

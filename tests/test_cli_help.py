@@ -1,6 +1,7 @@
 """The command line as a user reads it (issue 37, item 11): help with no `<bool>` placeholders on flags and no
-braces in the usage line, a described --verbose, --version, the reference config shipped inside the package,
-"did you mean ...?" for a misspelled config key, and an unpriced model's cost shown as unknown (n/a), not $0."""
+braces in the usage line, `-h` as `--help` on every command (issue 55), a described --verbose, --version, the
+reference config shipped inside the package, "did you mean ...?" for a misspelled config key, and an unpriced
+model's cost shown as unknown (n/a), not $0."""
 
 import json
 import os
@@ -11,6 +12,7 @@ from pathlib import Path
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # before MLflow is imported: no usage reports
 
 import pytest  # noqa: E402
+import typer  # noqa: E402
 from mlflow import MlflowClient  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
@@ -20,20 +22,34 @@ from tfgrpo.testing import FakeLMServer  # noqa: E402
 from tfgrpo.tracking import step_metrics  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMANDS = [[], ["compile"], ["evaluate"], ["run"], ["show"], ["report"], ["config"], ["lm"], ["lm", "start"]]
 
 
 def invoke(*args: str):
     return CliRunner().invoke(app, list(args), env={"COLUMNS": "160", "TERMINAL_WIDTH": "160"})
 
 
-@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "tfgrpo")
+def every_command(group=None, path=()) -> list[list[str]]:
+    """Each command and group of the CLI as the words that name it ([] for `tfgrpo` itself), found in the app."""
+    group = group or typer.main.get_command(app)
+    found = [list(path)]
+    for name, command in getattr(group, "commands", {}).items():
+        found += every_command(command, (*path, name)) if hasattr(command, "commands") else [[*path, name]]
+    return found
+
+
+@pytest.mark.parametrize("command", every_command(), ids=lambda c: " ".join(c) or "tfgrpo")
 def test_help_has_no_type_placeholder_on_a_flag_nor_braces_in_its_usage_line(command):
     result = invoke(*command, "--help")
     assert result.exit_code == 0, result.output
     assert "<bool>" not in result.output
     usage = next(line for line in result.output.splitlines() if "Usage:" in line)
     assert "{" not in usage and "}" not in usage, usage
+
+
+@pytest.mark.parametrize("command", every_command(), ids=lambda c: " ".join(c) or "tfgrpo")
+def test_h_is_help(command):
+    short, long = invoke(*command, "-h"), invoke(*command, "--help")
+    assert short.exit_code == 0 and short.output == long.output and "Usage:" in short.output, short.output
 
 
 def test_the_usage_names_the_config_and_every_option_says_what_it_does():
@@ -72,7 +88,7 @@ def test_the_reference_config_ships_inside_the_package(tmp_path):
 
 
 @pytest.mark.parametrize("toml, wanted", [
-    ("[optimizer]\nnum_generation = 4\n", "optimizer.num_generation: unknown key; did you mean num_generations?"),
+    ("[optimizer]\nnum_generation = 4\n", "optimizer.num_generation: unknown key; did you mean num_generations"),
     ('run_dri = "runs/x"\n', "run_dri: unknown key; did you mean run_dir?"),
     ('[reflection]\nmodle = "x"\n', "reflection.modle: unknown key; did you mean model?"),
     ("[trackin]\n", "trackin: unknown key; did you mean tracking?"),

@@ -21,13 +21,13 @@ from rich.progress import Progress
 from rich.table import Table
 
 from tfgrpo.base.util import write_atomic
-from tfgrpo.cli_help import VERSION, HelpCommand, HelpGroup, reference_text
+from tfgrpo.cli_help import HELP_OPTIONS, VERSION, HelpCommand, HelpGroup, reference_text
 from tfgrpo.cli_lm import lm_app
 from tfgrpo.config import Config, ConfigError
 from tfgrpo.optimizers.knobs import KNOBS
 from tfgrpo.progress import RunBars, progress_display
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, cls=HelpGroup,
+app = typer.Typer(add_completion=False, no_args_is_help=True, cls=HelpGroup, context_settings=HELP_OPTIONS,
                   help="Training-Free GRPO for DSPy programs. Every config field: tfgrpo config --reference.")
 app.add_typer(lm_app, name="lm")
 console = Console(width=None if sys.stdout.isatty() else 120)  # logs and CI: wide enough for the tables

@@ -11,6 +11,7 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 REFERENCE = "reference.toml"  # every config field with its default, beside this module (configs/reference.toml)
+HELP_OPTIONS = {"help_option_names": ["-h", "--help"]}  # the Typers' context_settings: -h works as --help everywhere
 
 
 class _Plain:

@@ -4,11 +4,12 @@ from __future__ import annotations
 import typer
 from rich.console import Console
 
-from tfgrpo.cli_help import HelpCommand, HelpGroup
+from tfgrpo.cli_help import HELP_OPTIONS, HelpCommand, HelpGroup
 from tfgrpo.local_model import DEFAULT_SPECULATIVE, SPECULATIVE, start_detached, status, stop_detached
 from tfgrpo.local_weights import DEFAULT_MODEL
 
-lm_app = typer.Typer(no_args_is_help=True, cls=HelpGroup, help="Manage the embedded local model server.")
+lm_app = typer.Typer(no_args_is_help=True, cls=HelpGroup, context_settings=HELP_OPTIONS,
+                     help="Manage the embedded local model server.")
 console = Console()
 
 

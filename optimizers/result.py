@@ -13,31 +13,64 @@ from typing import Any
 
 @dataclass(frozen=True)
 class StepResult:
+    """One optimization step's record (a row of `steps.jsonl`).
+
+    Attributes:
+        step: The step's index over the whole run, from 0.
+        epoch: The epoch the step belongs to, from 0.
+        batch_size: Training queries the step rolled out (the last batch of an epoch may be smaller).
+        learning_path: The learning path that made the step's edits ("paper", "contrast" or a path's own name).
+        mean_reward: Mean reward over every attempt of the step.
+        groups: Groups rolled out, one per query.
+        groups_kept: Groups with reward contrast, the ones learned from (every group when G = 1).
+        frac_skipped_zero_std: Share of the groups skipped because all their attempts scored the same.
+        rollout_failures: Attempts that raised (scored 0).
+        tool_calls_mean: Mean tool calls per attempt (0 for a program without tools).
+        learning_failures: Learning calls (summaries, group advantages, contrasts) that failed after their retry.
+        operations_proposed: Library edits the learning calls proposed.
+        operations_applied: Edits applied, counted by action ("add", "modify", "merge", "delete").
+        operations_rejected: Edits the library's checks refused (unknown ID, empty, too long, duplicate).
+        library_size: Experiences in the library after the step.
+        consolidation: How the plan was made: the consolidation call's outcome, or "folded in code" on the contrast
+            path.
+        usage: Per stage (rollout, summary, advantage, consolidation, probe, ...): calls, prompt and completion
+            tokens, and the cost where DSPy knows the price.
+        seconds: Per stage, when its last unit finished, in seconds from the step's start.
+        wall_s: The step's wall-clock time in seconds.
+        metric_calls: Attempts the metric scored: the rollouts, then the probe's attempts (one that failed counts,
+            scored 0).
+        demos: The training queries whose attempts the program keeps as demos after the step.
+        probe: With `probe_size`: the probed edits, their rewards on the probe queries and the verdicts; else None.
+        details: Counts only one learning path keeps (the contrast path's refused or redundant rules, say), and
+            `metric_timeouts` when a metric call timed out.
+        usage_before_resume: Of `usage`, what a run stopped in this step had spent on the units a resume then
+            reused (calls and tokens; their cost is not known).
+    """
+
     step: int
     epoch: int
     batch_size: int
     learning_path: str
-    mean_reward: float  # over every attempt of the step
+    mean_reward: float
     groups: int
-    groups_kept: int  # groups with reward contrast (or every group, with G = 1)
+    groups_kept: int
     frac_skipped_zero_std: float
     rollout_failures: int
     tool_calls_mean: float
     learning_failures: int
     operations_proposed: int
-    operations_applied: dict[str, int]  # by action
-    operations_rejected: int  # refused by the library's checks
+    operations_applied: dict[str, int]
+    operations_rejected: int
     library_size: int
-    consolidation: str  # how the plan was made
-    usage: dict[str, dict[str, float]]  # per stage: calls, tokens (and cost where known)
-    seconds: dict[str, float]  # when each stage's last unit finished, from the step's start
+    consolidation: str
+    usage: dict[str, dict[str, float]]
+    seconds: dict[str, float]
     wall_s: float
-    metric_calls: int = 0  # attempts the metric scored: rollouts, then probe attempts (a failed one counts, scored 0)
-    demos: list[str] = field(default_factory=list)  # the queries of the demos kept after the step
-    probe: dict[str, Any] | None = None  # with probe_size: the probed edits, their mean rewards and the verdicts
-    details: dict[str, Any] = field(default_factory=dict)  # path-specific counts
-    usage_before_resume: dict[str, dict[str, float]] = field(default_factory=dict)  # of `usage`, what a run stopped
-    # in this step had spent on the units a resume then reused (calls and tokens; their cost is not known)
+    metric_calls: int = 0
+    demos: list[str] = field(default_factory=list)
+    probe: dict[str, Any] | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+    usage_before_resume: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -45,23 +78,47 @@ class StepResult:
 
 @dataclass(frozen=True)
 class EpochResult:
+    """One epoch's validation record (with a valset).
+
+    Attributes:
+        epoch: The epoch's index, from 0.
+        val_score: Mean metric over the valset with the epoch's library and demos.
+        library_size: Experiences in the library at the end of the epoch.
+        val_failures: Validation examples on which the program raised (scored 0).
+    """
+
     epoch: int
     val_score: float
     library_size: int
-    val_failures: int = 0  # validation examples on which the program raised (scored 0)
+    val_failures: int = 0
 
 
 @dataclass(frozen=True)
 class TrainingFreeGRPOResult:
+    """A compile's record: `compiled.detailed_results`. `result["steps"]` reads a field by key and `to_dict()` gives
+    the whole record, both as plain JSON-ready data.
+
+    Attributes:
+        steps: One `StepResult` per optimization step, steps reused from `log_dir` included.
+        epochs: One `EpochResult` per validated epoch; empty without a valset.
+        best_val_score: The best epoch's validation score; None without a valset.
+        best_epoch: The epoch whose library (and demos) the compiled program carries; None without a valset,
+            where the program carries the last one.
+        usage: Per role, the calls this `compile()` made, with their tokens and known cost: "policy" (rollouts,
+            probes) and "reflection" (learning calls); steps reused from `log_dir` are not counted.
+        run_usage: The same for the whole run, reused steps included: what the budgets count.
+        reused_units: Units of work read back from `log_dir` instead of computed again.
+        stopped_early: Why the run stopped before its last step (a budget ran out, say), or None.
+    """
+
     steps: list[StepResult]
     epochs: list[EpochResult]
-    best_val_score: float | None  # None without a valset
-    best_epoch: int | None  # the epoch whose library the compiled program carries (None without a valset: the last)
-    usage: dict[str, dict[str, float]]  # per role, calls made by this compile(): policy (rollouts, probes) and
-    # reflection (learning calls); steps reused from the log_dir are not counted
-    run_usage: dict[str, dict[str, float]]  # the same for the whole run, reused steps included (what budgets count)
-    reused_units: int  # units of work read back from the log_dir instead of recomputed
-    stopped_early: str | None  # why a budget stopped the run, if one did
+    best_val_score: float | None
+    best_epoch: int | None
+    usage: dict[str, dict[str, float]]
+    run_usage: dict[str, dict[str, float]]
+    reused_units: int
+    stopped_early: str | None
 
     def to_dict(self) -> dict:
         return asdict(self)

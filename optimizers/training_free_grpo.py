@@ -90,6 +90,32 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
 
     # -- the outer loop -------------------------------------------------------------------------------------
     def compile(self, student: dspy.Module, *, trainset: list, teacher=None, valset: list | None = None) -> dspy.Module:
+        """Learn a library (and, with `max_demos`, demos) for a copy of `student`; `student` itself is left as it is.
+
+        Args:
+            student: The DSPy program to compile (an instance). One that already carries a library goes on
+                learning from it.
+            trainset: `dspy.Example`s with their inputs marked (`.with_inputs(...)`); the rollouts, and the probe
+                with `probe_size`, draw their queries from it.
+            teacher (None): Refused unless None: the program learns from its own attempts. For a stronger model in the
+                learning calls, pass `reflection_lm=` to the constructor.
+            valset: `dspy.Example`s scored after each epoch; the compiled program carries the library (and demos)
+                of the epoch that scored best, the later one on a tie. None: those of the last epoch.
+
+        Returns:
+            The compiled copy. Its target predictors' instructions hold the library, so `save()` keeps it;
+                `experience_library` is the library itself and `detailed_results` the run's record
+                (`TrainingFreeGRPOResult`).
+
+        Raises:
+            TypeError: `student` is no `dspy.Module` instance, or an example is no `dspy.Example`.
+            ValueError: An empty trainset, an example without marked inputs or without an input the program
+                reads, no LM configured, a teacher, or a `max_cost` with no price to count; `RunMismatchError`
+                (a ValueError): `log_dir` holds a run made with other settings.
+            RunLockedError: Another compile holds `log_dir`.
+            MetricError: The metric raised, or returned something other than a score in [0, 1].
+            TooManyFailuresError: More than `max_failure_rate` of a step's units (or of a validation) failed.
+        """
         if teacher is not None:
             raise ValueError("TrainingFreeGRPO learns from the student's own attempts and takes no teacher; to have "
                              "a stronger model make the learning calls, pass reflection_lm=")

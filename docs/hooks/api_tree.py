@@ -4,7 +4,8 @@ pyproject.toml maps `tfgrpo.optimizers` to `optimizers/`, `tfgrpo.programs` to `
 card's top-level folders). griffe, which reads the source for mkdocstrings, looks for a package's submodules inside
 the package's own folder, where these are not. So before the build this hook lays out a temporary `tfgrpo/` made of
 symbolic links (the files of `tfgrpo/`, plus one link per mapped folder) and points the python handler at it.
-Nothing is imported and nothing in the repository is written.
+Nothing in the repository is written. It also registers runtime_docs.py, the one place where the build imports
+tfgrpo: `TrainingFreeGRPO`'s knob docs exist only once the class is imported.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ def _tree(root: Path) -> Path:
 @event_priority(100)  # before mkdocstrings' own on_config, which creates the handler
 def on_config(config):
     root = Path(config.config_file_path).resolve().parent
-    handlers = config.plugins["mkdocstrings"].config.handlers
-    handlers.setdefault("python", {})["paths"] = [str(_tree(root))]
+    python = config.plugins["mkdocstrings"].config.handlers.setdefault("python", {})
+    python["paths"] = [str(_tree(root))]
+    # TrainingFreeGRPO's knobs, documented as Python has them after import (runtime_docs.py)
+    python.setdefault("options", {})["extensions"] = ["dataclasses", str(Path(__file__).with_name("runtime_docs.py"))]
     return config

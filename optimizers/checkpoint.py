@@ -18,21 +18,27 @@ absent and computed again. run.json is different: without it nothing says which 
 were made with, so a log_dir that holds units but no readable run.json is refused, never reused.
 
 A resume must match run.json on every fingerprinted setting: the knobs that change what a run computes (see
-`knobs.py`), the data, the program's instructions, the target predictors, the starting library and the models
-of the policy and reflection LMs. Everything else (num_threads, max_failure_rate, the budgets, progress,
-constrained_decoding, LM endpoints and keys) may change between a run and its resume.
+`knobs.py`), the data, the program's instructions and code (`code_fingerprint`), the metric (its name and code), the
+target predictors, the starting library and the models of the policy and reflection LMs. Everything else
+(num_threads, max_failure_rate, the budgets, progress, constrained_decoding, LM endpoints and keys) may change
+between a run and its resume. A run.json beside no saved unit protects nothing: a run that stopped before its first
+unit (a refusal, an outage in its first calls) never blocks the corrected run, whose settings replace it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
+import logging
 import threading
 from pathlib import Path
 from typing import Any
 
-from tfgrpo.base.util import remove_stale_tmp, write_atomic
+from tfgrpo.base.util import digest, remove_stale_tmp, write_atomic
 from tfgrpo.optimizers.lock import RunLock
+
+logger = logging.getLogger(__name__)
 
 
 class RunMismatchError(ValueError):
@@ -45,6 +51,8 @@ class RunMismatchError(ValueError):
 
 
 TALLY = "spent"  # the key, inside a step, of its running tally of calls and tokens: saved beside its units, not one
+UNIT_FOLDERS = ("steps", "epochs", "probe-base")  # where units of work are saved (probe-base: the probe's attempts of
+# the current program, shared by the steps that probe the same program)
 
 
 class Checkpoint:
@@ -90,17 +98,21 @@ class Checkpoint:
             self._write(path, fingerprint)
             return
         changes = fingerprint_changes(old, fingerprint)
-        if changes:
+        if changes and not self.saved_units():
+            logger.info("%s: the run recorded there saved no work; started again with these settings (%s)", self.root,
+                        "; ".join(changes))
+            self._write(path, fingerprint)
+        elif changes:
             raise RunMismatchError(
                 f"{self.root} holds a run started with different settings or data:\n  " + "\n  ".join(changes) +
                 "\nresume with the same settings and data, or use a new log_dir (or delete this one to start over)",
                 changes)
 
     def saved_units(self) -> int:
-        """How many units of work (files under steps/ and epochs/) the folder holds."""
+        """How many units of work (files under `UNIT_FOLDERS`) the folder holds."""
         if not self.enabled:
             return 0
-        return sum(1 for folder in ("steps", "epochs") for p in (self.root / folder).rglob("*.json")
+        return sum(1 for folder in UNIT_FOLDERS for p in (self.root / folder).rglob("*.json")
                    if not p.name.startswith(".") and p.stem != TALLY)
 
     def has(self, key: str) -> bool:
@@ -133,8 +145,31 @@ class Checkpoint:
         write_atomic(path, json.dumps(value, ensure_ascii=False))
 
 
+# fingerprint entries kept as digests: only that they differ is known
 DIGESTS = {"instructions": "the program's instructions", "trainset": "the trainset", "valset": "the valset",
-           "initial_library": "the starting library"}  # fingerprint entries kept as digests: only "differs" is known
+           "initial_library": "the starting library", "metric_code": "the metric's code",
+           "program_code": "the program's code (its module classes)"}
+
+
+def _code(obj) -> tuple[str, str | None]:
+    """(module.qualname, source) of a function, method or class, or of a callable object's class; the source is None
+    where Python cannot read it (typed into a REPL, built in), and the name then stands for it alone."""
+    target = obj if hasattr(obj, "__qualname__") else type(obj)
+    try:
+        source = inspect.getsource(target)
+    except (OSError, TypeError):
+        source = None
+    return f"{getattr(target, '__module__', None)}.{target.__qualname__}", source
+
+
+def code_fingerprint(metric, program) -> dict[str, str]:
+    """The fingerprint entries of the code a run calls, which its instructions and data do not show: the metric's
+    qualified name and a digest of its source, and a digest of the source of the program's module classes (its own
+    class, `forward` included, and that of every module inside it). An edit of either changes what the saved
+    rewards and attempts mean, so a resume after one is refused."""
+    name, source = _code(metric)
+    classes = {type(module) for _, module in program.named_sub_modules()}
+    return {"metric": name, "metric_code": digest(source), "program_code": digest(dict(map(_code, classes)))}
 
 
 def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:

@@ -29,7 +29,7 @@ from dspy.teleprompt.teleprompt import Teleprompter
 
 from tfgrpo.base import hooks
 from tfgrpo.base.util import digest
-from tfgrpo.optimizers.checkpoint import Checkpoint
+from tfgrpo.optimizers.checkpoint import Checkpoint, code_fingerprint
 from tfgrpo.optimizers.contrast import SMALL_REFLECTOR_B, ContrastPath, model_size_b
 from tfgrpo.optimizers.demos import with_learned
 from tfgrpo.optimizers.inputs import (check_examples, check_inputs, check_prices, check_program, explain_learning_path,
@@ -151,11 +151,11 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
                               reflection_lm)
         library = starting_library(student, program, targets, max_words=self.max_words_per_experience,
                                    max_experiences=self.max_experiences)
+        path, path_name = self.resolve_path(reflection_lm)  # every check before start: a refusal writes no run.json
         ckpt.start(self._fingerprint(program, targets, trainset, valset, library, policy_lms, reflection_lm))
         if kept := ckpt.saved_units():
             logger.info("resuming from %s: %d finished units kept", ckpt.root, kept)
 
-        path, path_name = self.resolve_path(reflection_lm)
         rng, step, steps, epochs, demos = random.Random(self.seed), 0, [], [], []
         total_steps = self.total_steps(len(trainset))
         overall = self.progress or StageBar(resumed=True)  # the whole run: steps done of all, with its ETA
@@ -310,7 +310,7 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
         return {"knobs": knobs, "targets": targets, "models": models,
                 "instructions": digest([p.signature.instructions for _, p in program.named_predictors()]),
                 "trainset": digest([dict(x) for x in trainset]), "valset": digest([dict(x) for x in valset or []]),
-                "initial_library": digest(library.dump_state())}
+                "initial_library": digest(library.dump_state()), **code_fingerprint(self.metric, program)}
 
 
 def _lm_name(lm) -> str:

@@ -19,9 +19,8 @@ from pathlib import Path
 import dspy
 
 from tfgrpo.base.util import write_atomic
-from tfgrpo.programs.library import ExperienceLibrary, parse_rendered
+from tfgrpo.programs.library import CLOSE_TAG, OPEN_TAG, ExperienceLibrary, parse_rendered
 
-OPEN_TAG, CLOSE_TAG = "<experiences>", "</experiences>"
 PREAMBLE = "Lessons learned from earlier attempts at this task; apply the ones that fit the problem at hand."
 LIBRARY_KEY = "experience_library"  # attribute on the program and key in the saved JSON
 

@@ -5,6 +5,17 @@ gives each one a stable ID that is never reused, remembers where it came from (t
 queries) and every edit made to it. Deleted and merged experiences are retired, not forgotten, so provenance
 survives. Edits arrive as `Operation`s and are applied all-or-nothing: a plan is checked and carried out on
 a scratch copy, and the library only changes once the whole plan has gone through.
+
+What is learned must read back the same by every load path, including the one that has only the rendering in a
+program's instructions (`parse_rendered`). So an experience's text is kept on one line: its whitespace, newlines
+included, is collapsed to single spaces as it is added (a newline followed by "[E9] ..." would read back as a second
+experience); and a text or excerpt that holds the block's own markup (`<experiences>`, `</experiences>`, or an
+excerpt line that is only a fence) is refused, as a duplicate is: it would end the block early in the prompt and in
+the saved file. Refusing is simpler than escaping, which every reader of the block would have to undo.
+
+An experience that reads like an instruction to the model rather than a lesson ("ignore all previous
+instructions", `injection_like`) is kept but logged as a WARNING that names it: learned rules come from text a model
+wrote, sometimes after reading pages written by strangers (docs/long-runs.md says why this warns, not refuses).
 """
 
 from __future__ import annotations
@@ -53,6 +64,7 @@ class ApplyReport:
         return sum(self.applied.values())
 
 
+OPEN_TAG, CLOSE_TAG = "<experiences>", "</experiences>"  # the block that holds the library in instructions
 FORMAT = "tfgrpo.experience_library/1"  # the tag of a saved library's state (`dump_state`)
 ID = re.compile(r"E[1-9]\d*")  # an experience's ID: E1, E2, ...
 MAX_EXCERPT_LINES = 40  # an excerpt longer than this is refused: it is a whole program, not an excerpt
@@ -65,6 +77,18 @@ def _fenced(excerpt: str) -> str:
 FENCE = "```"
 _LINE = re.compile(r"^\[([A-Za-z]*\d+)\] (.*)$")  # an experience as `render` writes it (or an ID that only looks
 # like one, [X1] or [e2]: refused, not read as more text of the experience before)
+
+
+def _check_excerpt(excerpt: str) -> str | None:
+    """Why an excerpt cannot be kept, or None: it is too long, or holds the block's own markup (a tag, or a line of
+    only the fence, which would end the excerpt early when read back)."""
+    lines = excerpt.splitlines()
+    if len(lines) > MAX_EXCERPT_LINES:
+        return f"an excerpt of {len(lines)} lines, over the limit of {MAX_EXCERPT_LINES}"
+    if OPEN_TAG in excerpt or CLOSE_TAG in excerpt or FENCE in lines:
+        return (f"the excerpt holds the library's own markup ({OPEN_TAG}, {CLOSE_TAG} or a line of only {FENCE}), "
+                "which would end its block early")
+    return None
 
 
 def parse_rendered(lines: list[str]) -> list[tuple[str, str, str]]:
@@ -92,6 +116,22 @@ def parse_rendered(lines: list[str]) -> list[tuple[str, str, str]]:
         elif line.strip():
             raise ValueError(f"the experience block does not start with an '[E<n>] text' line: {line[:80]!r}")
     return [(i, text, "\n".join(excerpt or [])) for i, text, excerpt, _ in items]
+
+
+_ORDER = r"\b(?:ignore|disregard|forget|override)(?:\W+(?:all|any|of|the|your|my|these|those|everything))*\W+"
+_INJECTION = re.compile(
+    _ORDER + r"(?:previous|prior|above|earlier|preceding|original|system|other)\W+(?:\w+\W+)?(?:instructions?|rules?|"
+    r"prompts?|directions?|guidelines?|messages?|context|commands?|orders?)\b"  # "ignore all previous instructions"
+    r"|" + _ORDER + r"(?:above|before)\b"  # "disregard the above"
+    r"|\byou\s+are\s+now\b|\bsystem\s+prompt\b|\bnew\s+instructions\b", re.IGNORECASE)
+
+
+def injection_like(text: str) -> str | None:
+    """The words of `text` that read like a prompt injection (an order to drop the prompt's own instructions, or to
+    become someone else: "ignore all previous instructions", "disregard the above", "you are now", "system
+    prompt"), or None. A heuristic for a warning: it flags, it never refuses."""
+    found = _INJECTION.search(text)
+    return found.group(0) if found else None
 
 
 # Chinese and Japanese put no spaces between words: each of these characters counts as one word
@@ -184,23 +224,22 @@ class ExperienceLibrary(Parameter):
         for i in op.ids:
             if i not in self.active:
                 return f"unknown ID {i}" if i not in self.retired else f"ID {i} was already retired"
-        excerpt = getattr(op, "excerpt", "")
+        text = " ".join(op.text.split())  # one line: a newline and "[E9] ..." would read back as another experience
+        excerpt = "\n".join(getattr(op, "excerpt", "").splitlines())  # its lines as the rendering reads them back
         if op.action != "delete":
-            problem = self._check_text(op.text, ignore=op.ids)
+            problem = self._check_text(text, ignore=op.ids) or _check_excerpt(excerpt)
             if problem:
                 return problem
-            if len(excerpt.splitlines()) > MAX_EXCERPT_LINES:
-                return f"an excerpt of {len(excerpt.splitlines())} lines, over the limit of {MAX_EXCERPT_LINES}"
         if op.action == "add":
             if self.max_experiences is not None and len(self.active) >= self.max_experiences:
                 return f"library is full ({self.max_experiences} experiences)"
-            self._add(op.text, step=step, sources=sources, history=Edit(step=step, action="add", text=op.text),
-                      excerpt=excerpt)
+            exp = self._add(text, step=step, sources=sources, history=Edit(step=step, action="add", text=text),
+                            excerpt=excerpt)
         elif op.action == "modify":
             exp = self.active[op.ids[0]]
-            exp.text, exp.excerpt = op.text, excerpt or exp.excerpt
+            exp.text, exp.excerpt = text, excerpt or exp.excerpt
             exp.sources = list(dict.fromkeys(exp.sources + sources))
-            exp.history.append(Edit(step=step, action="modify", text=op.text))
+            exp.history.append(Edit(step=step, action="modify", text=text))
         elif op.action == "delete":
             exp = self.active.pop(op.ids[0])
             exp.history.append(Edit(step=step, action="delete", text=exp.text))
@@ -208,11 +247,15 @@ class ExperienceLibrary(Parameter):
         else:  # merge: the merged ones retire, a new experience carries their sources
             merged = [self.active.pop(i) for i in op.ids]
             merged_sources = [s for e in merged for s in e.sources]
-            new = self._add(op.text, step=step, sources=list(dict.fromkeys(merged_sources + sources)),
-                            history=Edit(step=step, action="merge", text=op.text, related=list(op.ids)))
+            exp = self._add(text, step=step, sources=list(dict.fromkeys(merged_sources + sources)),
+                            history=Edit(step=step, action="merge", text=text, related=list(op.ids)))
             for e in merged:
-                e.history.append(Edit(step=step, action="merged_into", text=e.text, related=[new.id]))
+                e.history.append(Edit(step=step, action="merged_into", text=e.text, related=[exp.id]))
                 self.retired[e.id] = e
+        if op.action != "delete" and (words := injection_like(text)):
+            logger.warning("Experience %s reads like a prompt injection (%r) rather than a lesson: %r. It is not "
+                           "refused; check it before you deploy the program (tfgrpo show marks it)", exp.id, words,
+                           text[:200])
         return None
 
     def _check_text(self, text: str, *, ignore: list[str]) -> str | None:
@@ -220,6 +263,9 @@ class ExperienceLibrary(Parameter):
             return "empty text"
         if "..." in text or "\u2026" in text:
             return "placeholder text ('...')"
+        if OPEN_TAG in text or CLOSE_TAG in text:
+            return f"the text holds the library's own markup ({OPEN_TAG} or {CLOSE_TAG}), which would end its " \
+                "block early"
         if (words := _words(text)) > self.max_words:
             how = "" if words == len(text.split()) else \
                 f" (a CJK character counts as one, and every {CHARS_PER_WORD} characters as at least one)"

@@ -249,13 +249,21 @@ def _print_summary(summary: dict) -> None:
 
 
 def _print_library(state: dict) -> None:
+    """The library as a table, each experience that reads like a prompt injection marked "(!)" and named below it."""
+    from tfgrpo.programs.library import injection_like
+
     table = Table(title=f"experience library ({len(state['experiences'])} active, {len(state.get('retired', []))} retired)")
     for col in ("id", "experience", "step", "sources", "edits"):
         table.add_column(col, overflow="fold")
+    flagged = {e["id"]: words for e in state["experiences"] if (words := injection_like(e["text"]))}
     for e in state["experiences"]:
-        table.add_row(e["id"], e["text"], str(e["created_step"]), ", ".join(e["sources"][:4]) +
-                      (" ..." if len(e["sources"]) > 4 else ""), " > ".join(h["action"] for h in e["history"]))
+        table.add_row(e["id"] + (" (!)" if e["id"] in flagged else ""), e["text"], str(e["created_step"]),
+                      ", ".join(e["sources"][:4]) + (" ..." if len(e["sources"]) > 4 else ""),
+                      " > ".join(h["action"] for h in e["history"]))
     console.print(table)
+    for exp_id, words in flagged.items():
+        console.print(f"(!) {exp_id} reads like a prompt injection ({words!r}), not a lesson: check it before you "
+                      "deploy the program", style="yellow", markup=False, highlight=False, soft_wrap=True)
 
 
 def _tfgrpo_knobs(cfg: Config) -> dict:
@@ -267,42 +275,15 @@ def _tfgrpo_knobs(cfg: Config) -> dict:
 
 
 def _dry_run(cfg: Config) -> None:
-    from tfgrpo.optimizers import TrainingFreeGRPO
-    from tfgrpo.optimizers.estimate import estimate_run
+    from tfgrpo.cli_dry_run import dry_run
     from tfgrpo.task import task_parts
 
     with contextlib.ExitStack() as stack:
         parts = task_parts(cfg, stack)
-    make, load, metric = parts.make, parts.load, parts.reward
-    trainset = _load(load, cfg.task.trainset, limit=cfg.task.train_limit, offset=cfg.task.train_offset)
-    knobs = _tfgrpo_knobs(cfg)
-    turns = cfg.task.max_iters + 1 if cfg.task.program == "react" or cfg.task.name == "web" else 1
-    optimizer = TrainingFreeGRPO(metric, **knobs)
-    path = optimizer.resolve_learning_path(cfg.reflection_config().model)
-    est = estimate_run(optimizer, make(), trainset, turns_per_rollout=turns, max_tokens=cfg.policy.max_tokens,
-                       learning_path=path)
-    table = Table(title=f"dry run: {est['steps']} step(s), {path} learning path, upper bounds (no call is made)")
-    for col in ("stage", "calls/step", "prompt tokens/step", "completion tokens/step"):
-        table.add_column(col)
-    for stage, s in est["per_step_upper_bound"].items():
-        table.add_row(stage, str(s["calls"]), f"{s['prompt_tokens']:,}", f"{s['completion_tokens']:,}")
-    t = est["total_upper_bound"]
-    table.add_row("[bold]run total", f"{t['calls']:,}", f"{t['prompt_tokens']:,}", f"{t['completion_tokens']:,}")
-    console.print(table)
-    o = cfg.optimizer
-    if o.max_total_tokens is not None:
-        step = sum(s["prompt_tokens"] + s["completion_tokens"] for s in est["per_step_upper_bound"].values())
-        run = t["prompt_tokens"] + t["completion_tokens"]
-        said = f"max_total_tokens = {o.max_total_tokens:,}: the run stops after the step that reaches it"
-        console.print(f"{said}, so it uses at most {o.max_total_tokens + step:,} tokens (the budget plus one step of "
-                      f"at most {step:,}) of the {run:,} above" if o.max_total_tokens + step < run else
-                      f"{said}; at these bounds the whole run ({run:,} tokens) fits in the budget plus one step")
-    if o.max_metric_calls is not None:
-        console.print(f"max_metric_calls = {o.max_metric_calls:,}: the run stops after the step (or validation) that "
-                      "reaches it")
-    if o.max_cost is not None:
-        console.print(f"max_cost = ${o.max_cost:g}: the run stops after the step that reaches it (no price is "
-                      "estimated here)")
+    t = cfg.task
+    trainset = _load(parts.load, t.trainset, limit=t.train_limit, offset=t.train_offset)
+    valset = _load(parts.load, t.valset, limit=t.val_limit) if t.valset else None
+    dry_run(cfg, parts, trainset, valset, _tfgrpo_knobs(cfg), console)
 
 
 @contextlib.contextmanager

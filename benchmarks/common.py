@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-from collections.abc import Iterator
 
+from tfgrpo.lms import serving
 from tfgrpo.local_weights import DEFAULT_MODEL
 
 
@@ -22,18 +22,7 @@ def add_endpoint_args(ap: argparse.ArgumentParser) -> None:
                     help="an OpenAI-compatible endpoint (http://host:port/v1) to use instead of the embedded model")
 
 
-@contextlib.contextmanager
-def endpoint(args: argparse.Namespace, **server_kw) -> Iterator[str]:
+def endpoint(args: argparse.Namespace, **server_kw) -> contextlib.AbstractContextManager[str]:
     """The API base the benchmark's LM calls go to: `args.api_base`, or the embedded `args.model` (server
     options in `server_kw`), stopped on exit if it was started here."""
-    if args.api_base:
-        yield args.api_base
-        return
-    from tfgrpo.local_model import ensure_server
-
-    api_base, server = ensure_server(args.model, **server_kw)
-    try:
-        yield api_base
-    finally:
-        if server is not None:
-            server.stop()
+    return serving(args.model, args.api_base, **server_kw)

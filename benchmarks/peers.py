@@ -43,10 +43,11 @@ import dspy  # noqa: E402
 
 from benchmarks.ceiling import ceiling  # noqa: E402
 from benchmarks.common import add_endpoint_args, endpoint  # noqa: E402
-from tfgrpo.evaluate import bootstrap_ci, evaluate_program, paired_difference, per_problem, read_rows, write_rows  # noqa: E402
+from tfgrpo.evaluate import bootstrap_ci, heldout_rows, paired_difference, per_problem, read_rows, write_rows  # noqa: E402
 from tfgrpo.lms import local_dspy_lm  # noqa: E402
 from tfgrpo.optimizers import TrainingFreeGRPO  # noqa: E402
 from tfgrpo.optimizers.usage import metered, stage_usage  # noqa: E402
+from tfgrpo.plots import score_against_cost  # noqa: E402
 from tfgrpo.programs import save_program  # noqa: E402
 
 TFGRPO_ARMS = {  # arm -> knobs on top of the shared ones; every arm that keeps demos has "demos" in its name
@@ -267,14 +268,10 @@ def _run_arm(arm: str, seed: int, args, lm: dspy.LM, where: Path) -> None:
         program.load(str(where / "program.json"))
         if arm in KNN_ARMS:  # the saved program holds the pool; the demos are retrieved per query from it
             program = knn_program(make_student(), program)
-    t0 = time.time()
-    with metered() as used:
-        rows = evaluate_program(program, load_eval(args.eval, args.eval_offset), metric, lm=lm.copy(rollout_id=seed),
-                                num_threads=args.threads, name=arm)
-    rows[0]["wall_s"] = round(time.time() - t0, 1)
-    rows[0]["eval_calls"] = stage_usage(used, [])["calls"]  # one per problem, more where demos are made per query
+    rows = heldout_rows(program, load_eval(args.eval, args.eval_offset), metric, lm=lm, seed=seed,
+                        num_threads=args.threads, name=arm)  # eval_calls: more than one a problem where KNN picks demos
     write_rows(rows, where / "eval.jsonl")
-    print(json.dumps({"arm": arm, "seed": seed, "eval_s": round(time.time() - t0),
+    print(json.dumps({"arm": arm, "seed": seed, "eval_s": round(rows[0]["wall_s"]),
                       "score": statistics.fmean(r["score"] for r in rows)}), flush=True)
 
 
@@ -337,7 +334,8 @@ def report(args) -> None:
         print(f"peers: task={args.task} optimizer={arm} seeds={len(seeds)} problems={lift['problems']} calls={calls:.0f} "
               f"score={score[arm]:.3f} lift={lift['difference']:+.3f} ci_low={lift['ci95'][0]:+.3f} "
               f"vs_best_other={vs['difference']:+.3f} ci_low_vs_best={vs['ci95'][0]:+.3f}", flush=True)
-    plot(points, Path(args.out) / args.task / "peers.png", args.task)
+    path = Path(args.out) / args.task / "peers.png"
+    print(f"plot: {score_against_cost(points, path, f'{args.task}: held-out score against compile cost')}")
 
 
 def frontier(results, arm: str, spent: dict[str, float]) -> str:
@@ -360,31 +358,6 @@ def template_ceilings(args, arm: str, seeds: dict) -> str:
     puzzles = task_parts("game24")[4](args.eval, args.eval_offset)
     found = {s: ceiling(Path(args.out) / "game24" / arm / f"seed{s}", puzzles) for s in sorted(seeds)}
     return ", ".join("-" if c is None else str(sum(c)) for c in found.values()) if any(found.values()) else ""
-
-
-def plot(points, path: Path, task: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    placed: list[tuple[float, float, int]] = []  # (calls, mean, label row) of the points labelled so far
-    for arm, calls, mean, lo, hi in points:
-        color = "tab:red" if arm.startswith("tfgrpo") else "tab:gray" if arm == "baseline" else "tab:blue"
-        ax.errorbar([calls], [mean], yerr=[[mean - lo], [hi - mean]], fmt="o", color=color, capsize=4)
-        taken = {row for c, m, row in placed if abs(calls - c) < 40 and abs(mean - m) < 0.05}  # close points' rows
-        row = min(set(range(len(taken) + 1)) - taken)  # the lowest free row: close labels never share one
-        placed.append((calls, mean, row))
-        ax.annotate(arm, (calls, mean), textcoords="offset points", xytext=(6, 4 + 13 * row), fontsize=8,
-                    arrowprops=dict(arrowstyle="-", color="0.6", lw=0.6) if row else None)  # a line to a raised label
-    ax.set_xlabel("LM calls to compile (mean per seed)")
-    ax.set_ylabel("held-out score (95% CI over problems)")
-    ax.set_title(f"{task}: held-out score against compile cost")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot: {path}")
 
 
 def main() -> None:

@@ -53,10 +53,10 @@ def test_h_is_help(command):
 
 
 def test_the_usage_names_the_config_and_every_option_says_what_it_does():
-    for command in ("compile", "evaluate", "run"):
+    for command, argument in (("compile", "CONFIG"), ("evaluate", "CONFIG|NAME"), ("run", "CONFIG")):
         result = invoke(command, "--help")
         usage = next(line for line in result.output.splitlines() if "Usage:" in line)
-        assert usage.rstrip().endswith("[OPTIONS] CONFIG"), usage
+        assert usage.rstrip().endswith(f"[OPTIONS] {argument}"), usage
         verbose = next(line for line in result.output.splitlines() if "--verbose" in line)
         assert "debug messages" in verbose, verbose
     assert "RUN_DIR..." in invoke("report", "--help").output

@@ -22,6 +22,8 @@ from rich.table import Table
 
 from tfgrpo.base.util import write_atomic
 from tfgrpo.cli_help import HELP_OPTIONS, VERSION, HelpCommand, HelpGroup, reference_text
+from tfgrpo.cli_learned import (API_BASE, CONFIG_OR_NAME, FILE_OR_NAME, evaluate_shipped, print_demos, print_provenance,
+                                 shipped)
 from tfgrpo.cli_lm import lm_app
 from tfgrpo.config import Config, ConfigError
 from tfgrpo.optimizers.knobs import KNOBS
@@ -326,10 +328,17 @@ def compile(config: Path = CONFIG, verbose: bool = VERBOSE,
 
 
 @app.command(cls=HelpCommand)
-def evaluate(config: Path = CONFIG, program: Path = typer.Option(..., "--program", help="a compiled program.json"),
-             verbose: bool = VERBOSE, debug: bool = DEBUG) -> None:
-    """Evaluate the uncompiled baseline and a compiled program on the same held-out problems."""
+def evaluate(config: Path = CONFIG_OR_NAME, program: Path = typer.Option(None, "--program", help="with a CONFIG: a "
+             "compiled program.json"), api_base: str = API_BASE, verbose: bool = VERBOSE, debug: bool = DEBUG) -> None:
+    """Evaluate the uncompiled baseline and a compiled program on the same held-out problems; or score a shipped
+    learned program on its held-out split, sampled as its stated score was."""
     _setup_logging(verbose)
+    with _errors(debug):
+        if learned := shipped(config):
+            return evaluate_shipped(learned, api_base, console)
+    if program is None:
+        _error("tfgrpo evaluate CONFIG needs --program P.json (a shipped program's NAME needs none)")
+        raise typer.Exit(2)
     cfg = _load_config(config)
     with _errors(debug), _session(cfg) as (policy, _, parts):
         inputs = _evaluation_inputs(cfg, parts, program)
@@ -351,10 +360,13 @@ def run(config: Path = CONFIG, verbose: bool = VERBOSE, debug: bool = DEBUG) -> 
 
 
 @app.command(cls=HelpCommand)
-def show(path: Path = typer.Argument(..., metavar="FILE", help="a library.json or program.json"),
-         debug: bool = DEBUG) -> None:
-    """Print a library (library.json, or a compiled program.json) with each experience's provenance."""
+def show(path: Path = FILE_OR_NAME, debug: bool = DEBUG) -> None:
+    """Print a library (library.json, a compiled program.json or a shipped program) with each experience's
+    provenance, and a program's demos."""
     with _errors(debug):
+        if learned := shipped(path):
+            print_provenance(learned, console)
+            path = learned.program_path
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -364,6 +376,7 @@ def show(path: Path = typer.Argument(..., metavar="FILE", help="a library.json o
         _error(f"{path}: no experience library in this file")
         raise typer.Exit(2)
     _print_library(state)
+    print_demos(data, console)
 
 
 @app.command(cls=HelpCommand)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 import statistics
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -55,6 +56,21 @@ def evaluate_program(program: dspy.Module, examples: list, metric: Callable, *, 
     usage = stage_usage(used, copies)
     if rows:
         rows[0]["usage_total"] = usage  # tokens of the whole evaluation, kept on the first row
+    return rows
+
+
+def heldout_rows(program: dspy.Module, examples: list, metric: Callable, *, lm: dspy.BaseLM, seed: int,
+                 num_threads: int, name: str, progress: Callable[[str, int, int], None] | None = None) -> list[dict]:
+    """The benchmarks' held-out evaluation (benchmarks/peers.py, and `tfgrpo evaluate NAME` of a shipped program):
+    one run per example, sampled by `lm` as it is set, under rollout_id `seed`. The first row also holds `wall_s`
+    and `eval_calls`, the LM calls made (one per example, more where the program makes several)."""
+    started = time.time()
+    with metered() as used:
+        rows = evaluate_program(program, examples, metric, lm=lm.copy(rollout_id=seed), num_threads=num_threads,
+                                name=name, progress=progress)
+    if rows:
+        rows[0]["wall_s"] = round(time.time() - started, 1)
+        rows[0]["eval_calls"] = stage_usage(used, [])["calls"]
     return rows
 
 

@@ -31,6 +31,22 @@ def open_lms(config: Config):
         yield lm(config.policy), lm(config.reflection_config()), lm(config.judge_config())
 
 
+@contextlib.contextmanager
+def serving(model: str, api_base: str | None = None, **server_kw):
+    """The API base to send `model`'s calls to: `api_base` when given (any OpenAI-compatible endpoint), else the
+    embedded server of `model` (a `tfgrpo lm start` one is reused; one started here, with `server_kw`, is stopped
+    on exit)."""
+    if api_base:
+        yield api_base
+        return
+    api_base, server = ensure_server(model, **server_kw)
+    try:
+        yield api_base
+    finally:
+        if server is not None:
+            server.stop()
+
+
 def local_dspy_lm(model: str, api_base: str, *, max_tokens: int, **kwargs) -> dspy.LM:
     """A `dspy.LM` for the embedded llama.cpp server.
 

@@ -1,4 +1,5 @@
-"""Learning dynamics per step (mean train reward, library size, tool calls), one line per run, as one PNG."""
+"""The plots: learning dynamics per step (mean train reward, library size, tool calls), one line per run; and the
+benchmarks' held-out score against compile cost, one point per optimizer."""
 
 from __future__ import annotations
 
@@ -38,6 +39,30 @@ def learning_curve(runs: dict[str, list[dict]], path: Path, title: str = "Traini
     if with_demos:
         axes[1].set_title("experiences (solid) and demos (dashed)\nafter the step", fontsize=10)
     fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def score_against_cost(points: list[tuple[str, float, float, float, float]], path: Path, title: str) -> Path:
+    """`points`: (arm, compile calls, held-out score, CI low, CI high) per arm. Each arm has its own colour and is
+    named in the legend (highest score first), never beside its point, where close arms' names would overlap:
+    squares are tfgrpo's arms, circles DSPy's optimizers, the diamond the uncompiled baseline."""
+    fig = Figure(figsize=(10, 4.8))
+    ax = fig.subplots()
+    colors = [f"C{i}" for i in range(10)] + ["black", "navy", "magenta", "lime", "darkgoldenrod", "teal"]
+    arms = sorted(points, key=lambda p: -p[2])
+    palette = iter(colors * len(arms))
+    for arm, calls, mean, lo, hi in arms:
+        marker = "D" if arm == "baseline" else "s" if arm.startswith("tfgrpo") else "o"
+        ax.errorbar([calls], [mean], yerr=[[mean - lo], [hi - mean]], fmt=marker, capsize=4, markersize=7,
+                    color="gray" if arm == "baseline" else next(palette), label=f"{arm} ({mean:.2f})")
+    ax.set_xlabel("LM calls to compile (mean per seed)")
+    ax.set_ylabel("held-out score\n(share solved, 95% CI over problems)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(title="arm (held-out score)", fontsize=8, title_fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1),
+              borderaxespad=0)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path

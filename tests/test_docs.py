@@ -1,0 +1,175 @@
+"""The documentation as a reader sees it: lists that render as lists, examples that run (the usage page's, against
+the fake LM server, and the script it links), and an API page (the site built by mkdocs, as in CI) that shows every
+knob of `TrainingFreeGRPO` and every field of the result records with its meaning."""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import contextlib
+import dataclasses
+import html
+import inspect
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import dspy
+import pytest
+
+import tfgrpo.lms
+from tfgrpo.optimizers.knobs import KNOBS
+from tfgrpo.optimizers.result import EpochResult, StepResult, TrainingFreeGRPOResult
+from tfgrpo.optimizers.training_free_grpo import TrainingFreeGRPO
+from tfgrpo.testing import FakeLMServer
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = sorted((ROOT / "docs").rglob("*.md")) + [ROOT / "README.md"]
+ITEM = re.compile(r"^\s*(?:[-*+]|\d+[.)])\s+\S")  # a list item's first line
+FENCE = re.compile(r"^\s*(```+|~~~+)")
+
+
+def lists_glued_to_text(text: str) -> list[tuple[int, str]]:
+    """(line number, line) of each list item that directly follows a line of text outside any list: Python-Markdown
+    reads such an item as part of the paragraph above it, so the whole list renders as one paragraph."""
+    found, fence, in_list, previous = [], None, False, ""
+    for number, line in enumerate(text.splitlines(), 1):
+        if fence:  # inside a code block: nothing is markdown
+            fence = None if line.strip().startswith(fence) else fence
+            previous = ""
+            continue
+        if m := FENCE.match(line):
+            fence, in_list, previous = m.group(1), False, line
+            continue
+        if ITEM.match(line):
+            if previous.strip() and not in_list and not previous.lstrip().startswith("#"):
+                found.append((number, line))
+            in_list = True
+        elif line.strip() and not line.startswith((" ", "\t")) and not previous.strip():
+            in_list = False  # a paragraph after a blank line, not indented: the list has ended
+        previous = line
+    return found
+
+
+def test_the_check_finds_a_list_glued_to_the_line_above():
+    assert lists_glued_to_text("So:\n- a\n- b\n") == [(2, "- a")]
+    assert lists_glued_to_text("So:\n\n- a\n  more of a\n- b\nlazy line of b\n- c\n\n1. one\n   - nested\n") == []
+    assert lists_glued_to_text("## Title\n- a\n\n```\ntext\n- not a list\n```\n") == []
+    assert lists_glued_to_text("- a\n\nA paragraph.\n- b\n") == [(4, "- b")]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_list_renders_as_a_list(page):
+    glued = lists_glued_to_text(page.read_text(encoding="utf-8"))
+    assert not glued, "a list item right after a line of text renders as part of that paragraph; put a blank line " \
+                      "before the list:\n" + "\n".join(f"{page.name}:{n}: {line}" for n, line in glued)
+
+
+def python_blocks(page: Path) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", page.read_text(encoding="utf-8"), flags=re.DOTALL | re.MULTILINE)
+
+
+def undefined_names(code: str) -> list[str]:
+    """Names the code reads but never imports, defines, assigns or takes as an argument (nor a builtin)."""
+    bound, read = set(dir(builtins)), set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Name):
+            (read if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+    return sorted(read - bound)
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p)], ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_python_example_defines_what_it_uses(page):
+    for code in python_blocks(page):
+        assert not undefined_names(code), f"{page.name}: an example reads names it never defines:\n{code}"
+
+
+def test_the_usage_example_runs_and_its_metric_gives_feedback(tmp_path, monkeypatch, capsys):
+    """docs/usage.md's example, run as written against the fake LM server instead of the embedded model (only
+    `serving` is replaced), and its metric-with-feedback snippet."""
+    example, snippet = python_blocks(ROOT / "docs" / "usage.md")
+    monkeypatch.chdir(tmp_path)
+    with FakeLMServer() as server:
+        monkeypatch.setattr(tfgrpo.lms, "serving", lambda *a, **k: contextlib.nullcontext(server.api_base))
+        exec(compile(example, "usage.md", "exec"), {"__name__": "usage_example"})
+    assert re.fullmatch(r"before \d+\.\d% after \d+\.\d%", capsys.readouterr().out.strip().splitlines()[-1])
+    assert (tmp_path / "my_program.json").is_file() and (tmp_path / "runs" / "first").is_dir()
+    scope = {}
+    exec(compile(snippet, "usage.md", "exec"), scope)
+    gold = dspy.Example(question="What is 2 + 3?", answer="5").with_inputs("question")
+    assert scope["metric"](gold, dspy.Prediction(answer=" 5")).score == 1.0
+    assert scope["metric"](gold, dspy.Prediction(answer="6")).feedback == "wrong: expected 5, got 6"
+
+
+def test_the_example_script_runs(tmp_path):
+    """examples/compile_custom_program.py, which the docs link, end to end against the fake LM server."""
+    with FakeLMServer() as server:
+        run = subprocess.run([sys.executable, str(ROOT / "examples" / "compile_custom_program.py"), "--api-base",
+                              server.api_base, "--model", "fake", "--out", str(tmp_path / "unit_price.json")],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert re.search(r"^step 2: mean reward \d\.\d\d, library size \d+$", run.stdout, flags=re.MULTILINE), run.stdout
+    assert "reloaded: " in run.stdout and (tmp_path / "unit_price.json").is_file()
+
+
+@pytest.fixture(scope="module")
+def api_page(tmp_path_factory) -> str:
+    """The built API page's HTML (mkdocs build --strict, as CI builds the site)."""
+    pytest.importorskip("mkdocstrings_handlers.python", reason="the docs extra is not installed")
+    site = tmp_path_factory.mktemp("site")
+    build = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(site)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert build.returncode == 0, build.stderr[-3000:]
+    return (site / "api" / "index.html").read_text(encoding="utf-8")
+
+
+def text(fragment: str) -> str:
+    return " ".join(html.unescape(re.sub(r"<[^>]+>", " ", fragment)).split())
+
+
+def section(page: str, identifier: str, end: str) -> str:
+    start = page.index(f'id="{identifier}"')
+    return page[start: page.index(f'id="{end}"', start) if end else None]
+
+
+def table_rows(fragment: str) -> dict[str, str]:
+    """name -> description of each row of the Parameters or Attributes tables in `fragment`."""
+    rows = re.findall(r'<tr class="doc-section-item">\s*<td>(.*?)</td>.*?<div class="doc-md-description">(.*?)</div>',
+                      fragment, flags=re.DOTALL)
+    return {text(name): text(description) for name, description in rows}
+
+
+def test_the_api_page_documents_every_knob_from_its_one_declaration(api_page):
+    cls = "tfgrpo.optimizers.training_free_grpo.TrainingFreeGRPO"
+    rows = table_rows(section(api_page, cls, f"{cls}.compile"))
+    assert list(rows) == list(inspect.signature(TrainingFreeGRPO).parameters) == ["metric", *KNOBS]
+    for name, knob in KNOBS.items():
+        said = "".join(knob.metadata["doc"].replace("`", "").split()[:6])  # spaces aside: markup leaves some
+        assert "".join(rows[name].split()).startswith(said), f"{name}: the API page says {rows[name][:80]!r}"
+    signature = text(section(api_page, cls, f"{cls}.compile"))
+    assert "num_generations = 5" in signature and "knob(" not in signature  # the defaults, not their declaration
+
+
+def test_the_api_page_documents_compile(api_page):
+    cls = "tfgrpo.optimizers.training_free_grpo.TrainingFreeGRPO"
+    rows = table_rows(section(api_page, f"{cls}.compile", "tfgrpo.optimizers.result.TrainingFreeGRPOResult"))
+    assert set(rows) >= {"student", "trainset", "teacher", "valset"} and all(rows.values())
+
+
+@pytest.mark.parametrize("record", [TrainingFreeGRPOResult, StepResult, EpochResult], ids=lambda c: c.__name__)
+def test_the_api_page_gives_every_result_field_a_sentence(api_page, record):
+    identifier = f"tfgrpo.optimizers.result.{record.__name__}"
+    following = re.search(r'id="(tfgrpo\.[\w.]+)"', api_page[api_page.index(f'id="{identifier}"') + 10:])
+    rows = table_rows(section(api_page, identifier, following.group(1) if following else ""))
+    assert list(rows) == [f.name for f in dataclasses.fields(record)], "the Attributes section lists every field"
+    assert all(len(description.split()) >= 3 for description in rows.values()), rows

@@ -50,7 +50,8 @@ def score_against_cost(points: list[tuple[str, float, float, float, float]], pat
     squares are tfgrpo's arms, circles DSPy's optimizers, the diamond the uncompiled baseline."""
     fig = Figure(figsize=(10, 4.8))
     ax = fig.subplots()
-    colors = [f"C{i}" for i in range(10)] + ["black", "navy", "magenta", "lime", "darkgoldenrod", "teal"]
+    colors = [f"C{i}" for i in range(10) if i != 7] + ["black", "navy", "magenta", "lime", "darkgoldenrod", "teal",
+                                                          "olive"]  # C7 is the baseline's gray
     arms = sorted(points, key=lambda p: -p[2])
     palette = iter(colors * len(arms))
     for arm, calls, mean, lo, hi in arms:

@@ -22,6 +22,8 @@ FOLDER = Path(__file__).with_name("learned_programs")
 
 @dataclass(frozen=True)
 class Learned:
+    """A shipped program: its name, its saved state and its provenance (the parsed provenance.json)."""
+
     name: str
     program_path: Path
     provenance: dict[str, Any]
@@ -65,9 +67,10 @@ def describe(learned: Learned) -> list[str]:
     score, split, s = p["score"], p["heldout"], p["sampling"]
     knobs = ", ".join(f"{k}={v!r}" for k, v in made["knobs"].items())
     return [f"{learned.name}: {p['summary']}",
-            f"  compiled by {made['arm']} (seed {made['seed']}) on {made['trainset']['split']} "
-            f"[{made['trainset']['offset']}:+{made['trainset']['limit']}]: {knobs}",
-            f"  held out: {split['split']} [{split['offset']}:+{split['limit']}], solved {score['solved']} of "
+            f"  compiled by {made['arm']} (seed {made['seed']}) on {made['trainset']['limit']} problems of "
+            f"{made['trainset']['split']} from offset {made['trainset']['offset']}: {knobs}",
+            f"  held out: {split['limit']} problems of {split['split']} from offset {split['offset']}, solved "
+            f"{score['solved']} of "
             f"{score['problems']} (the uncompiled program: {score['baseline_solved']}), model {p['model']}, "
             f"temperature {s['temperature']}, max_tokens {s['max_tokens']}, {s['runs_per_problem']} run per problem, "
             f"measured {p['measured']}",

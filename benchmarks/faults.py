@@ -38,210 +38,34 @@ request alone: a resumed run sees the same answers as an uninterrupted one.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from tfgrpo.testing import FAULTS, KINDS, FakeLMServer
-from benchmarks.log_dir_checks import library_problems, signature, torn_files, unit_files, units_per_kind
+from benchmarks.fault_child import (DEFAULTS, LEARNING, STOPPED, calls, corrupted, kill_and_resume, run_child, server,
+                                    size)
+from benchmarks.log_dir_checks import signature, unit_files
 from benchmarks.stop_rows import stop_rows
 from benchmarks.trust_rows import trust_rows
-
-STOPPED = 3  # exit code of a child stopped by a documented error (TooManyFailuresError, MetricError)
-LEARNING = ("summary", "advantage", "consolidation")
-DEFAULTS = dict(queries=6, num_generations=4, num_train_epochs=2, batch_size=3, num_threads=8, max_experiences=5,
-                max_failure_rate=0.5, seed=0, lm_timeout=10.0, num_retries=3, metric="exact", disable_history=False,
-                max_total_tokens=None, metric_timeout_s=None)
-
-
-# -- the compile that runs in children (and in tests) --------------------------------------------------------
-def make_trainset(n: int):
-    import dspy
-
-    return [dspy.Example(question=f"What is {i + 3} + {2 * i + 9}?", answer=str(3 * i + 12)).with_inputs("question")
-            for i in range(n)]
-
-
-def metric(example, pred, trace=None):
-    return float(str(getattr(pred, "answer", "")).strip() == example.answer)
-
-
-def misspelled_metric(example, pred, trace=None):
-    return float(str(getattr(pred, "answer", "")).strip() == example.anwser)  # a typo: raises AttributeError
-
-
-METRICS = {"exact": metric, "misspelled": misspelled_metric}
-
-
-def make_program():
-    import dspy
-
-    class SampledSolver(dspy.Module):
-        """Predict with the sample number in its prompt: distinct rollouts are distinct requests."""
-
-        def __init__(self):
-            super().__init__()
-            self.solve = dspy.Predict("question, sample -> answer")
-
-        def forward(self, question):
-            lm = self.solve.lm or dspy.settings.lm
-            rid = (getattr(lm, "kwargs", None) or {}).get("rollout_id")
-            return self.solve(question=question, sample="final" if rid is None else str(rid))
-
-    return SampledSolver()
-
-
-def compile_once(api_base: str, log_dir: str | None, *, child: bool = False, **overrides):
-    """One compile against the fake server at `api_base`; returns the compiled program. The LM never caches;
-    in a child process DSPy's caches are switched off altogether (the server's counters are the truth)."""
-    # isort: off
-    import benchmarks  # noqa: E402,F401  (before dspy: LiteLLM's bundled price map, no fetch)
-    import dspy
-    from tfgrpo.optimizers import TrainingFreeGRPO
-    # isort: on
-
-    o = {**DEFAULTS, **overrides}
-    if child:  # global DSPy state: only in a process of its own
-        dspy.configure_cache(enable_disk_cache=False, enable_memory_cache=False)
-    dspy.configure(lm=dspy.LM("openai/fake", api_base=api_base, api_key="x", cache=False,
-                              num_retries=o["num_retries"], timeout=o["lm_timeout"]))
-    knobs = {k: o[k] for k in ("num_generations", "num_train_epochs", "batch_size", "num_threads", "max_experiences",
-                               "max_failure_rate", "seed", "max_total_tokens", "metric_timeout_s")}
-    opt = TrainingFreeGRPO(METRICS[o["metric"]], log_dir=log_dir, progress=lambda *_: None, **knobs)
-    with dspy.context(disable_history=o["disable_history"]):
-        return opt.compile(make_program(), trainset=make_trainset(o["queries"]))
-
-
-def child_main(argv) -> int:
-    ap = argparse.ArgumentParser(prog="benchmarks.faults child")
-    ap.add_argument("--api-base", required=True)
-    ap.add_argument("--log-dir", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--opts", default="{}")
-    args = ap.parse_args(argv)
-    import logging
-
-    logging.basicConfig(level=logging.ERROR)
-    from tfgrpo.optimizers import MetricError, TooManyFailuresError
-    from tfgrpo.optimizers.checkpoint import RunMismatchError
-
-    try:
-        compiled = compile_once(args.api_base, args.log_dir, child=True, **json.loads(args.opts))
-    except (TooManyFailuresError, MetricError, RunMismatchError) as exc:
-        status = {MetricError: "metric_error", RunMismatchError: "refused"}.get(type(exc), "stopped")
-        Path(args.out).write_text(json.dumps({"status": status, "error": str(exc)}))
-        return STOPPED
-    results = compiled.detailed_results
-    Path(args.out).write_text(json.dumps({"status": "ok", "library": compiled.experience_library.dump_state(),
-                                          "steps": results["steps"], "stopped_early": results["stopped_early"]},
-                                         default=str))
-    return 0
-
-
-def spawn(api_base: str, log_dir: Path, out: Path, opts: dict) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "benchmarks.faults", "child", "--api-base", api_base, "--log-dir", str(log_dir),
-           "--out", str(out), "--opts", json.dumps(opts)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-# -- accounting (the checks of a log_dir are in log_dir_checks.py) --------------------------------------------
-def calls(stats: dict) -> dict[str, int]:
-    return {k: v["calls"] for k, v in stats["kinds"].items()}
-
-
-def run_child(server: FakeLMServer, log_dir: Path, opts: dict, kill_after: int | None = None,
-              kill_kind: str | None = None, timeout: float = 120):
-    """Run one compile in a child; with `kill_after`, SIGKILL it when the server sees that many more calls
-    (of `kill_kind`, or of any kind), before that call is answered.
-
-    Returns (exit code, result JSON or None, output text, killed?)."""
-    out = log_dir.with_suffix(f".out{time.monotonic_ns()}.json")
-    target: dict = {}
-    killed = threading.Event()
-
-    def kill():
-        if "proc" in target and target["proc"].poll() is None:
-            os.kill(target["proc"].pid, signal.SIGKILL)
-            killed.set()
-
-    if kill_after is not None:
-        now = server.stats()
-        server.on_call((now["kinds"][kill_kind]["calls"] if kill_kind else now["calls"]) + kill_after, kill, kill_kind)
-    target["proc"] = proc = spawn(server.api_base, log_dir, out, opts)
-    try:
-        text, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        text, _ = proc.communicate()
-    result = json.loads(out.read_text()) if out.exists() else None
-    out.unlink(missing_ok=True)
-    return proc.returncode, result, text, killed.is_set()
-
-
-def kill_and_resume(make_server, root: Path, opts: dict, kill_after: int, kill_kind: str | None = None,
-                    between=None) -> dict:
-    """Kill a compile at its `kill_after`-th call (of `kill_kind`), resume it in a new process, and account for
-    the calls: per kind, those of the killed run, those of the resumed run, and the units finished at the kill.
-    `between(server, log_dir)` runs after the kill, before the resume (its result is under "between")."""
-    log_dir = root / f"run_kill{kill_after}{kill_kind or ''}"
-    with make_server() as server:
-        code, _, text, killed = run_child(server, log_dir, opts, kill_after=kill_after, kill_kind=kill_kind)
-        time.sleep(0.05)  # requests the dead process had already sent still arrive and count as its calls
-        at_kill = server.stats()
-        files = unit_files(log_dir)
-        meanwhile = between(server, log_dir) if between else None
-        code2, result, text2, _ = run_child(server, log_dir, opts)
-        after = server.stats()
-    resumed = {k: after["kinds"][k]["calls"] - at_kill["kinds"][k]["calls"] for k in KINDS}
-    rewritten = [f for f, sig in files.items()
-                 if f != "run.json" and (log_dir / f).exists() and signature(log_dir / f) != sig]
-    return {"between": meanwhile, "log_dir": log_dir, "killed": killed, "kill_exit": code, "exit": code2, "result": result, "output": text + text2,
-            "killed_calls": calls(at_kill), "resumed_calls": resumed, "done_units": units_per_kind(files),
-            "rewritten": rewritten, "faults": {k: after["faults"][k] for k in FAULTS}}
-
-
-# -- the benchmark -----------------------------------------------------------------------------------------
-def _server(**faults_kw) -> FakeLMServer:
-    return FakeLMServer(latency=0.005, seed=0, vary_identical=False, hang_seconds=1.5, retry_after=0.01, **faults_kw)
-
-
-def _corrupted(opts: dict, results: list, log_dirs: list[Path]) -> int:
-    states = [r["library"] for r in results if r and r.get("library")]
-    states += [json.loads(p.read_text())["library"] for d in log_dirs for p in d.glob("steps/*/done.json")]
-    return sum(bool(library_problems(s, max_experiences=opts["max_experiences"])) for s in states) + \
-        sum(len(torn_files(d)) for d in log_dirs if d.exists())
-
-
-def _size(result: dict | None):
-    return len(result["library"]["experiences"]) if result and result.get("library") else "-"
+from tfgrpo.testing import FAULTS
 
 
 def fault_row(name: str, rate: float, share: float, root: Path, opts: dict, between=None) -> dict:
     """An uninterrupted compile under one fault, then the same compile killed after `share` of its calls and
     resumed (`between`: see kill_and_resume)."""
-    def server():
-        return _server(faults={name: rate} if name in FAULTS else {})
+    def faulty():
+        return server(faults={name: rate} if name in FAULTS else {})
 
-    with server() as srv:
+    with faulty() as srv:
         code, ref, text, _ = run_child(srv, root / "reference", opts)
         ref_stats = srv.stats()
-    run = kill_and_resume(server, root, opts, kill_after=max(1, int(share * ref_stats["calls"])), between=between)
+    run = kill_and_resume(faulty, root, opts, kill_after=max(1, int(share * ref_stats["calls"])), between=between)
     equal = bool(ref and run["result"]) and ref.get("status") == run["result"].get("status") and \
         ref.get("library") == run["result"].get("library")
     return dict(name=name, injected=sum(ref_stats["faults"].values()) + sum(run["faults"].values()),
                 crashes=sum(c not in (0, STOPPED) for c in (code, run["exit"])) + (run["kill_exit"] not in (0, STOPPED, -9)),
-                corrupted=_corrupted(opts, [ref, run["result"]], [root / "reference", run["log_dir"]]),
-                redone=len(run["rewritten"]), size=_size(ref), equal=equal, output=text + run["output"],
+                corrupted=corrupted(opts, [ref, run["result"]], [root / "reference", run["log_dir"]]),
+                redone=len(run["rewritten"]), size=size(ref), equal=equal, output=text + run["output"],
                 extra=sum(run["killed_calls"].values()) + sum(run["resumed_calls"].values()) - sum(calls(ref_stats).values()),
                 status=(ref.get("status") if ref else "no result") + ("" if run["killed"] else " (finished before the kill)"),
                 between=run["between"])
@@ -268,44 +92,44 @@ def run_json_row(root: Path, opts: dict, share: float) -> dict:
 
 def metric_error_row(root: Path, opts: dict) -> dict:
     """A compile whose metric has a typo: it must stop with a MetricError naming the metric, not learn from 0s."""
-    with _server() as srv:
+    with server() as srv:
         code, result, text, _ = run_child(srv, root / "log", {**opts, "metric": "misspelled"})
         learning = sum(srv.stats()["kinds"][k]["calls"] for k in LEARNING)
     result = result or {}
     raised = code == STOPPED and result.get("status") == "metric_error" and "misspelled_metric" in result["error"]
     return dict(name="metric_error", injected=1, crashes=int(code not in (0, STOPPED)), redone=0, extra=learning,
-                corrupted=_corrupted(opts, [result], [root / "log"]), size=_size(result), equal=None, output=text,
+                corrupted=corrupted(opts, [result], [root / "log"]), size=size(result), equal=None, output=text,
                 status="raised: MetricError" if raised else f"silent ({result.get('status', 'no result')})")
 
 
 def outage_row(root: Path, opts: dict) -> dict:
     """A reflection LM that fails on every call (HTTP 500 after the client's retries): the step must not be
     done; a resume on a healthy server reuses the rollouts and ends as a run that never had the outage."""
-    with _server() as srv:
+    with server() as srv:
         code_ref, ref, text, _ = run_child(srv, root / "reference", opts)
         ref_calls = sum(calls(srv.stats()).values())
     log = root / "outage"
-    with _server(faults={"http500": 1.0}, fault_kinds=LEARNING) as srv:
+    with server(faults={"http500": 1.0}, fault_kinds=LEARNING) as srv:
         code_out, out, text_out, _ = run_child(srv, log, opts)
         out_stats = srv.stats()
     not_done = code_out == STOPPED and (out or {}).get("status") == "stopped" and not list(log.glob("steps/*/done.json"))
     files = unit_files(log)
-    with _server() as srv:
+    with server() as srv:
         code_res, res, text_res, _ = run_child(srv, log, opts)
         res_calls = sum(calls(srv.stats()).values())
     rewritten = [f for f, sig in files.items() if (log / f).exists() and signature(log / f) != sig]
     equal = bool(ref and res) and ref["status"] == res["status"] == "ok" and ref["library"] == res["library"]
     return dict(name="reflection_outage", injected=sum(out_stats["faults"].values()),
                 crashes=sum(c not in (0, STOPPED) for c in (code_ref, code_out, code_res)),
-                corrupted=_corrupted(opts, [ref, res], [root / "reference", log]), redone=len(rewritten),
-                extra=sum(calls(out_stats).values()) + res_calls - ref_calls, size=_size(ref), equal=equal,
+                corrupted=corrupted(opts, [ref, res], [root / "reference", log]), redone=len(rewritten),
+                extra=sum(calls(out_stats).values()) + res_calls - ref_calls, size=size(ref), equal=equal,
                 output=text + text_out + text_res, not_done=not_done,
                 status=("stopped, step not done" if not_done else "step marked done") + "; resumed on a healthy server")
 
 
 def calls_per_bad_reply(root: Path, opts: dict) -> str:
     """LM calls per summary when every summary reply is unparseable (the run tolerates the failures)."""
-    with _server(faults={"malformed": 1.0}, fault_kinds=("summary",)) as srv:
+    with server(faults={"malformed": 1.0}, fault_kinds=("summary",)) as srv:
         _, result, _, _ = run_child(srv, root / "log", {**opts, "max_failure_rate": 1.0})
         sent = srv.stats()["kinds"]["summary"]["calls"]
     units = sum(s["groups_kept"] for s in (result or {}).get("steps", [])) * opts["num_generations"]
@@ -314,7 +138,7 @@ def calls_per_bad_reply(root: Path, opts: dict) -> str:
 
 def budget_without_history(root: Path, opts: dict) -> str:
     """max_total_tokens=1 under dspy.configure(disable_history=True): the run must stop after its first step."""
-    with _server() as srv:
+    with server() as srv:
         _, result, _, _ = run_child(srv, root / "log", {**opts, "disable_history": True, "max_total_tokens": 1})
     result = result or {}
     stopped = len(result.get("steps", [])) == 1 and "max_total_tokens" in (result.get("stopped_early") or "")
@@ -371,8 +195,6 @@ def bench(rate: float, names: list[str], share: float) -> int:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "child":
-        return child_main(argv[1:])
     ap = argparse.ArgumentParser(description="TrainingFreeGRPO under injected LM faults and kill -9")
     ap.add_argument("--rate", type=float, default=0.2)
     ap.add_argument("--faults", default=",".join(FAULTS))

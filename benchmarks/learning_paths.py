@@ -1,6 +1,6 @@
 """The paper's learning path vs the small-reflector ("contrast") path, on the same saved rollouts.
 
-    .venv/bin/python benchmarks/learning_paths.py configs/local.toml --step 0
+    .venv/bin/python -m benchmarks.learning_paths configs/local.toml --step 0
 
 Reads one step's rollouts and rewards from a finished run's checkpoint (`run_dir/checkpoint`), then runs
 both learning paths of `TrainingFreeGRPO` on exactly those attempts, against the library the step started
@@ -20,23 +20,20 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import benchmarks  # noqa: E402,F401  (before dspy: LiteLLM's bundled price map, no fetch)
-import dspy  # noqa: E402
+import benchmarks  # noqa: F401  (before dspy: LiteLLM's bundled price map, no fetch)
+import dspy
 
-from tfgrpo.cli import _tfgrpo_knobs  # noqa: E402
-from tfgrpo.config import Config  # noqa: E402
-from tfgrpo.lms import open_lms  # noqa: E402
-from tfgrpo.task import task_parts  # noqa: E402
-from tfgrpo.optimizers import TrainingFreeGRPO  # noqa: E402
-from tfgrpo.optimizers.attempts import Attempt, Group, Scored  # noqa: E402
-from tfgrpo.optimizers.checkpoint import Checkpoint  # noqa: E402
-from tfgrpo.optimizers.step import Step  # noqa: E402
-from tfgrpo.optimizers.render import query_key  # noqa: E402
-from tfgrpo.programs import ExperienceLibrary  # noqa: E402
-from tfgrpo.programs.inject import resolve_targets  # noqa: E402
-from tfgrpo.programs.generality import parroted_phrases, specific_terms  # noqa: E402
+from tfgrpo.config import Config
+from tfgrpo.lms import open_lms
+from tfgrpo.task import task_parts
+from tfgrpo.optimizers import TrainingFreeGRPO
+from tfgrpo.optimizers.attempts import Attempt, Group, Scored
+from tfgrpo.optimizers.knobs import Knobs
+from tfgrpo.optimizers.learning_paths import learn_from_groups
+from tfgrpo.optimizers.render import query_key
+from tfgrpo.programs import ExperienceLibrary
+from tfgrpo.programs.generality import parroted_phrases, specific_terms
 
 
 def _groups(step_dir: Path, trainset: list) -> list[Group]:
@@ -84,21 +81,20 @@ def main() -> None:
     with stack, open_lms(cfg) as (policy, reflection, _):
         dspy.configure(lm=policy)
         for path in args.paths.split(","):
-            knobs = {**_tfgrpo_knobs(cfg), "learning_path": path}
+            knobs = {**cfg.optimizer_knobs(), "learning_path": path}
             opt = TrainingFreeGRPO(reward, reflection_lm=reflection, **knobs)
             t0 = time.time()
-            step = Step(opt, path=opt.resolve_path(reflection)[0], program=program,
-                        targets=resolve_targets(program, opt.target_predictors), library=start, demos=[],
-                        trainset=trainset, batch=[g.index for g in kept], index=args.step, reflection_lm=reflection,
-                        ckpt=Checkpoint(None))
-            learning = step.learn(kept)  # the learning path alone, on the groups scored by the compile
-            learned, usage = learning.learned, learning.usage
-            plan, proposals, allowed = learned.plan, learned.proposals, step.instructions
+            allowed = " ".join(p.signature.instructions for _, p in program.named_predictors())
+            lessons, usage = learn_from_groups(  # the learning path alone, on the groups scored by the compile
+                opt.resolve_path(reflection)[0], kept, settings=Knobs(**knobs), reflection_lm=reflection,
+                library=start, trainset=trainset, instructions=allowed, step=args.step)
+            plan, proposals = lessons.plan, lessons.proposals
             seconds = time.time() - t0
-            library, report = step.apply(plan, learning)
+            library = start.copy()
+            report = library.apply(plan, step=args.step, sources=sorted({q for q, _ in proposals}))
             calls = sum(u.get("calls", 0) for u in usage.values())
             # the same test for both paths: each proposal alone against the starting library, plus generality
-            proposed = learned.counts.get("operations_proposed", len(proposals))  # contrast: includes refused rules
+            proposed = lessons.counts.get("operations_proposed", len(proposals))  # contrast: includes refused rules
             valid = sum(_valid(start, op, queries[key], allowed) for key, op in proposals)
             print(f"\n{path}: {calls} calls in {seconds:.0f} s; {proposed} proposed, {valid} valid, plan of "
                   f"{len(plan)}, {len(report.rejected)} refused when applied; library:")

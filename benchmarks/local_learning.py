@@ -1,7 +1,7 @@
 """Does the embedded model learn? Baseline vs compiled on held-out Game of 24 puzzles, paired, several seeds,
 with the 1.5B model as both the policy and the reflection LM; and DSPy's SIMBA on the same split.
 
-    .venv/bin/python benchmarks/local_learning.py --seeds 2 --train 8 --eval 50      # ~1 h on 2 cores
+    .venv/bin/python -m benchmarks.local_learning --seeds 2 --train 8 --eval 50      # ~1 h on 2 cores
 
 Per seed s: Training-Free GRPO compiles the Game of 24 program on training puzzles (ranks from
 --train-offset + s * --train; partial-credit reward; contrast path; --max-demos winning attempts kept as
@@ -22,22 +22,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import benchmarks  # noqa: E402,F401  (before dspy: LiteLLM's bundled price map, no fetch)
-import dspy  # noqa: E402
+import benchmarks  # noqa: F401  (before dspy: LiteLLM's bundled price map, no fetch)
+import dspy
 
-from benchmarks.common import add_endpoint_args, endpoint  # noqa: E402
-from tfgrpo.evaluate import evaluate_program, paired_difference, read_rows, summarize, write_rows  # noqa: E402
-from tfgrpo.lms import local_dspy_lm  # noqa: E402
-from tfgrpo.optimizers import TrainingFreeGRPO  # noqa: E402
-from tfgrpo.programs import load_program, save_program  # noqa: E402
-from tfgrpo.programs.generality import specific_terms  # noqa: E402
-from tfgrpo.tasks.game24 import Game24Solver, game24_metric, game24_reward, load_game24  # noqa: E402
+from benchmarks.common import add_endpoint_args, endpoint
+from tfgrpo.evaluate import evaluate_program, paired_difference, read_rows, summarize, write_rows
+from tfgrpo.lms import local_dspy_lm
+from tfgrpo.optimizers import TrainingFreeGRPO
+from tfgrpo.programs import load_program, save_program
+from tfgrpo.programs.generality import specific_terms
+from tfgrpo.tasks.game24 import Game24Solver, game24_metric, game24_reward, load_game24
 
 
 def _evaluate(program, evalset, lm, threads: int, path: Path) -> list[dict]:
@@ -117,7 +115,7 @@ def main() -> None:
                                          log_dir=str(d / "checkpoint"))
             compiled = optimizer.compile(Game24Solver(), trainset=trainset)
             save_program(compiled, d / "program.json")
-            for s in compiled.detailed_results["steps"]:
+            for s in compiled.detailed_results.to_dict()["steps"]:
                 proposed += s.get("operations_proposed", 0)
                 valid += s.get("operations_proposed", 0) - s["details"].get("refused_specific", 0) - s.get("operations_rejected", 0)
             texts = compiled.experience_library.texts()

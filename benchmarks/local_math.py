@@ -1,6 +1,6 @@
 """Baseline vs Training-Free GRPO on the embedded model, on held-out GSM8K test problems, paired, several seeds.
 
-    .venv/bin/python benchmarks/local_math.py --train 8 --eval 50 --seeds 2     # ~50 min on 2 cores (1.5B)
+    .venv/bin/python -m benchmarks.local_math --train 8 --eval 50 --seeds 2     # ~50 min on 2 cores (1.5B)
 
 For each seed s: compile a ChainOfThought program on GSM8K *train* problems (seed s shuffles and samples the
 rollouts), then evaluate the baseline and the compiled program on the same GSM8K *test* problems with the
@@ -13,23 +13,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import benchmarks  # noqa: E402,F401  (before dspy: LiteLLM's bundled price map, no fetch)
-import dspy  # noqa: E402
+import benchmarks  # noqa: F401  (before dspy: LiteLLM's bundled price map, no fetch)
+import dspy
 
-from benchmarks.common import add_endpoint_args, endpoint  # noqa: E402
-from tfgrpo.evaluate import evaluate_program, paired_difference, read_rows, summarize, write_rows  # noqa: E402
-from tfgrpo.lms import local_dspy_lm  # noqa: E402
-from tfgrpo.optimizers import TrainingFreeGRPO  # noqa: E402
-from tfgrpo.programs import save_program  # noqa: E402
-from tfgrpo.tasks.math.datasets import load_math  # noqa: E402
-from tfgrpo.tasks.math.metric import math_metric  # noqa: E402
-from tfgrpo.tasks.math.programs import direct_program  # noqa: E402
+from benchmarks.common import add_endpoint_args, endpoint
+from tfgrpo.evaluate import evaluate_program, paired_difference, read_rows, summarize, write_rows
+from tfgrpo.lms import local_dspy_lm
+from tfgrpo.optimizers import TrainingFreeGRPO
+from tfgrpo.programs import save_program
+from tfgrpo.tasks.math.datasets import load_math
+from tfgrpo.tasks.math.metric import math_metric
+from tfgrpo.tasks.math.programs import direct_program
 
 
 def _evaluate(program, evalset, lm, args, path: Path, seed: int) -> list[dict]:

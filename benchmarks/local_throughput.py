@@ -1,8 +1,8 @@
 """How fast the embedded model serves the main job's requests, per speculative decoding mode, and at what quality.
 
-    .venv/bin/python benchmarks/local_throughput.py                    # ~20 min on 2 cores
-    .venv/bin/python benchmarks/local_throughput.py --main-job         # + the main job end to end, fresh cache
-    .venv/bin/python benchmarks/local_throughput.py --model qwen2.5-coder-0.5b --modes off ngram-mod --puzzles 1 \
+    .venv/bin/python -m benchmarks.local_throughput                    # ~20 min on 2 cores
+    .venv/bin/python -m benchmarks.local_throughput --main-job         # + the main job end to end, fresh cache
+    .venv/bin/python -m benchmarks.local_throughput --model qwen2.5-coder-0.5b --modes off ngram-mod --puzzles 1 \
         --max-tokens 48                                                # the smallest run (CI: tests/test_benchmarks.py)
 
 1. Speculative decoding. For each mode of --modes (tfgrpo.local_model.SPECULATIVE), a fresh llama-server with that
@@ -36,15 +36,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-import benchmarks  # noqa: E402,F401  (before dspy: LiteLLM's bundled price map, no fetch)
-from tfgrpo.config import Config  # noqa: E402
-from tfgrpo.evaluate import evaluate_program, paired_difference  # noqa: E402
-from tfgrpo.lms import local_dspy_lm  # noqa: E402
-from tfgrpo.local_model import SPECULATIVE, LocalServer  # noqa: E402
-from tfgrpo.local_weights import DEFAULT_MODEL  # noqa: E402
-from tfgrpo.tasks.game24 import Game24Solver, game24_metric, load_game24  # noqa: E402
+import benchmarks  # noqa: F401  (before dspy: LiteLLM's bundled price map, no fetch)
+from tfgrpo.config import Config
+from tfgrpo.evaluate import evaluate_program, paired_difference
+from tfgrpo.lms import local_dspy_lm
+from tfgrpo.local_model import SPECULATIVE, LocalServer
+from tfgrpo.local_weights import DEFAULT_MODEL
+from tfgrpo.tasks.game24 import Game24Solver, game24_metric, load_game24
 
 MAIN_JOB_PROGRAM = ROOT / "benchmarks/results/peers/game24/tfgrpo-probed-wide+demos/seed0/program.json"
 

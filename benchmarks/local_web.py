@@ -1,6 +1,6 @@
 """dspy.ReAct vs the step agent on the offline web, embedded model: seconds, tool calls, failed calls, F1.
 
-    .venv/bin/python benchmarks/local_web.py --questions 4 --offset 250
+    .venv/bin/python -m benchmarks.local_web --questions 4 --offset 250
 
 Runs each agent over the same HotpotQA dev questions (offset 250+: outside the 50 the local-web config
 evaluates), one at a time, on the embedded 1.5B (started if no `tfgrpo lm start` server runs; `--api-base`:
@@ -14,21 +14,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import benchmarks  # noqa: E402,F401  (before dspy: LiteLLM's bundled price map, no fetch)
-import dspy  # noqa: E402
+import benchmarks  # noqa: F401  (before dspy: LiteLLM's bundled price map, no fetch)
+import dspy
 
-from benchmarks.common import add_endpoint_args, endpoint  # noqa: E402
-from tfgrpo.lms import local_dspy_lm  # noqa: E402
-from tfgrpo.optimizers.rollout import FAILED_TOOL  # noqa: E402
-from tfgrpo.tasks.web import PageFetcher, StepAgent, WebTools, load_web, react_agent, token_f1  # noqa: E402
-from tfgrpo.tasks.web.search import make_backend  # noqa: E402
-from tfgrpo.tasks.web.site import running_site  # noqa: E402
+from benchmarks.common import add_endpoint_args, endpoint
+from tfgrpo.lms import local_dspy_lm
+from tfgrpo.optimizers.render import FAILED_TOOL
+from tfgrpo.tasks.web import PageFetcher, StepAgent, WebTools, load_web, react_agent, token_f1
+from tfgrpo.tasks.web.search import make_backend
+from tfgrpo.tasks.web.site import running_site
 
 
 def run(agent, examples) -> dict:

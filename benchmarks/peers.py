@@ -1,7 +1,7 @@
 """tfgrpo against DSPy's own optimizers: one split, one model, one budget, paired, several seeds.
 
-    .venv/bin/python benchmarks/peers.py --task game24 --arms baseline,simba,tfgrpo-probed+demos --seeds 0,1,2
-    .venv/bin/python benchmarks/peers.py --task game24 --report            # the table and the plot from what is saved
+    .venv/bin/python -m benchmarks.peers --task game24 --arms baseline,simba,tfgrpo-probed+demos --seeds 0,1,2
+    .venv/bin/python -m benchmarks.peers --task game24 --report            # the table and the plot from what is saved
 
 Every arm compiles the same student on the same training examples with the embedded model as policy (and as
 reflection LM where the optimizer has one), then is evaluated on the same held-out examples with the same sampling
@@ -31,24 +31,22 @@ import argparse
 import functools
 import json
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import benchmarks  # noqa: E402,F401  (before dspy: LiteLLM's bundled price map, no fetch)
-import dspy  # noqa: E402
+import benchmarks  # noqa: F401  (before dspy: LiteLLM's bundled price map, no fetch)
+import dspy
 
-from benchmarks.ceiling import ceiling  # noqa: E402
-from benchmarks.common import add_endpoint_args, endpoint  # noqa: E402
-from tfgrpo.evaluate import bootstrap_ci, heldout_rows, paired_difference, per_problem, read_rows, write_rows  # noqa: E402
-from tfgrpo.lms import local_dspy_lm  # noqa: E402
-from tfgrpo.optimizers import TrainingFreeGRPO  # noqa: E402
-from tfgrpo.optimizers.usage import metered, stage_usage  # noqa: E402
-from tfgrpo.plots import score_against_cost  # noqa: E402
-from tfgrpo.programs import save_program  # noqa: E402
+from benchmarks.ceiling import ceiling
+from benchmarks.common import add_endpoint_args, endpoint
+from tfgrpo.evaluate import bootstrap_ci, heldout_rows, paired_difference, per_problem, read_rows, write_rows
+from tfgrpo.lms import local_dspy_lm
+from tfgrpo.optimizers import TrainingFreeGRPO
+from tfgrpo.optimizers.usage import metered, stage_usage
+from tfgrpo.plots import score_against_cost
+from tfgrpo.programs import save_program
 
 TFGRPO_ARMS = {  # arm -> knobs on top of the shared ones; every arm that keeps demos has "demos" in its name
     "tfgrpo-rules": {},  # the contrast path's rules only: no probe, no excerpt, no demo

@@ -1,8 +1,8 @@
 """How far can a library move the Game of 24 student? Baseline vs fixed libraries, paired, on training puzzles.
 
-    .venv/bin/python benchmarks/rule_ceiling.py --problems 8 --runs 2                       # ~15 min on 2 cores
-    .venv/bin/python benchmarks/rule_ceiling.py --learned runs/local-game24/library.json    # add learned arms
-    .venv/bin/python benchmarks/rule_ceiling.py --learned runs/local-game24/program.json    # (rules and demos)
+    .venv/bin/python -m benchmarks.rule_ceiling --problems 8 --runs 2                       # ~15 min on 2 cores
+    .venv/bin/python -m benchmarks.rule_ceiling --learned runs/local-game24/library.json    # add learned arms
+    .venv/bin/python -m benchmarks.rule_ceiling --learned runs/local-game24/program.json    # (rules and demos)
 
 This separates the two halves of learning on the embedded model: can the student use an experience at all,
 and does the reflector write experiences worth using? Arms, each evaluated on the same training puzzles
@@ -20,20 +20,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import benchmarks  # noqa: E402,F401  (before dspy: LiteLLM's bundled price map, no fetch)
+import benchmarks  # noqa: F401  (before dspy: LiteLLM's bundled price map, no fetch)
 
-from benchmarks.common import add_endpoint_args, endpoint  # noqa: E402
-from tfgrpo.evaluate import evaluate_program, paired_difference  # noqa: E402
-from tfgrpo.lms import local_dspy_lm  # noqa: E402
-from tfgrpo.programs import ExperienceLibrary, load_program  # noqa: E402
-from tfgrpo.programs.inject import apply_library  # noqa: E402
-from tfgrpo.signatures.operations import Operation  # noqa: E402
-from tfgrpo.tasks.game24 import Game24Solver, game24_metric, load_game24  # noqa: E402
+from benchmarks.common import add_endpoint_args, endpoint
+from tfgrpo.evaluate import evaluate_program, paired_difference
+from tfgrpo.lms import local_dspy_lm
+from tfgrpo.programs import ExperienceLibrary, load_program
+from tfgrpo.programs.inject import apply_library
+from tfgrpo.signatures.operations import Operation
+from tfgrpo.tasks.game24 import Game24Solver, game24_metric, load_game24
 
 ORACLE = {  # written by hand for this benchmark; never used by the optimizer
     "oracle:full": "Start the program with numbers = [the four given numbers]. Loop over itertools.permutations(numbers) "

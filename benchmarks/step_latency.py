@@ -24,10 +24,9 @@ import resource
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # isort: off
-import benchmarks  # noqa: E402,F401  (before dspy: LiteLLM's bundled price map, no fetch)
+import benchmarks  # noqa: F401  (before dspy: LiteLLM's bundled price map, no fetch)
 import dspy
 from tfgrpo.optimizers import TrainingFreeGRPO
 from tfgrpo.testing import FakeLMServer
@@ -121,7 +120,7 @@ def main(argv=None) -> int:
     child = resource.getrusage(resource.RUSAGE_CHILDREN)  # the server process, once stopped (start-up included)
     server_cpu = child.ru_utime + child.ru_stime
 
-    step = compiled.detailed_results["steps"][0]
+    step = compiled.detailed_results.to_dict()["steps"][0]
     M = step["groups_kept"]
     critical = critical_path(served["log"])
     ratio = wall / critical

@@ -8,7 +8,7 @@ Row `hung_metric`: a compile whose metric hangs on one query is stopped with Ctr
 keeping its finished units; a resume ends as the uninterrupted run; and the same compile with
 `metric_timeout_s=0.5` finishes by itself, the hung calls counted as failures.
 
-    python -m benchmarks.stop_rows child ...   (one compile whose metric may hang: see faults.py child)
+    python -m benchmarks.stop_rows child ...   (one compile whose metric may hang: see fault_child.py)
 """
 
 from __future__ import annotations
@@ -22,29 +22,23 @@ import threading
 import time
 from pathlib import Path
 
+from benchmarks import fault_child as F
 from benchmarks.log_dir_checks import signature, unit_files
 
 HANG = "TFGRPO_HANG_MARKER"  # the environment variable naming the file the hanging metric touches
 
 
-def _faults():
-    from benchmarks import faults  # here, not above: faults.py imports this module
-
-    return faults
-
-
 def hang_once(example, pred, trace=None):
-    """The exact metric, except that it never returns on the trainset's first question (after touching $HANG)."""
-    F = _faults()
-    if example.question == F.make_trainset(1)[0].question:
+    """The exact metric, except that, while $HANG names a file, it never returns on the trainset's first question
+    (after touching that file). The same code hangs or not: a resume of its run is the same run (same fingerprint)."""
+    if os.environ.get(HANG) and example.question == F.make_trainset(1)[0].question:
         Path(os.environ[HANG]).touch()
         threading.Event().wait()
     return F.metric(example, pred)
 
 
 def child(argv) -> int:
-    """faults.py's child, with the hanging metric and a `locked` status for a refused compile."""
-    F = _faults()
+    """fault_child.py's compile, with the hanging metric and a `locked` status for a refused compile."""
     from tfgrpo.optimizers.lock import RunLockedError
 
     F.METRICS["hang_once"] = hang_once
@@ -55,12 +49,14 @@ def child(argv) -> int:
         return F.STOPPED
 
 
-def _spawn(api_base: str, log_dir: Path, opts: dict, marker: Path) -> tuple[subprocess.Popen, Path]:
-    F = _faults()
+def _spawn(api_base: str, log_dir: Path, opts: dict, marker: Path | None) -> tuple[subprocess.Popen, Path]:
+    """A child compile with the hanging metric; it hangs only with a `marker` file to touch."""
     out = log_dir.with_suffix(f".out{time.monotonic_ns()}.json")
     cmd = [sys.executable, "-m", "benchmarks.stop_rows", "child", "--api-base", api_base, "--log-dir", str(log_dir),
            "--out", str(out), "--opts", json.dumps(opts)]
-    env = {**os.environ, HANG: str(marker), "PYTHONPATH": str(F.ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {k: v for k, v in os.environ.items() if k != HANG}
+    env.update({**({HANG: str(marker)} if marker else {}),
+                "PYTHONPATH": str(F.ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")})
     # SIGINT must reach the child as from a terminal: a shell's background job (a CI runner's) starts with it ignored
     return subprocess.Popen(cmd, cwd=F.ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)), out
@@ -89,10 +85,10 @@ def _hanging(srv, log_dir: Path, opts: dict) -> subprocess.Popen:
 
 
 def _resumed(srv, log_dir: Path, opts: dict, ref: dict) -> tuple[int, dict, str, int, bool]:
-    """Resume `log_dir` on a healthy metric: exit code, result, output, units written again, library equal?"""
-    F = _faults()
+    """Resume `log_dir` with the same metric, no longer hanging: exit code, result, output, units written again,
+    library equal?"""
     files = unit_files(log_dir)
-    code, result, text, _ = F.run_child(srv, log_dir, opts)
+    code, result, text = _result(*_spawn(srv.api_base, log_dir, {**opts, "metric": "hang_once"}, None))
     redone = sum(1 for f, sig in files.items() if f != "run.json" and (log_dir / f).exists()
                  and signature(log_dir / f) != sig)
     return code, result or {}, text, redone, bool(result) and result.get("library") == ref.get("library")
@@ -100,8 +96,7 @@ def _resumed(srv, log_dir: Path, opts: dict, ref: dict) -> tuple[int, dict, str,
 
 def stop_rows(root: Path, opts: dict) -> list[dict]:
     """The two rows (see the module docstring), in faults.py's row format."""
-    F = _faults()
-    with F._server() as srv:
+    with F.server() as srv:
         _, ref, text, _ = F.run_child(srv, root / "reference", opts)
         ref, ref_calls = ref or {}, srv.stats()["calls"]
 
@@ -117,8 +112,8 @@ def stop_rows(root: Path, opts: dict) -> list[dict]:
         holder.communicate()
         code3, res3, text3, redone, equal = _resumed(srv, log, opts, ref)
         locked = dict(name="locked_log_dir", injected=1, crashes=int(code2 not in (0, F.STOPPED)) + int(code3 != 0),
-                      corrupted=F._corrupted(opts, [ref, res3], [root / "reference", log]), redone=redone,
-                      extra=srv.stats()["calls"] - 2 * ref_calls, size=F._size(ref), equal=equal,
+                      corrupted=F.corrupted(opts, [ref, res3], [root / "reference", log]), redone=redone,
+                      extra=srv.stats()["calls"] - 2 * ref_calls, size=F.size(ref), equal=equal,
                       output=text + text2 + text3,
                       status=("refused at once, holder named, nothing sent" if refused else "NOT refused") +
                       "; holder killed, lock taken over, resumed")
@@ -140,9 +135,9 @@ def stop_rows(root: Path, opts: dict) -> list[dict]:
                            root / "timeout.hanging")
         code6, res6, text6 = _result(proc, out)
         timeouts = sum(s.get("details", {}).get("metric_timeouts", 0) for s in res6.get("steps", []))
-        hung = dict(name="hung_metric", injected=2, redone=redone, size=F._size(ref), equal=equal,
+        hung = dict(name="hung_metric", injected=2, redone=redone, size=F.size(ref), equal=equal,
                     crashes=int(code4 not in (-signal.SIGINT, 130, 1)) + int(code5 != 0) + int(code6 != 0),
-                    corrupted=F._corrupted(opts, [res5, res6], [log, root / "timeout"]),
+                    corrupted=F.corrupted(opts, [res5, res6], [log, root / "timeout"]),
                     extra=srv.stats()["calls"] - before - 2 * ref_calls, output=text4 + text5 + text6,
                     status=(f"Ctrl-C stopped it in {stopped_s:.1f} s, {kept} units kept" if stopped_s < 10 else
                             f"Ctrl-C took {stopped_s:.0f} s") + "; resumed; metric_timeout_s=0.5: " +

@@ -68,7 +68,7 @@ def other_program_row(root: Path) -> dict:
     """Item 4: a program.json whose predictor has the same name as the program's and other fields."""
     import dspy
 
-    from benchmarks.faults import make_program
+    from benchmarks.fault_child import make_program
     from tfgrpo.programs import load_program, save_program
 
     class Labeller(dspy.Module):
@@ -90,12 +90,12 @@ def valset_keys_row(root: Path) -> dict:
     `question`: refused before any LM call, or scored 0 in silence?"""
     import dspy
 
-    from benchmarks.faults import _server, make_trainset, metric
+    from benchmarks.fault_child import make_trainset, metric, server
     from tfgrpo.optimizers import TrainingFreeGRPO
 
     def measure():
         valset = [dspy.Example(query=x.question, answer=x.answer).with_inputs("query") for x in make_trainset(3)]
-        with _server() as srv, dspy.context(lm=dspy.LM("openai/fake", api_base=srv.api_base, api_key="x", cache=False,
+        with server() as srv, dspy.context(lm=dspy.LM("openai/fake", api_base=srv.api_base, api_key="x", cache=False,
                                                        num_retries=0)):
             optimizer = TrainingFreeGRPO(metric, num_generations=2, num_train_epochs=1, batch_size=2,
                                          log_dir=str(root / "log"), progress=lambda *_: None)
@@ -130,7 +130,7 @@ def same_file_name_row(root: Path) -> dict:
 def hand_edit_row(root: Path) -> dict:
     """Item 7: a saved program.json edited by hand four ways: a reworded [E2] line, a deleted </experiences>, a
     second E1 and an ID X1. Each must be refused, not reverted to the stored library or half-read."""
-    from benchmarks.faults import make_program
+    from benchmarks.fault_child import make_program
     from tfgrpo.programs import ExperienceLibrary, apply_library, load_program, save_program
     from tfgrpo.signatures.operations import Operation
 

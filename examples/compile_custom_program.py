@@ -70,7 +70,7 @@ def main():
     optimizer = TrainingFreeGRPO(close_enough, num_generations=4, num_train_epochs=1, batch_size=4,
                                  max_operations_per_group=1, max_demos=2, probe_size=8, num_threads=2)
     compiled = optimizer.compile(UnitPrice(), trainset=trainset)
-    for step in compiled.detailed_results["steps"]:
+    for step in compiled.detailed_results.to_dict()["steps"]:
         print(f"step {step['step']}: mean reward {step['mean_reward']:.2f}, library size {step['library_size']}")
     print(compiled.experience_library.render() or "(no experience learned)")
 

@@ -1,8 +1,18 @@
-"""Optimizers (DSPy teleprompters) of tfgrpo."""
+"""Optimizers (DSPy teleprompters) of tfgrpo.
 
-from tfgrpo.optimizers.direct_experiences import DirectExperiences
-from tfgrpo.optimizers.parallel import TooManyFailuresError
-from tfgrpo.optimizers.rewards import MetricError
-from tfgrpo.optimizers.training_free_grpo import TrainingFreeGRPO
+The names below load on first use, so that importing one module of this package (such as `knobs`, which the
+command line reads before anything runs) does not load DSPy and the whole optimizer."""
 
-__all__ = ["DirectExperiences", "MetricError", "TooManyFailuresError", "TrainingFreeGRPO"]
+from __future__ import annotations
+
+import importlib
+
+_WHERE = {"DirectExperiences": "direct_experiences", "TooManyFailuresError": "parallel", "MetricError": "rewards",
+          "TrainingFreeGRPO": "training_free_grpo"}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
-from typing import Any
 
 import dspy
 
@@ -73,5 +72,14 @@ class Group:
         against the ground truth alone)."""
         return len(self.attempts) == 1 or len(set(self.rewards)) > 1
 
-    def inputs(self) -> dict[str, Any]:
-        return dict(self.example.inputs().items())
+
+
+def solved_by(groups: list[Group], attempts: int, known: dict[int, bool]) -> dict[int, bool]:
+    """What a step's groups say of the queries its program solves (query -> solved: most of the group's first
+    `attempts` attempts, those that ran the program itself, fully succeeded), beside what was `known` before."""
+    evidence = dict(known)
+    for group in groups:
+        own = group.rewards[:attempts]
+        if own:
+            evidence[group.index] = statistics.fmean(r >= 1 for r in own) >= 0.5
+    return evidence

@@ -1,14 +1,19 @@
 """Crash-safe record of a run in `log_dir`: every finished unit of work is one small JSON file.
 
-Layout:
-    run.json                      what the run was started with (a fingerprint; a resume must match it)
-    steps/0003/rollouts/7_2.json  query 7, generation 2 of step 3: outputs, trace, attempt text, error
-    steps/0003/rewards/7_2.json   that rollout's reward and the metric's feedback
-    steps/0003/summaries/7_2.json the summary of that rollout
-    steps/0003/advantages/7.json  the operations proposed by query 7's group
-    steps/0003/plan.json          the consolidated plan
-    steps/0003/done.json          library after the step and the step's stats: the step is complete
-    epochs/0.json                 validation score of the library after epoch 0
+Layout (every key is made by `Keys`, the learning paths' own under their step):
+    run.json                        what the run was started with (a fingerprint; a resume must match it)
+    steps/0003/rollouts/7_2.json    query 7, generation 2 of step 3: outputs, trace, attempt text, error
+    steps/0003/rewards/7_2.json     that rollout's reward and the metric's feedback
+    steps/0003/summaries/7_2.json   the paper's path: the summary of that rollout
+    steps/0003/advantages/7.json    the paper's path: the operations proposed by query 7's group
+    steps/0003/plan.json            the paper's path: the consolidated plan
+    steps/0003/contrasts/7_1_3.json the contrast path: query 7's reply for the pair (attempt 1 better, 3 worse)
+    steps/0003/probes/2_5.json      the probe: candidate 2's attempt on training query 5 (reward, error, trace)
+    steps/0003/spent.json           calls and tokens of the step's finished units (a tally, not a unit)
+    steps/0003/done.json            library after the step and the step's stats: the step is complete
+    probe-base/<program>/5.json     the probe: the current program's attempt on query 5, kept by what the program is
+                                    (its library and demos), so that a later step probing the same program reuses it
+    epochs/0.json                   validation score of the library after epoch 0
 
 Files are written atomically (`tfgrpo.base.util.write_atomic`), so a kill at any moment leaves either the old state or
 the new one, never a torn file (a kill mid-write leaves a hidden `.tmp` file, which the next start removes). One
@@ -33,7 +38,7 @@ import json
 import logging
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from tfgrpo.base.util import digest, remove_stale_tmp, write_atomic
 from tfgrpo.optimizers.lock import RunLock
@@ -53,6 +58,42 @@ class RunMismatchError(ValueError):
 TALLY = "spent"  # the key, inside a step, of its running tally of calls and tokens: saved beside its units, not one
 UNIT_FOLDERS = ("steps", "epochs", "probe-base")  # where units of work are saved (probe-base: the probe's attempts of
 # the current program, shared by the steps that probe the same program)
+
+
+class Keys:
+    """The key of every unit of work (its path under log_dir, without `.json`): the layout above, in one place."""
+
+    @staticmethod
+    def step(step: int) -> str:
+        return f"steps/{step:04d}"
+
+    @staticmethod
+    def rollout(step: int, query: int, g: int) -> str:
+        return f"steps/{step:04d}/rollouts/{query}_{g}"
+
+    @staticmethod
+    def reward(step: int, query: int, g: int) -> str:
+        return f"steps/{step:04d}/rewards/{query}_{g}"
+
+    @staticmethod
+    def probe(step: int, candidate: int, query: int) -> str:
+        return f"steps/{step:04d}/probes/{candidate}_{query}"
+
+    @staticmethod
+    def probe_base(program: str, query: int) -> str:
+        return f"probe-base/{program}/{query}"
+
+    @staticmethod
+    def usage(step: int) -> str:
+        return f"steps/{step:04d}/{TALLY}"
+
+    @staticmethod
+    def done(step: int) -> str:
+        return f"steps/{step:04d}/done"
+
+    @staticmethod
+    def epoch(epoch: int) -> str:
+        return f"epochs/{epoch}"
 
 
 class Checkpoint:
@@ -132,6 +173,18 @@ class Checkpoint:
     def put(self, key: str, value: Any) -> None:
         if self.enabled and not self.closed:
             self._write(self.root / f"{key}.json", value)
+
+    def unit(self, key: str, fn: Callable[[], Any], *, keep: Callable[[Any], bool] = lambda _: True,
+             then: Callable[[], None] = lambda: None) -> Any:
+        """A checkpointed unit of work: the value saved under `key`, or `fn()`, saved when `keep(value)` says so (a
+        value that a resume must compute again, such as a failed attempt, is not), then `then()` is told."""
+        if (saved := self.get(key)) is not None:
+            return saved
+        value = fn()
+        if keep(value):
+            self.put(key, value)
+        then()
+        return value
 
     @staticmethod
     def _read(path: Path) -> Any | None:

@@ -17,16 +17,14 @@ import dspy
 
 from tfgrpo.base.util import clip
 from tfgrpo.optimizers.attempts import Scored
-from tfgrpo.optimizers.learning_paths import Learned, LearningPath
+from tfgrpo.optimizers.learning_paths import LearningPath, Lessons
 from tfgrpo.optimizers.parallel import Failed
-from tfgrpo.optimizers.render import format_fields, outcome
-from tfgrpo.optimizers.rollout import tool_actions, tool_observations
+from tfgrpo.optimizers.render import format_fields, outcome, tool_actions, tool_observations
 from tfgrpo.programs.contrast_learner import ContrastLearner
 from tfgrpo.signatures.operations import ExcerptOperation, Operation
 
 logger = logging.getLogger(__name__)
 
-SMALL_REFLECTOR_B = 8  # learning_path="auto" picks "contrast" for reflection LMs of at most this many billion parameters
 REDUNDANT_OVERLAP = 0.5  # Jaccard overlap of content words above which two experiences say the same thing
 _STOP = {"a", "an", "the", "to", "of", "and", "or", "in", "on", "for", "with", "by", "is", "are", "be", "it", "its",
          "each", "every", "all", "any", "that", "this", "when", "then", "as", "at", "from", "into", "if", "use"}
@@ -70,12 +68,6 @@ def fold(existing: list[str], proposals: list[Operation]) -> tuple[list[Operatio
         seen_texts.append(op.text)
         plan.append(op)
     return plan, redundant
-
-
-def model_size_b(model: str) -> float:
-    """Parameter count in billions read from a model name ("qwen2.5-coder-1.5b" -> 1.5); inf if none is given."""
-    sizes = [float(x) for x in re.findall(r"(?<![\d.])(\d+(?:\.\d+)?)b(?![a-z])", model.lower())]
-    return max(sizes) if sizes else float("inf")
 
 
 def constrained_mode(setting: str, reflection_lm) -> str | None:
@@ -132,7 +124,7 @@ class ContrastPath(LearningPath):
 
             return ctx.call(f"contrasts/{group.index}_{pair[0]}_{pair[1]}", call)
 
-        replies = yield [("contrast", contrast, pair) for pair in pairs]
+        replies = ctx.map("contrast", contrast, pairs)
         ctx.count_failures("contrast", [r.error for r in replies if isinstance(r, Failed)], len(replies))
         return replies
 
@@ -157,5 +149,5 @@ class ContrastPath(LearningPath):
                 if rec["operation"]:
                     proposals.append((group.key, ExcerptOperation.model_validate(rec["operation"])))
         plan, counts["redundant"] = fold(ctx.library.texts(), [op for _, op in proposals])
-        return Learned(plan=plan, proposals=proposals, counts=counts,
+        return Lessons(plan=plan, proposals=proposals, counts=counts,
                        consolidation=f"folded in code: {len(plan)} of {len(proposals)} kept")

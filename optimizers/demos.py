@@ -13,18 +13,24 @@ teaches its mistakes too.
 
 from __future__ import annotations
 
-import dspy
-
 from tfgrpo.optimizers.attempts import Group
-from tfgrpo.programs.inject import apply_library
 
 
-def demo_candidates(groups: list[Group], step: int, *, min_reward: float = 1.0) -> list[dict]:
+def demo_candidates(groups: list[Group], step: int, *, min_reward: float = 1.0,
+                    explore_from: int | None = None) -> list[dict]:
     """Per informative group: its best attempt, if its reward reaches `min_reward` (1: it fully succeeded; a probe
-    judges candidates by what they do elsewhere, so it takes any that scored), with its group advantage."""
+    judges candidates by what they do elsewhere, so it takes any that scored), with its group advantage.
+
+    `explore_from`: attempts from this index on ran without the demos (`num_explore_generations`). Then what the
+    current program does on every one of its attempts alike is no candidate (a small model's copy of its demo: the
+    demo it already has); the best of the other attempts is."""
     found = []
     for group in groups:
-        best = max(range(len(group.attempts)), key=lambda g: (group.rewards[g], -g))
+        order = range(len(group.attempts))
+        own = group.rewards[:explore_from] if explore_from is not None else []
+        if explore_from is not None and explore_from < len(group.attempts) and len(set(own)) == 1:
+            order = range(explore_from, len(group.attempts))  # the current program's uniform attempts teach nothing new
+        best = max(order, key=lambda g: (group.rewards[g], -g))
         attempt = group.attempts[best]
         if attempt.reward >= min_reward and attempt.reward > 0 and not attempt.error and attempt.trace:
             found.append({"query": group.key, "step": step, "reward": attempt.reward,
@@ -49,20 +55,3 @@ def _best_per_query(demos: list[dict], n: int, score: str) -> list[dict]:
     for demo in sorted(demos, key=lambda d: (-d.get(score, 0.0), d["step"], d["query"])):
         best_per_query.setdefault(demo["query"], demo)
     return list(best_per_query.values())[: max(n, 0)]
-
-
-def apply_demos(program: dspy.Module, demos: list[dict], targets: list[str]) -> dspy.Module:
-    """Put each demo's predictor calls into the matching target predictors' `demos` (in place; returns
-    `program`). Without demos the program's own demos are left as they are."""
-    if not demos:
-        return program
-    for name, predictor in program.named_predictors():
-        if name in targets:
-            predictor.demos = [dspy.Example(**call["inputs"], **call["outputs"])
-                               for demo in demos for call in demo["trace"] if call["predictor"] == name]
-    return program
-
-
-def with_learned(program: dspy.Module, targets: list[str], library, demos: list[dict]) -> dspy.Module:
-    """A copy of `program` carrying what was learned: the library in the targets' instructions, and the demos."""
-    return apply_demos(apply_library(program.deepcopy(), library, targets), demos, targets)

@@ -51,7 +51,7 @@ def estimate_run(optimizer, student, trainset: list, *, turns_per_rollout: int =
     candidate edits on `probe_size` training queries) are the "probe" stage."""
     opt = optimizer
     steps = opt.total_steps(len(trainset))
-    batch = min(opt.batch_size, len(trainset))
+    batch = min(opt.batch_size + opt.max_resampled_queries, len(trainset))  # dynamic sampling may add queries
     G = opt.num_generations
     instructions = sum(len(p.signature.instructions) for _, p in student.named_predictors()) // CHARS_PER_TOKEN
     query = int(statistics.fmean(len(str(x.inputs().toDict())) for x in trainset)) // CHARS_PER_TOKEN

@@ -8,7 +8,7 @@ import logging
 
 import dspy
 
-from tfgrpo.optimizers.contrast import SMALL_REFLECTOR_B, model_size_b
+from tfgrpo.optimizers.learning_paths import SMALL_REFLECTOR_B, model_size_b
 from tfgrpo.programs.inject import LIBRARY_KEY, library_from_instructions
 from tfgrpo.programs.library import ExperienceLibrary
 

@@ -13,11 +13,12 @@ from __future__ import annotations
 import os
 import textwrap
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import dspy
+if TYPE_CHECKING:  # a leaf: importing the knobs loads neither DSPy nor the optimizer
+    import dspy
 
-from tfgrpo.optimizers.learning_paths import LearningPath
+    from tfgrpo.optimizers.learning_paths import LearningPath
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,15 @@ def instance(kind: type | tuple[type, ...], expected: str) -> Check:
     return Check(lambda v: isinstance(v, kind), expected)
 
 
+def lazy_instance(module: str, name: str, expected: str) -> Check:
+    """An instance of `module.name`, imported when a value is checked (so that this module stays a leaf)."""
+    def valid(v: Any) -> bool:
+        import importlib
+
+        return isinstance(v, getattr(importlib.import_module(module), name))
+    return Check(valid, expected)
+
+
 def optional(check: Check) -> Check:
     return Check(lambda v: v is None or check.valid(v), f"None or {check.expected}")
 
@@ -56,6 +66,7 @@ def _is_number(v: Any) -> bool:
 
 
 FLAG = instance(bool, "True or False")
+PATH_INSTANCE = lazy_instance("tfgrpo.optimizers.learning_paths", "LearningPath", "a LearningPath instance")
 PATHS = ("auto", "paper", "contrast")
 PREDICTOR_NAMES = Check(lambda v: isinstance(v, (list, tuple)) and len(v) > 0 and all(isinstance(n, str) for n in v),
                         "a non-empty list of predictor names")
@@ -86,7 +97,7 @@ class Knobs:
     seed: int = knob(0, integer(), fingerprinted=True, doc=(
         "Seeds the order of the trainset and the attempts' rollout IDs."))
     # learning calls
-    reflection_lm: dspy.BaseLM | None = knob(None, optional(instance(dspy.BaseLM, "a dspy.BaseLM")), doc=(
+    reflection_lm: dspy.BaseLM | None = knob(None, optional(lazy_instance("dspy", "BaseLM", "a dspy.BaseLM")), doc=(
         "LM of the learning calls (summaries, group advantages, consolidation). None: `dspy.settings.lm`, else the "
         "student's LM. A stronger model than the student learns better."))
     max_operations_per_group: int = knob(2, integer(1), fingerprinted=True, doc=(
@@ -95,7 +106,7 @@ class Knobs:
         "False scores each attempt against the majority answer of its group and shows the learning calls no "
         "answer key."))
     learning_path: str | LearningPath = knob(
-        "auto", Check(lambda v: isinstance(v, LearningPath) or (isinstance(v, str) and v in PATHS),
+        "auto", Check(lambda v: (isinstance(v, str) and v in PATHS) or PATH_INSTANCE.valid(v),
                       "'auto', 'paper', 'contrast' or a LearningPath instance"), fingerprinted=True, doc=(
             "\"paper\" (summaries, group advantages, one consolidation call), \"contrast\" (one short call per "
             "best-vs-worst pair of a group, typed from the live library, folded in code; made for small reflection "
@@ -143,6 +154,29 @@ class Knobs:
     max_probed_edits: int = knob(3, integer(1), fingerprinted=True, doc=(
         "Most candidate edits probed per step (half of them demos, when max_demos > 0); edits beyond it are "
         "dropped."))
+    probe_alpha: float = knob(1.0, number(0, 1), fingerprinted=True, doc=(
+        "With probe_size, a demo or an experience carrying code is kept only when the probe's paired outcomes are "
+        "evidence: on the probe queries that exactly one of the two programs solves, the candidate must win a "
+        "one-sided sign test at this level (0.15: 3 wins and no loss pass, 1 win against 0 does not). 1.0: any net "
+        "gain in full successes is enough."))
+    # learning that goes on once something is learned
+    num_explore_generations: int = knob(0, integer(0), fingerprinted=True, doc=(
+        "Of the num_generations attempts per query, how many run without the learned demos (the program as given, "
+        "with the library). A small model copies a kept demo on every attempt, so without them a group on a query "
+        "the demo fails never has contrast again and nothing after the first demo can be learned. 0: every attempt "
+        "runs the current program, as in the paper."))
+    focus_on_failures: bool = knob(False, FLAG, fingerprinted=True, doc=(
+        "Draw each step's batch from the training queries the current program is not known to solve, first (the "
+        "attempts of the rollouts and the probe say which it solves), then those not tried yet; the probe's queries "
+        "are half such failures. False: batches in a shuffled order, one pass per epoch."))
+    max_resampled_queries: int = knob(0, integer(0), fingerprinted=True, doc=(
+        "Dynamic sampling (DAPO): when fewer than batch_size of a step's groups have reward contrast, roll out up "
+        "to this many more training queries in the step (in the batch's order of choice) until the groups with "
+        "contrast fill the batch. 0: off."))
+    stop_when_nothing_to_learn: bool = knob(False, FLAG, doc=(
+        "End the run after a step in which no group had contrast (dynamic sampling included) or whose program "
+        "solved every probe query: nothing is left to learn from these training queries; said in the log and in "
+        "`stopped_early`."))
     # execution
     num_threads: int = knob(8, integer(1), doc="Concurrent LM calls of a step (all stages share them).")
     max_failure_rate: float = knob(0.5, number(0, 1), doc=(
@@ -184,6 +218,9 @@ class Knobs:
     def __post_init__(self):
         for name in KNOBS:
             check_knob(name, getattr(self, name))
+        if self.num_explore_generations > self.num_generations:
+            raise ValueError(f"num_explore_generations ({self.num_explore_generations}) cannot exceed num_generations "
+                             f"({self.num_generations}): it is the share of each group's attempts that explore")
 
     def total_steps(self, trainset_size: int) -> int:
         """How many steps a run over `trainset_size` training queries makes: every epoch's batches, cut at

@@ -5,7 +5,7 @@ from __future__ import annotations
 import queue
 import sys
 import threading
-from concurrent.futures import Future
+from concurrent.futures import FIRST_EXCEPTION, CancelledError, Future, wait
 from typing import Callable
 
 import tqdm
@@ -72,16 +72,12 @@ def run_parallel(fn: Callable, items: list, *, num_threads: int, stage: str,
     Nothing is swallowed: the first item that raises stops the map (items not yet started are skipped, those
     running finish) and its exception is raised again here. A failure that is a result, such as an LM call
     that may fail, must be caught inside `fn` (and returned as a `Failed`). `progress(stage, done, total)` is
-    called after every finished item; None draws a tqdm bar. Ctrl-C stops it at once, as `run_flows`.
+    called after every finished item; None draws a tqdm bar. Ctrl-C stops it at once, as `Workers` does.
     """
     if not items:
         return []
-
-    def flow(item):
-        (result,) = yield [(stage, fn, item)]
-        return result
-
-    return run_flows([flow(item) for item in items], num_threads=num_threads, progress=progress or StageBar())
+    with Workers(num_threads, progress=progress or StageBar()) as work:
+        return work.map(stage, fn, items)
 
 
 class DaemonPool:
@@ -128,99 +124,135 @@ class DaemonPool:
                 thread.join()
 
 
-class WaitFor:
-    """Yielded by a flow of `run_flows`: park me until every other flow is finished or parked, then, once the check
-    `on_stage_done(stage)` has passed, resume me. Flows parked at different stages resume stage by stage, in the order
-    the stages first ran, so a stage's check sees all of its units."""
+class Workers:
+    """A bounded pool for the units of work of one stage or step: `map(stage, fn, items)` runs `fn` over `items` on at
+    most `num_threads` threads in all and returns the results in order, and may be called from several threads at
+    once (one per group of a step, `each`), so that a group's learning calls start while other groups still roll out.
 
-    def __init__(self, stage: str):
-        self.stage = stage
+    A unit runs with the caller's DSPy settings and with `meters[stage]` as DSPy's usage tracker; `progress(stage,
+    done, total)` is told of each finished unit. Nothing is swallowed: the first unit that raises stops everything
+    (units not started are cancelled, running ones finish) and its exception is raised by the `with` block's
+    `map`/`each`; on Ctrl-C nothing is waited for: a unit that hangs is abandoned on its daemon thread."""
+
+    def __init__(self, num_threads: int, *, progress: Callable[[str, int, int], None] | None = None,
+                 meters: dict | None = None):
+        from dspy.dsp.utils.settings import thread_local_overrides
+
+        self._overrides = thread_local_overrides
+        self._parent = thread_local_overrides.get().copy()
+        self._bars = StageBars() if progress is None else None
+        self.progress, self.meters = progress or self._bars, meters or {}
+        self._pool, self._groups = DaemonPool(num_threads), None
+        self._counts: dict[str, list[int]] = {}  # stage -> [done, submitted]
+        self._lock = threading.Lock()
+        self._stopped = False  # a unit failed: nothing more is started
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, kind, error, tb) -> None:
+        interrupted = kind is not None and issubclass(kind, KeyboardInterrupt)
+        for pool in (self._pool, self._groups):
+            if pool is not None:  # never wait on Ctrl-C; after an error, wait for running units (they finish)
+                pool.shutdown(wait=not interrupted, cancel_futures=kind is not None)
+        if self._bars is not None:
+            self._bars.close()
+
+    def _in_context(self, fn: Callable, overrides: dict) -> Callable:
+        def run(*args):
+            token = self._overrides.set(overrides)
+            try:
+                return fn(*args)
+            finally:
+                self._overrides.reset(token)
+        return run
+
+    def map(self, stage: str, fn: Callable, items: list) -> list:
+        """`[fn(item) for item in items]`, run on the pool, in order."""
+        caller = self._overrides.get().copy()
+        overrides = {**caller, **({"usage_tracker": self.meters[stage]} if stage in self.meters else {})}
+        with self._lock:
+            if self._stopped:
+                raise Cancelled()
+            self._counts.setdefault(stage, [0, 0])[1] += len(items)
+            futures = [self._pool.submit(self._in_context(fn, overrides), item) for item in items]
+        results = []
+        for future in futures:
+            results.append(_result(future))  # a unit that raised stops the caller here
+            with self._lock:
+                self._counts[stage][0] += 1
+                self.progress(stage, *self._counts[stage])  # one at a time: bars and callbacks need no lock
+        return results
+
+    def each(self, fn: Callable, items: list) -> list:
+        """`[fn(item) for item in items]`, each item on a thread of its own (a group of a step: it waits on its units,
+        which run on the bounded pool), in order; the first that raises stops the others' units not yet started, and
+        is raised here once the rest have ended."""
+        if self._groups is None:
+            self._groups = DaemonPool(max(1, len(items)))
+        futures = [self._groups.submit(self._in_context(fn, self._parent.copy()), item) for item in items]
+        wait(futures, return_when=FIRST_EXCEPTION)
+        failed = next((f for f in futures if f.done() and f.exception() is not None), None)
+        if failed is not None:
+            with self._lock:
+                self._stopped = True
+            self._pool.shutdown(wait=False, cancel_futures=True)  # the other items end with their units
+            wait(futures)
+            raise next((f.exception() for f in futures if f.exception() is not None
+                        and not isinstance(f.exception(), Cancelled)), failed.exception())
+        return [f.result() for f in futures]
 
 
-def run_flows(flows: list, *, num_threads: int, progress: Callable[[str, int, int], None] | None = None,
-              meters: dict | None = None, on_stage_done: Callable[[str], None] | None = None) -> list:
-    """Drive generator `flows` (one per group of a step) to their end, each as far as its own results allow, and
-    return what each flow returned, in order.
-
-    A flow yields a list of units `(stage, fn, item)` and is sent back the list of `fn(item)`s, in order, once all of
-    them are done; the units of every flow share one pool of `num_threads` threads, so a group's learning calls start
-    while other groups still roll out: no stage waits for the slowest call of the stage before it. The flows' own code
-    runs in this thread, one at a time, so what they record needs no lock. A unit runs with this thread's DSPy
-    settings, and with `meters[stage]` as DSPy's usage tracker. Nothing is swallowed: the first unit or flow that
-    raises stops everything (units not started are cancelled, running ones finish) and its exception is raised here;
-    on Ctrl-C (KeyboardInterrupt) nothing is waited for: a unit that hangs is abandoned on its daemon thread.
-    """
-    from dspy.dsp.utils.settings import thread_local_overrides
-
-    flows = list(flows)
-    bars = StageBars() if progress is None else None
-    progress, meters = progress or bars, meters or {}
-    parent = thread_local_overrides.get().copy()
-    counts: dict[str, list[int]] = {}  # stage -> [done, submitted], in the order the stages first ran
-    pending: dict = {}  # future -> (flow, its batch of results, units of the batch left, index in it, stage)
-    waiting: dict[str, list] = {}  # stage -> flows parked at WaitFor(stage)
-    finished: queue.SimpleQueue = queue.SimpleQueue()  # futures as they finish (waiting on all pending is O(n) each)
-    returned: dict[int, object] = {}  # id(flow) -> the value it returned
-
-    def in_worker(stage, fn, item):
-        overrides = {**parent, **({"usage_tracker": meters[stage]} if stage in meters else {})}
-        token = thread_local_overrides.set(overrides)
-        try:
-            return fn(item)
-        finally:
-            thread_local_overrides.reset(token)
-
-    def advance(flow, value) -> None:
-        try:
-            request = flow.send(value)
-        except StopIteration as stop:
-            returned[id(flow)] = stop.value
-            return
-        if isinstance(request, WaitFor):
-            waiting.setdefault(request.stage, []).append(flow)
-            return
-        if not request:
-            advance(flow, [])
-            return
-        batch, left = [None] * len(request), [len(request)]
-        for i, (stage, fn, item) in enumerate(request):
-            counts.setdefault(stage, [0, 0])[1] += 1
-            future = pool.submit(in_worker, stage, fn, item)
-            pending[future] = (flow, batch, left, i, stage)
-            future.add_done_callback(finished.put)
-
-    def release() -> None:  # nothing runs: resume the flows parked at the earliest stage
-        while not pending and waiting:
-            stage = min(waiting, key=list(counts).index)
-            if on_stage_done:
-                on_stage_done(stage)
-            for flow in waiting.pop(stage):
-                advance(flow, None)
-
-    pool = DaemonPool(num_threads)
+def _result(future: Future):
+    """The future's result; a unit cancelled because another one failed ends its caller quietly (`Cancelled`)."""
     try:
-        for flow in flows:
-            advance(flow, None)
-        release()
-        while pending:
-            future = finished.get()
-            flow, batch, left, i, stage = pending.pop(future)
-            batch[i] = future.result()  # a unit that raised stops the step here
-            counts[stage][0] += 1
-            progress(stage, *counts[stage])
-            left[0] -= 1
-            if left[0] == 0:
-                advance(flow, batch)
-            release()
-    except KeyboardInterrupt:  # Ctrl-C: never wait for a unit that may hang; what finished is saved already
-        pool.shutdown(wait=False, cancel_futures=True)
-        raise
-    except BaseException:
-        pool.shutdown(wait=True, cancel_futures=True)
-        raise
-    else:
-        pool.shutdown(wait=True)
-    finally:
-        if bars is not None:
-            bars.close()
-    return [returned[id(flow)] for flow in flows]
+        return future.result()
+    except CancelledError:
+        raise Cancelled() from None
+
+
+class Cancelled(Exception):
+    """A unit of work was cancelled because another one failed: the failure that caused it is raised instead."""
+
+
+class Gates:
+    """Stage-wide checks for the groups of a step, each running on its own thread: a group that saw failures in a stage
+    `wait`s until every group has `arrive`d at that stage (or finished), so that the stage's failure check (`check(
+    stage)`, raising TooManyFailuresError) sees all of its units before the group spends more on its query. Groups
+    without failures go on at once; the check runs once per stage, and its verdict is every waiter's."""
+
+    def __init__(self, groups: list, check: Callable[[str], None]):
+        self._check, self._cond = check, threading.Condition()
+        self.expect(groups)
+
+    def expect(self, groups: list) -> None:
+        """The groups to wait for from now on (a step's next round of queries: dynamic sampling); the checks run
+        again, on every unit so far."""
+        with self._cond:
+            self._groups = set(groups)
+            self._arrived: dict[str, set] = {}  # stage -> the groups that reached it
+            self._finished: set = set()
+            self._verdicts: dict[str, BaseException | None] = {}
+
+    def arrive(self, stage: str, group) -> None:
+        with self._cond:
+            self._arrived.setdefault(stage, set()).add(group)
+            self._cond.notify_all()
+
+    def finish(self, group) -> None:
+        """`group` is done, or failed: it counts as arrived at every stage."""
+        with self._cond:
+            self._finished.add(group)
+            self._cond.notify_all()
+
+    def wait(self, stage: str) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._groups <= self._arrived.get(stage, set()) | self._finished)
+            if stage not in self._verdicts:
+                try:
+                    self._check(stage)
+                    self._verdicts[stage] = None
+                except TooManyFailuresError as exc:
+                    self._verdicts[stage] = exc
+            if self._verdicts[stage] is not None:
+                raise self._verdicts[stage]

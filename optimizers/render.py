@@ -97,3 +97,45 @@ def outcome(attempt) -> str:
     """How a scored attempt (`attempts.Scored`) was judged, as the learning calls read it."""
     verdict = "judged correct" if attempt.reward >= 1 else "judged wrong" if attempt.reward <= 0 else "partly right"
     return f"{verdict} (reward {attempt.reward:.2f})" + (f"; {attempt.feedback}" if attempt.feedback else "")
+
+
+def count_tool_calls(outputs: dict | None) -> int:
+    """Tool calls in a ReAct trajectory (the final 'finish' is not a tool call); 0 for other programs."""
+    trajectory = (outputs or {}).get("trajectory")
+    if not isinstance(trajectory, dict):
+        return 0
+    return sum(1 for k, v in trajectory.items() if k.startswith("tool_name_") and v != "finish")
+
+
+def tool_observations(outputs: dict | None) -> list[str]:
+    """What the tools returned during an attempt with these outputs (a ReAct-style trajectory's observations)."""
+    trajectory = (outputs or {}).get("trajectory")
+    if not isinstance(trajectory, dict):
+        return []
+    return [as_text(v) for k, v in trajectory.items() if k.startswith("observation_")]
+
+
+FAILED_TOOL = ("Execution error", "refused", "search failed", "HTTP ", "could not open", "timed out")  # failures stay visible
+
+
+def tool_actions(outputs: dict | None) -> list[str]:
+    """A tool-using attempt (by its outputs) as what it did: each call with its arguments, then its answer. What a
+    tool returned is left out (only its size, or a failure's message), so a learner sees the strategy, not the facts
+    it found."""
+    outputs = outputs or {}
+    trajectory = outputs.get("trajectory")
+    if not isinstance(trajectory, dict):
+        return []
+    lines, i = [], 0
+    while f"tool_name_{i}" in trajectory:
+        name, args = trajectory[f"tool_name_{i}"], trajectory.get(f"tool_args_{i}") or {}
+        if name == "finish":
+            break
+        shown = ", ".join(f"{clip(as_text(v), 300)}" for v in args.values()) if isinstance(args, dict) else as_text(args)
+        seen = as_text(trajectory.get(f"observation_{i}", ""))
+        result = clip(seen, 160) if seen.startswith(FAILED_TOOL) else f"({len(seen)} characters returned)"
+        lines.append(f"{i + 1}. {name}({shown}) -> {result}")
+        i += 1
+    answer = {k: v for k, v in outputs.items() if k not in ("trajectory", "reasoning")}
+    lines.append(f"{i + 1}. final: {format_fields(answer)}" if answer else f"{i + 1}. no final answer")
+    return lines

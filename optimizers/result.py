@@ -1,8 +1,7 @@
 """The typed record of a run: `compiled.detailed_results` is a `TrainingFreeGRPOResult`.
 
 Every step has the same fields whatever the learning path; what only one path counts (the contrast path's refused
-or redundant rules, say) is under `details`. `to_dict()` gives plain JSON-ready data (what `steps.jsonl` holds), and
-`result["steps"]` reads the same data by key, as the plain dict this record used to be.
+or redundant rules, say) is under `details`. `to_dict()` gives plain JSON-ready data (what `steps.jsonl` holds).
 """
 
 from __future__ import annotations
@@ -43,6 +42,9 @@ class StepResult:
         probe: With `probe_size`: the probed edits, their rewards on the probe queries and the verdicts; else None.
         details: Counts only one learning path keeps (the contrast path's refused or redundant rules, say), and
             `metric_timeouts` when a metric call timed out.
+        queries: The training queries rolled out, those dynamic sampling added included.
+        evidence: Training query (as a string) -> whether the program after the step is known to solve it, as its
+            rollouts or probe attempts showed; what `focus_on_failures` reads.
         usage_before_resume: Of `usage`, what a run stopped in this step had spent on the units a resume then
             reused (calls and tokens; their cost is not known).
     """
@@ -70,6 +72,8 @@ class StepResult:
     demos: list[str] = field(default_factory=list)
     probe: dict[str, Any] | None = None
     details: dict[str, Any] = field(default_factory=dict)
+    queries: list[int] = field(default_factory=list)
+    evidence: dict[str, bool] = field(default_factory=dict)
     usage_before_resume: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -95,8 +99,7 @@ class EpochResult:
 
 @dataclass(frozen=True)
 class TrainingFreeGRPOResult:
-    """A compile's record: `compiled.detailed_results`. `result["steps"]` reads a field by key and `to_dict()` gives
-    the whole record, both as plain JSON-ready data.
+    """A compile's record: `compiled.detailed_results`; `to_dict()` gives the whole record as plain JSON-ready data.
 
     Attributes:
         steps: One `StepResult` per optimization step, steps reused from `log_dir` included.
@@ -122,6 +125,3 @@ class TrainingFreeGRPOResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-    def __getitem__(self, key: str) -> Any:
-        return self.to_dict()[key]

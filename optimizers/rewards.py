@@ -1,4 +1,5 @@
-"""Rewards: what the metric says of an attempt, or of its group's majority answer without ground truth."""
+"""Rewards: the metric's protocol, and what it says of an attempt, or of its group's majority answer without ground
+truth."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from typing import Any, Callable
 import dspy
 
 from tfgrpo.base.util import clip
-from tfgrpo.optimizers.parallel import TooManyFailuresError
 from tfgrpo.optimizers.render import format_fields
 
 logger = logging.getLogger(__name__)
@@ -113,18 +113,6 @@ def score_attempt(metric: Callable, example: dspy.Example, record: dict, timeout
     except MetricTimeout as exc:
         return {"reward": 0.0, "feedback": "the metric timed out on this attempt", "timeout": str(exc)}
     return {"reward": score, "feedback": feedback}
-
-
-def check_metric_timeouts(opt, step: int, timed_out: list[str], total: int) -> None:
-    """Say how many of a step's metric calls timed out (each scored 0); more than `max_failure_rate` of them stop the
-    step, unfinished, as an outage of the LM does (a resume asks the metric again)."""
-    if not timed_out:
-        return
-    if len(timed_out) > opt.max_failure_rate * total:
-        raise TooManyFailuresError(f"step {step}: the metric timed out on {len(timed_out)} of {total} attempts (first: "
-                                   f"{timed_out[0]}); finished work is kept in log_dir={opt.log_dir!r}")
-    logger.warning("Step %d: the metric timed out on %d of %d attempts, each scored 0 (first: %s)", step,
-                   len(timed_out), total, timed_out[0])
 
 
 def reference_example(example: dspy.Example, group: list[dict], use_ground_truth: bool) -> dspy.Example:

@@ -1,4 +1,4 @@
-"""Running a program on one example, the same way for learning, validation and evaluation.
+"""Running a program on one example, the same way for rollouts, the probe, validation and evaluation.
 
 `with_own_lms` gives a copy of the program private copies of its LMs (for distinct samples, metering, and a
 clean history of the caller's LM); `run_program` runs it and records the result or the error, with DSPy's
@@ -13,7 +13,8 @@ from typing import Any
 import dspy
 
 from tfgrpo.base.util import clip, jsonable
-from tfgrpo.optimizers.render import as_text, format_fields
+from tfgrpo.optimizers.render import as_text, count_tool_calls
+from tfgrpo.optimizers.rewards import score_attempt
 
 logger = logging.getLogger(__name__)
 
@@ -53,46 +54,12 @@ def run_program(program: dspy.Module, example: dspy.Example) -> tuple[dspy.Predi
     return prediction, record
 
 
-def count_tool_calls(outputs: dict | None) -> int:
-    """Tool calls in a ReAct trajectory (the final 'finish' is not a tool call); 0 for other programs."""
-    trajectory = (outputs or {}).get("trajectory")
-    if not isinstance(trajectory, dict):
-        return 0
-    return sum(1 for k, v in trajectory.items() if k.startswith("tool_name_") and v != "finish")
-
-
-def tool_observations(outputs: dict | None) -> list[str]:
-    """What the tools returned during an attempt with these outputs (a ReAct-style trajectory's observations)."""
-    trajectory = (outputs or {}).get("trajectory")
-    if not isinstance(trajectory, dict):
-        return []
-    return [as_text(v) for k, v in trajectory.items() if k.startswith("observation_")]
-
-
-FAILED_TOOL = ("Execution error", "refused", "search failed", "HTTP ", "could not open", "timed out")  # failures stay visible
-
-
-def tool_actions(outputs: dict | None) -> list[str]:
-    """A tool-using attempt (by its outputs) as what it did: each call with its arguments, then its answer. What a
-    tool returned is left out (only its size, or a failure's message), so a learner sees the strategy, not the facts
-    it found."""
-    outputs = outputs or {}
-    trajectory = outputs.get("trajectory")
-    if not isinstance(trajectory, dict):
-        return []
-    lines, i = [], 0
-    while f"tool_name_{i}" in trajectory:
-        name, args = trajectory[f"tool_name_{i}"], trajectory.get(f"tool_args_{i}") or {}
-        if name == "finish":
-            break
-        shown = ", ".join(f"{clip(as_text(v), 300)}" for v in args.values()) if isinstance(args, dict) else as_text(args)
-        seen = as_text(trajectory.get(f"observation_{i}", ""))
-        result = clip(seen, 160) if seen.startswith(FAILED_TOOL) else f"({len(seen)} characters returned)"
-        lines.append(f"{i + 1}. {name}({shown}) -> {result}")
-        i += 1
-    answer = {k: v for k, v in outputs.items() if k not in ("trajectory", "reasoning")}
-    lines.append(f"{i + 1}. final: {format_fields(answer)}" if answer else f"{i + 1}. no final answer")
-    return lines
+def run_and_score(program: dspy.Module, example: dspy.Example, metric, timeout_s: float | None) -> dict:
+    """One attempt of `program` on `example`, scored: the one path of the probe and of validation (rollouts score
+    theirs apart, once their group is known). The run's record with `reward` and `feedback`; an attempt that raised
+    scores 0 without asking the metric; a metric call that times out scores 0, its message under `timeout`."""
+    _, rec = run_program(program, example)
+    return {**rec, **score_attempt(metric, example, rec, timeout_s)}
 
 
 def _record_trace(trace: list, program: dspy.Module) -> list[dict]:

@@ -18,10 +18,10 @@ resending it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
-import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import dspy
@@ -29,23 +29,55 @@ from dspy.teleprompt.teleprompt import Teleprompter
 
 from tfgrpo.base import hooks
 from tfgrpo.base.util import digest
-from tfgrpo.optimizers.checkpoint import Checkpoint, code_fingerprint
-from tfgrpo.optimizers.contrast import SMALL_REFLECTOR_B, ContrastPath, model_size_b
-from tfgrpo.optimizers.demos import with_learned
+from tfgrpo.optimizers.checkpoint import Checkpoint, Keys, code_fingerprint
+from tfgrpo.optimizers.contrast import ContrastPath
 from tfgrpo.optimizers.inputs import (check_examples, check_inputs, check_prices, check_program, explain_learning_path,
                                       starting_library)
 from tfgrpo.optimizers.knobs import KNOBS, Knobs, args_doc, fingerprinted_knobs
-from tfgrpo.optimizers.learning_paths import LearningPath, PaperPath
-from tfgrpo.optimizers.parallel import StageBar, TooManyFailuresError, run_parallel
-from tfgrpo.optimizers.result import EpochResult, TrainingFreeGRPOResult
-from tfgrpo.optimizers.rewards import MetricTimeout, call_metric, metric_takes_trace
-from tfgrpo.optimizers.rollout import run_program, with_own_lms
-from tfgrpo.optimizers.step import Step
+from tfgrpo.optimizers.learning_paths import LearningPath, path_name
+from tfgrpo.optimizers.paper_path import PaperPath
+from tfgrpo.optimizers.parallel import StageBar
+from tfgrpo.optimizers.result import EpochResult, StepResult, TrainingFreeGRPOResult
+from tfgrpo.optimizers.rewards import metric_takes_trace
+from tfgrpo.optimizers.step import RunSetup, Step, StepStart
 from tfgrpo.optimizers.usage import add_usage, history_kept, over_budget
-from tfgrpo.programs.inject import resolve_targets
+from tfgrpo.optimizers.validate import validate
+from tfgrpo.programs.inject import resolve_targets, with_learned
 from tfgrpo.programs.library import ExperienceLibrary
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Run:
+    """The state of one compile as its steps go: the library and demos kept so far, what is known of the queries the
+    current program solves, the steps' and epochs' records, the best validated epoch, and what was spent (`usage`:
+    by this call; `run_usage`: by the whole run, steps reused from log_dir included)."""
+
+    library: ExperienceLibrary
+    total_steps: int
+    demos: list[dict] = field(default_factory=list)
+    evidence: dict[int, bool] = field(default_factory=dict)
+    pending: list[dict] = field(default_factory=list)  # demo candidates the last step found for the next one
+    step: int = 0
+    steps: list[StepResult] = field(default_factory=list)
+    epochs: list[EpochResult] = field(default_factory=list)
+    best: tuple[float, dict, list, int] | None = None
+    usage: dict = field(default_factory=lambda: {"policy": {}, "reflection": {}})
+    run_usage: dict = field(default_factory=lambda: {"policy": {}, "reflection": {}})
+    metric_calls: int = 0
+    stopped: str | None = None
+
+    def count(self, stats: StepResult, reused: bool) -> None:
+        """Add a step's calls and tokens: to the run's, and to this call's unless the step was reused (nor what a
+        stopped run had spent in it)."""
+        for stage, usage in stats.usage.items():
+            role = "policy" if stage in ("rollout", "probe") else "reflection"
+            add_usage(self.run_usage[role], usage)
+            if not reused:
+                before = stats.usage_before_resume.get(stage, {})
+                add_usage(self.usage[role], {k: v - before.get(k, 0) for k, v in usage.items()})
+        self.metric_calls += stats.metric_calls
 
 
 @dataclass(eq=False)
@@ -130,6 +162,29 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
         return compiled
 
     def _compile(self, student, *, trainset, valset, trackers, ckpt) -> dspy.Module:
+        setup, start = self._prepare(student, trainset, valset, ckpt)
+        run = _Run(library=start.library, total_steps=self.total_steps(len(trainset)))
+        overall = self.progress or StageBar(resumed=True)  # the whole run: steps done of all, with its ETA
+        if run.total_steps:
+            overall("step", sum(ckpt.has(Keys.done(i)) for i in range(run.total_steps)), run.total_steps)
+        rng = random.Random(self.seed)
+        for epoch in range(self.num_train_epochs):
+            if run.step == run.total_steps:  # max_steps reached with the last epoch
+                break
+            order = list(range(len(trainset)))
+            rng.shuffle(order)
+            self._epoch(setup, start, run, epoch, order, trackers, overall)
+            if run.stopped:
+                logger.warning("Stopping early: %s", run.stopped)
+                break
+            if valset:
+                self._validated(setup, start, run, epoch, valset, trackers)
+        if isinstance(overall, StageBar):
+            overall.close()  # a run stopped early ends its bar short
+        return self._finish(student, start.targets, run, ckpt)
+
+    def _prepare(self, student, trainset, valset, ckpt) -> tuple[RunSetup, StepStart]:
+        """Every check before anything is spent (a refusal writes no run.json); then the run's fingerprint."""
         check_examples("trainset", trainset)
         if not trainset:
             raise ValueError("trainset is empty")
@@ -151,82 +206,74 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
                               reflection_lm)
         library = starting_library(student, program, targets, max_words=self.max_words_per_experience,
                                    max_experiences=self.max_experiences)
-        path, path_name = self.resolve_path(reflection_lm)  # every check before start: a refusal writes no run.json
+        path, name = self.resolve_path(reflection_lm)
         ckpt.start(self._fingerprint(program, targets, trainset, valset, library, policy_lms, reflection_lm))
-        if kept := ckpt.saved_units():
-            logger.info("resuming from %s: %d finished units kept", ckpt.root, kept)
+        if saved := ckpt.saved_units():
+            logger.info("resuming from %s: %d finished units found", ckpt.root, saved)
+        knobs = Knobs(**{k: getattr(self, k) for k in KNOBS})  # the settings alone, as the steps read them
+        setup = RunSetup(knobs=knobs, metric=self.metric, path=path, path_name=name, reflection_lm=reflection_lm,
+                         ckpt=ckpt)
+        start = StepStart(index=0, epoch=0, program=program, targets=targets, library=library, demos=[],
+                          trainset=trainset, batch=[])
+        return setup, start
 
-        rng, step, steps, epochs, demos = random.Random(self.seed), 0, [], [], []
-        total_steps = self.total_steps(len(trainset))
-        overall = self.progress or StageBar(resumed=True)  # the whole run: steps done of all, with its ETA
-        if total_steps:
-            overall("step", sum(ckpt.has(f"steps/{i:04d}/done") for i in range(total_steps)), total_steps)
-        best: tuple[float, dict, list, int] | None = None
-        run_totals, stopped, metric_calls = {"policy": {}, "reflection": {}}, None, 0
-        totals = {"policy": {}, "reflection": {}}  # calls made by this call, not those of steps reused from log_dir
-        for epoch in range(self.num_train_epochs):
-            if step == total_steps:  # max_steps reached with the last epoch
-                break
-            order = list(range(len(trainset)))
-            rng.shuffle(order)
-            for at in range(0, len(order), self.batch_size):
-                if stopped or step == total_steps:
-                    break
-                batch = order[at: at + self.batch_size]
-                reused = ckpt.has(f"steps/{step:04d}/done")
-                library, demos, stats = Step(self, path=path, path_name=path_name, program=program, targets=targets,
-                                             library=library, demos=demos, trainset=trainset, batch=batch, index=step,
-                                             epoch=epoch, reflection_lm=reflection_lm, ckpt=ckpt).run()
-                steps.append(stats)
-                for tracker in trackers:
-                    tracker.step(stats)
-                step += 1
-                if total_steps:
-                    overall("step", step, total_steps)
-                for stage, usage in stats.usage.items():
-                    role = "policy" if stage in ("rollout", "probe") else "reflection"
-                    add_usage(run_totals[role], usage)
-                    if not reused:  # nor what a stopped run had spent in this step
-                        before = stats.usage_before_resume.get(stage, {})
-                        add_usage(totals[role], {k: v - before.get(k, 0) for k, v in usage.items()})
-                metric_calls += stats.metric_calls
-                stopped = self._over_budget(run_totals, metric_calls)
-            if stopped:
-                logger.warning("Stopping early: %s", stopped)
-                break
-            if valset:
-                record = self._validate(program, targets, library, demos, valset, epoch, ckpt)
-                metric_calls += len(valset)
-                if step < total_steps:  # steps remain: a budget reached here stops them
-                    stopped = self._over_budget(run_totals, metric_calls)
-                epochs.append(EpochResult(epoch=epoch, library_size=len(library), **record))
-                for tracker in trackers:
-                    tracker.validation(epochs[-1].__dict__, step=step - 1)
-                if best is None or record["val_score"] >= best[0]:  # ties go to the later library
-                    best = (record["val_score"], library.dump_state(), demos, epoch)
+    def _epoch(self, setup: RunSetup, start: StepStart, run: _Run, epoch: int, order: list[int], trackers,
+               overall) -> None:
+        """The epoch's steps, one batch after another, each from what the one before it kept."""
+        used: set[int] = set()  # the queries this epoch has rolled out
+        for at in range(0, len(order), self.batch_size):
+            if run.stopped or run.step == run.total_steps:
+                return
+            ranked, size = self._ranked(order, at, run.evidence, used), len(order[at: at + self.batch_size])
+            reused = setup.ckpt.has(Keys.done(run.step))
+            begin = dataclasses.replace(start, index=run.step, epoch=epoch, library=run.library, demos=run.demos,
+                                        batch=ranked[:size], reserve=ranked[size:], evidence=run.evidence,
+                                        pending=run.pending)
+            run.library, run.demos, stats, run.pending = Step(setup, begin).run()
+            run.evidence = {int(q): ok for q, ok in stats.evidence.items()}
+            used.update(stats.queries or begin.batch)
+            run.steps.append(stats)
+            for tracker in trackers:
+                tracker.step(stats)
+            run.step += 1
+            if run.total_steps:
+                overall("step", run.step, run.total_steps)
+            run.count(stats, reused)
+            run.stopped = self._over_budget(run) or self._learned_out(stats)
 
-        if isinstance(overall, StageBar):
-            overall.close()  # a run stopped early ends its bar short
+    def _validated(self, setup: RunSetup, start: StepStart, run: _Run, epoch: int, valset: list, trackers) -> None:
+        """Score the epoch's library on the valset; the best so far (the later on a tie) is the one kept."""
+        record = validate(start.program, start.targets, run.library, run.demos, valset=valset, epoch=epoch,
+                          knobs=setup.knobs, metric=self.metric, ckpt=setup.ckpt)
+        run.metric_calls += len(valset)
+        if run.step < run.total_steps:  # steps remain: a budget reached here stops them
+            run.stopped = self._over_budget(run)
+        run.epochs.append(EpochResult(epoch=epoch, library_size=len(run.library), **record))
+        for tracker in trackers:
+            tracker.validation(run.epochs[-1].__dict__, step=run.step - 1)
+        if run.best is None or record["val_score"] >= run.best[0]:  # ties go to the later library
+            run.best = (record["val_score"], run.library.dump_state(), run.demos, epoch)
+
+    def _finish(self, student, targets: list[str], run: _Run, ckpt: Checkpoint) -> dspy.Module:
+        """The compiled copy of the student, with the best epoch's library and demos (else the last ones)."""
+        best = run.best
         if best:
             logger.info("Keeping the library of epoch %d: validation score %.3f, the best of %d validated epoch(s) "
-                        "(ties go to the later epoch); %d experiences", best[3], best[0], len(epochs),
+                        "(ties go to the later epoch); %d experiences", best[3], best[0], len(run.epochs),
                         len(best[1]["experiences"]))
-        final, final_demos = (ExperienceLibrary.from_state(best[1]), best[2]) if best else (library, demos)
+        final, final_demos = (ExperienceLibrary.from_state(best[1]), best[2]) if best else (run.library, run.demos)
         compiled = with_learned(student, targets, final, final_demos)
         compiled.detailed_results = TrainingFreeGRPOResult(
-            steps=steps, epochs=epochs, best_val_score=best[0] if best else None, best_epoch=best[3] if best else None,
-            usage=totals, run_usage=run_totals, reused_units=ckpt.reused, stopped_early=stopped)
+            steps=run.steps, epochs=run.epochs, best_val_score=best[0] if best else None,
+            best_epoch=best[3] if best else None, usage=run.usage, run_usage=run.run_usage, reused_units=ckpt.reused,
+            stopped_early=run.stopped)
         compiled._compiled = True
         return compiled
 
     # -- pieces ---------------------------------------------------------------------------------------------
     def resolve_learning_path(self, reflection_model: str) -> str:
         """The name of the learning path for a reflection LM of this name ("auto": contrast for small models)."""
-        if isinstance(self.learning_path, LearningPath):
-            return type(self.learning_path).__name__
-        if self.learning_path != "auto":
-            return self.learning_path
-        return "contrast" if model_size_b(reflection_model) <= SMALL_REFLECTOR_B else "paper"
+        return path_name(self.learning_path, reflection_model)
 
     def resolve_path(self, reflection_lm: dspy.BaseLM) -> tuple[LearningPath, str]:
         """The learning path object and its name; a contrast path with G = 1 is refused (it compares attempts)."""
@@ -238,14 +285,32 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
                              "num_generations=1: use learning_path='paper' (the paper's G = 1 ablation) or G >= 2")
         return (ContrastPath() if name == "contrast" else PaperPath()), name
 
-    def _over_budget(self, run_totals: dict, metric_calls: int) -> str | None:
-        return over_budget(run_totals, max_total_tokens=self.max_total_tokens, max_cost=self.max_cost,
-                           metric_calls=metric_calls, max_metric_calls=self.max_metric_calls)
+    def _ranked(self, order: list[int], at: int, evidence: dict[int, bool], used: set[int]) -> list[int]:
+        """The training queries in the order a step takes them: its batch first, then (dynamic sampling) the ones it
+        may add. In the epoch's shuffled order from `at` on; with `focus_on_failures`, the queries the current program
+        is known to fail first, then those never tried, then those it solves, each the ones not yet used this epoch
+        first."""
+        ranked = order[at:] + order[:at]
+        if self.focus_on_failures:
+            known = {False: 0, None: 1, True: 2}  # failed, never tried, solved
+            ranked.sort(key=lambda qi: (known[evidence.get(qi)], qi in used))  # a stable sort: the order within is kept
+        return ranked[: self.batch_size + self.max_resampled_queries]
 
-    def _parallel(self, fn, items, stage):
-        if items:
-            logger.info("%s: %d call(s) on %d thread(s)", stage, len(items), self.num_threads)
-        return run_parallel(fn, items, num_threads=self.num_threads, stage=stage, progress=self.progress)
+    def _learned_out(self, stats) -> str | None:
+        """Why the run stops with nothing left to learn (`stop_when_nothing_to_learn`), or None."""
+        if not self.stop_when_nothing_to_learn:
+            return None
+        if not stats.groups_kept:
+            return f"nothing left to learn: no group had reward contrast in step {stats.step} ({stats.groups} queries)"
+        probe = stats.probe or {}
+        if probe.get("queries") and probe["base_successes"] == len(probe["queries"]):
+            return f"nothing left to learn: the program solved all {len(probe['queries'])} probe queries of step " \
+                   f"{stats.step}"
+        return None
+
+    def _over_budget(self, run: _Run) -> str | None:
+        return over_budget(run.run_usage, max_total_tokens=self.max_total_tokens, max_cost=self.max_cost,
+                           metric_calls=run.metric_calls, max_metric_calls=self.max_metric_calls)
 
     def _policy_lms(self, program) -> dict[int, dspy.BaseLM]:
         lms = {}
@@ -268,38 +333,6 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
                       policy_lm=", ".join(sorted({_lm_name(lm) for lm in self._policy_lms(program).values()})),
                       student=type(program).__name__)
         return params
-
-    def _validate(self, program, targets, library, demos, valset, epoch, ckpt) -> dict:
-        """The epoch's validation record: `val_score` (mean metric; a run of the program that raised, or whose metric
-        call timed out, scores 0) and `val_failures`. More failures than `max_failure_rate` allows stop the run with
-        `TooManyFailuresError`: an outage must not pass for a bad library."""
-        if (saved := ckpt.get(f"epochs/{epoch}")) is not None:
-            return {"val_score": saved["val_score"], "val_failures": saved.get("val_failures", 0)}
-        cand, _ = with_own_lms(with_learned(program, targets, library, demos))
-
-        def score(example):
-            prediction, rec = run_program(cand, example)
-            if rec["error"]:
-                return 0.0, rec["error"]
-            try:
-                return call_metric(self.metric, example, prediction, self.metric_timeout_s)[0], None
-            except MetricTimeout as exc:  # a failure of this example, not of the run
-                return 0.0, str(exc)
-
-        results = self._parallel(score, list(valset), "validation")
-        errors = [error for _, error in results if error]
-        if len(errors) > self.max_failure_rate * len(results):
-            raise TooManyFailuresError(f"validation after epoch {epoch}: the program failed on {len(errors)} of "
-                                       f"{len(results)} examples (first: {errors[0]}); finished work is kept in "
-                                       f"log_dir={self.log_dir!r}")
-        if errors:
-            logger.warning("Epoch %d: the program failed on %d of %d validation examples, scored 0 (first: %s)",
-                           epoch, len(errors), len(results), errors[0])
-        value = statistics.fmean(s for s, _ in results)
-        logger.info("Epoch %d: validation score %.3f with %d experiences", epoch, value, len(library))
-        ckpt.put(f"epochs/{epoch}", {"val_score": value, "val_failures": len(errors), "library": library.dump_state(),
-                                     "demos": demos})
-        return {"val_score": value, "val_failures": len(errors)}
 
     def _fingerprint(self, program, targets, trainset, valset, library, policy_lms, reflection_lm) -> dict:
         models = {"policy": sorted({str(getattr(lm, "model", type(lm).__name__)) for lm in policy_lms.values()}),

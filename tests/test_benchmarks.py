@@ -27,13 +27,15 @@ ROOT = Path(__file__).resolve().parent.parent
 X = r"[+-]?\d+\.\d+"  # a figure as the benchmarks print them
 COVERED = {"faults.py", "learning_paths.py", "local_learning.py", "local_math.py", "local_throughput.py",
            "local_web.py", "peers.py", "rule_ceiling.py", "step_latency.py"}  # each has a test below
-NOT_BENCHMARKS = {"__init__.py", "ceiling.py", "common.py", "log_dir_checks.py", "stop_rows.py", "trust_rows.py"}  # helpers of the benchmarks
+NOT_BENCHMARKS = {"__init__.py", "ceiling.py", "common.py", "fault_child.py", "log_dir_checks.py", "stop_rows.py",
+                  "trust_rows.py"}  # helpers of the benchmarks
 
 
 def run(script: str, *args: str, timeout: float = 300) -> list[str]:
     """The benchmark's output lines; it must exit 0."""
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    module = f"benchmarks.{script.removesuffix('.py')}"  # as the docs run them: python -m benchmarks.NAME
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
     assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout.strip().splitlines()
 
@@ -207,7 +209,7 @@ def test_peers_knn_on_game24_solves_the_training_puzzles_once_and_retrieves_from
 def test_peers_refuses_an_arm_outside_the_tasks_menu():
     for arm, why in [("tfgrpo-excerpts", "was explored and superseded"), ("tfgrpo-probed-ties+demos", "is made for gsm8k"),
                      ("tfgrpo-nothing", "is no arm")]:
-        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peers.py"), "--arms", arm], cwd=ROOT,
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.peers", "--arms", arm], cwd=ROOT,
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode != 0 and f"{arm} {why}" in proc.stderr, proc.stderr[-2000:]
 
@@ -270,3 +272,25 @@ def test_local_throughput():
                             rf"seconds=\d+ quality_diff=[+-]\d\.\d{{3}} ci=\[[+-]\d\.\d{{3}},[+-]\d\.\d{{3}}\]", line), line
     assert re.fullmatch(r"local_throughput: mode=(off|ngram-mod) speedup=\d+\.\d\dx quality_diff=[+-]\d\.\d{3} "
                         r"ci=\[[+-]\d\.\d{3},[+-]\d\.\d{3}\] main_job_s=not-run", lines[-1]), lines[-1]
+
+
+def test_benchmarks_import_only_the_public_api():
+    """No benchmark edits sys.path or imports an underscore name, and none imports another benchmark that imports
+    it back (issue 57): they run as `python -m benchmarks.NAME` on what tfgrpo documents."""
+    import ast
+
+    imports: dict[str, set[str]] = {}
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        assert "sys.path" not in path.read_text(), path.name
+        found = imports.setdefault(path.stem, set())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                assert not any(a.name.startswith("_") for a in node.names), (path.name, node.module)
+                if node.module.startswith("benchmarks."):
+                    found.add(node.module.split(".")[1])
+                elif node.module == "benchmarks":
+                    found.update(a.name for a in node.names)
+    for name, deps in imports.items():
+        for dep in deps:
+            assert name not in imports.get(dep, set()), f"benchmarks.{name} and benchmarks.{dep} import each other"

@@ -107,7 +107,7 @@ def test_the_mlflow_run_page_shows_the_learning_curve_and_the_library(tmp_path):
             pytest.fail("TFGRPO_REQUIRE_BROWSER is set but chromium is not installed (apt-get install -y chromium)")
         pytest.skip("chromium is not installed (apt-get install -y chromium); TFGRPO_REQUIRE_BROWSER makes this fail")
     run_id, experiment, compiled = tiny_compile(tmp_path)
-    steps = compiled.detailed_results["steps"]
+    steps = compiled.detailed_results.to_dict()["steps"]
     shots = Path(os.environ.get("TFGRPO_BROWSER_SHOTS") or tmp_path / "screenshots")
     shots.mkdir(parents=True, exist_ok=True)
     with mlflow_server(tmp_path / "mlflow.db", tmp_path / "server.log") as base:

@@ -11,7 +11,7 @@ from scripted_lm import ScriptedLM, kind_of, output_fields
 from test_optimizer import LESSON, make_trainset, metric, student_answer
 from tfgrpo.optimizers import TooManyFailuresError, TrainingFreeGRPO
 from tfgrpo.optimizers.contrast import contrast_pairs, fold, overlap
-from tfgrpo.optimizers.contrast import model_size_b
+from tfgrpo.optimizers.learning_paths import model_size_b
 from tfgrpo.programs import ExperienceLibrary
 from tfgrpo.programs.constrained import ConstrainedJSONAdapter, output_schema
 from tfgrpo.programs.contrast_learner import ContrastLearner
@@ -211,7 +211,7 @@ def test_contrast_path_learns_with_one_call_per_group():
     lm = ScriptedLM(contrast_learner())
     compiled = compile_contrast(lm)
     assert compiled.experience_library.texts() == [LESSON]
-    step = compiled.detailed_results["steps"][0]
+    step = compiled.detailed_results.to_dict()["steps"][0]
     assert step["groups_kept"] == 4 and step["operations_proposed"] == 4 and step["details"]["redundant"] == 3
     assert step["usage"]["contrast"]["calls"] == 4 and "summary" not in step["usage"]
     assert sum(1 for c in lm.calls if "difference" in output_fields(c["messages"])) == 4
@@ -223,12 +223,12 @@ def test_specific_rules_are_rewritten_once_then_refused():
     lm = ScriptedLM(contrast_learner(rule="When adding {a} and {b}, carry.", generalized="When adding, carry the tens."))
     compiled = compile_contrast(lm)
     assert compiled.experience_library.texts() == ["When adding, carry the tens."]
-    step = compiled.detailed_results["steps"][0]
+    step = compiled.detailed_results.to_dict()["steps"][0]
     assert step["details"]["rewritten_specific"] >= 1 and step["details"]["refused_specific"] < step["operations_proposed"]
 
     lm = ScriptedLM(contrast_learner(rule="When adding {a} and {b}, carry.", generalized="Still {a} and {b}."))
     compiled = compile_contrast(lm)
-    step = compiled.detailed_results["steps"][0]
+    step = compiled.detailed_results.to_dict()["steps"][0]
     assert len(compiled.experience_library) == 0 and step["details"]["refused_specific"] == step["operations_proposed"] == 4
 
 
@@ -250,7 +250,7 @@ def test_invented_ids_cannot_pass_the_typed_reply():
     with pytest.raises(TooManyFailuresError, match="contrast calls"):  # every call failed: an outage, not "no lesson"
         TrainingFreeGRPO(metric, **opts).compile(student, trainset=make_trainset())
     compiled = TrainingFreeGRPO(metric, max_failure_rate=1.0, **opts).compile(student, trainset=make_trainset())
-    step = compiled.detailed_results["steps"][0]
+    step = compiled.detailed_results.to_dict()["steps"][0]
     assert step["learning_failures"] == 4 and step["operations_proposed"] == 0
     assert compiled.experience_library.texts() == ["When adding, start from the ones digit."]
 

@@ -43,7 +43,7 @@ def test_compiled_program_carries_a_winning_attempt_and_the_student_is_untouched
     assert student.demos == []
     (demo,) = compiled.demos
     assert demo.answer == str(eval(demo.question.removeprefix("What is ").removesuffix("?")))  # a right answer
-    assert compiled.detailed_results["steps"][0]["demos"]
+    assert compiled.detailed_results.to_dict()["steps"][0]["demos"]
     # the second step's attempts were shown the demo (DSPy puts a demo before the question, as a past turn)
     step2 = [c for c in lm.calls if kind_of(c["messages"]) == "student" and len(c["messages"]) > 2]
     assert step2 and all(demo.question in c["messages"][1]["content"] for c in step2)
@@ -57,7 +57,7 @@ def test_compiled_program_carries_a_winning_attempt_and_the_student_is_untouched
 def test_off_by_default():
     compiled = compile_with(ScriptedLM(learner()), dspy.Predict("question -> answer"))
     assert compiled.demos == []
-    assert compiled.detailed_results["steps"][0]["demos"] == []
+    assert compiled.detailed_results.to_dict()["steps"][0]["demos"] == []
 
 
 def test_a_resumed_run_restores_the_demos(tmp_path):

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks import fault_child as C
 from benchmarks import faults as F
 from tfgrpo.testing import FAULTS, KINDS, FakeLMServer
 
@@ -28,7 +29,7 @@ def saved_libraries(log_dir: Path) -> list[dict]:
 
 
 def assert_sound(state: dict, max_experiences=FAST["max_experiences"]):
-    assert F.library_problems(state, max_experiences=max_experiences) == []
+    assert C.library_problems(state, max_experiences=max_experiences) == []
 
 
 @pytest.mark.parametrize("fault", FAULTS)
@@ -38,7 +39,7 @@ def test_a_compile_survives_each_fault(tmp_path, fault):
         opts.update(num_train_epochs=1, lm_timeout=0.3)
     with FakeLMServer(latency=0.005, faults={fault: 0.2}, hang_seconds=1.0) as server:
         try:
-            compiled = F.compile_once(server.api_base, str(tmp_path), **opts)
+            compiled = C.compile_once(server.api_base, str(tmp_path), **opts)
         except RuntimeError as exc:  # allowed only as the documented stop, with the checkpoint kept
             assert "attempts failed" in str(exc) and str(tmp_path) in str(exc)
             assert (tmp_path / "run.json").exists() and list(tmp_path.glob("steps/*/rollouts/*.json"))
@@ -49,7 +50,7 @@ def test_a_compile_survives_each_fault(tmp_path, fault):
         assert_sound(state)
     if compiled is None:
         return
-    steps = compiled.detailed_results["steps"]
+    steps = compiled.detailed_results.to_dict()["steps"]
     assert len(steps) == opts["num_train_epochs"] * -(-opts["queries"] // opts["batch_size"])
     final = compiled.experience_library.dump_state()
     assert_sound(final)
@@ -68,7 +69,7 @@ def test_too_many_failed_attempts_stop_the_run_and_keep_the_checkpoint(tmp_path)
     # most student replies are garbage, in chat and in JSON: most attempts fail
     with FakeLMServer(latency=0.002, faults={"malformed": 0.8}, fault_kinds=("student",)) as server:
         with pytest.raises(RuntimeError, match="attempts failed") as info:
-            F.compile_once(server.api_base, str(tmp_path), **dict(FAST, max_failure_rate=0.5))
+            C.compile_once(server.api_base, str(tmp_path), **dict(FAST, max_failure_rate=0.5))
         learning = sum(server.stats()["kinds"][k]["calls"] for k in KINDS if k != "student")
     assert "log_dir" in str(info.value)
     assert learning == 0, "no learning call after a failed rollout stage"
@@ -80,13 +81,13 @@ def test_too_many_failed_attempts_stop_the_run_and_keep_the_checkpoint(tmp_path)
 def test_a_resume_after_the_failure_stop_retries_the_failed_attempts(tmp_path):
     with FakeLMServer(latency=0.002, faults={"malformed": 1.0}, fault_kinds=("student",)) as server, \
             pytest.raises(RuntimeError):
-        F.compile_once(server.api_base, str(tmp_path), **FAST)
+        C.compile_once(server.api_base, str(tmp_path), **FAST)
     saved = [json.loads(p.read_text()) for p in tmp_path.glob("steps/*/rollouts/*.json")]
     assert list(tmp_path.glob("steps/0000/*.json")), "the step's tally is saved where the rollouts are looked for"
     assert not any(rec["error"] for rec in saved), "a failed attempt is saved only once its stage's check has passed"
     with FakeLMServer(latency=0.002) as healthy:  # the outage is over
-        compiled = F.compile_once(healthy.api_base, str(tmp_path), **FAST)
-    assert all(s["rollout_failures"] == 0 for s in compiled.detailed_results["steps"])
+        compiled = C.compile_once(healthy.api_base, str(tmp_path), **FAST)
+    assert all(s["rollout_failures"] == 0 for s in compiled.detailed_results.to_dict()["steps"])
 
 
 def _server():
@@ -101,8 +102,8 @@ KILL_OPTS = dict(FAST, batch_size=3, num_threads=4)  # 4 steps of ~30 calls
 def reference(tmp_path_factory):
     root = tmp_path_factory.mktemp("reference")
     with _server() as server:
-        code, result, output, _ = F.run_child(server, root / "log", KILL_OPTS)
-        per_kind = F.calls(server.stats())
+        code, result, output, _ = C.run_child(server, root / "log", KILL_OPTS)
+        per_kind = C.calls(server.stats())
     assert code == 0, output[-3000:]
     assert len(result["library"]["experiences"]) > 0 and len(result["steps"]) == 4
     return result, per_kind
@@ -113,7 +114,7 @@ def reference(tmp_path_factory):
 def test_kill_9_and_resume_equals_an_uninterrupted_run_and_redoes_nothing(tmp_path, reference, share, kind):
     ref, ref_calls = reference
     kill_after = share if kind else max(1, int(share * sum(ref_calls.values())))
-    run = F.kill_and_resume(_server, tmp_path, KILL_OPTS, kill_after=kill_after, kill_kind=kind)
+    run = C.kill_and_resume(_server, tmp_path, KILL_OPTS, kill_after=kill_after, kill_kind=kind)
     assert run["killed"] and run["kill_exit"] == -9, run["output"][-3000:]
     assert run["exit"] == 0, run["output"][-3000:]
     # (a) the same library as without the kill
@@ -125,7 +126,7 @@ def test_kill_9_and_resume_equals_an_uninterrupted_run_and_redoes_nothing(tmp_pa
     assert all(run["killed_calls"][k] >= run["done_units"][k] for k in KINDS)
     for state in saved_libraries(run["log_dir"]):
         assert_sound(state)
-    assert F.torn_files(run["log_dir"]) == []
+    assert C.torn_files(run["log_dir"]) == []
 
 
 def test_kill_9_and_resume_under_reply_faults(tmp_path, reference):
@@ -134,10 +135,10 @@ def test_kill_9_and_resume_under_reply_faults(tmp_path, reference):
 
     root = tmp_path / "ref"
     with server() as srv:
-        code, ref, output, _ = F.run_child(srv, root, KILL_OPTS)
+        code, ref, output, _ = C.run_child(srv, root, KILL_OPTS)
         total = srv.stats()["calls"]
     assert code == 0, output[-3000:]
-    run = F.kill_and_resume(server, tmp_path, KILL_OPTS, kill_after=total // 2)
+    run = C.kill_and_resume(server, tmp_path, KILL_OPTS, kill_after=total // 2)
     assert run["killed"] and run["exit"] == 0, run["output"][-3000:]
     assert run["result"]["library"] == ref["library"] and run["rewritten"] == []
 

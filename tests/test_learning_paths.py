@@ -7,7 +7,7 @@ import pytest
 from scripted_lm import ScriptedLM
 from test_contrast import compile_contrast, contrast_learner
 from test_optimizer import LESSON, compile_with, learner
-from tfgrpo.optimizers.learning_paths import Learned, LearningPath
+from tfgrpo.optimizers.learning_paths import LearningPath, Lessons
 from tfgrpo.optimizers.parallel import Failed
 from tfgrpo.optimizers.result import StepResult, TrainingFreeGRPOResult
 from tfgrpo.signatures.operations import Operation
@@ -27,14 +27,14 @@ class WorstAnswerPath(LearningPath):
                     return dspy.Predict("attempt, feedback -> rule")(attempt=worst.text, feedback=worst.feedback).rule
             return ctx.call(f"why/{group.index}", call)
 
-        (rule,) = yield [("why", ask, None)]
+        (rule,) = ctx.map("why", ask, [None])
         ctx.count_failures("why", [rule.error] if isinstance(rule, Failed) else [], 1)
         return rule
 
     def finish(self, ctx, results):
         proposals = [(group.key, Operation(action="add", text=rule)) for group, rule in results
                      if not isinstance(rule, Failed)]
-        return Learned(plan=[op for _, op in proposals][:1], proposals=proposals,
+        return Lessons(plan=[op for _, op in proposals][:1], proposals=proposals,
                        counts={"learning_failures": sum(isinstance(r, Failed) for _, r in results)})
 
 
@@ -77,7 +77,6 @@ def test_the_step_record_has_the_same_fields_on_both_paths():
     assert paper.to_dict()["steps"][0].keys() == contrast.to_dict()["steps"][0].keys()
     assert paper.steps[0].learning_path == "paper" and contrast.steps[0].learning_path == "contrast"
     assert contrast.steps[0].details["redundant"] == 3 and paper.steps[0].details == {}
-    assert paper["steps"] == paper.to_dict()["steps"]  # read by key, as the plain dict it used to be
 
 
 def test_a_teacher_is_refused():
@@ -87,14 +86,13 @@ def test_a_teacher_is_refused():
         TrainingFreeGRPO(lambda e, p, t=None: 1.0).compile(dspy.Predict("q -> a"), trainset=[1], teacher=object())
 
 
-def test_a_step_learns_from_groups_it_is_given_and_applies_the_plan_to_a_copy():
+def test_a_path_learns_from_groups_it_is_given_and_the_plan_applies_to_a_copy():
     """What benchmarks/learning_paths.py does: a learning path alone, on groups scored elsewhere (no rollout)."""
     from test_optimizer import make_trainset
     from tfgrpo.optimizers.attempts import Attempt, Group, Scored
-    from tfgrpo.optimizers.checkpoint import Checkpoint
     from tfgrpo.optimizers.contrast import ContrastPath
     from tfgrpo.optimizers.knobs import Knobs
-    from tfgrpo.optimizers.step import Step
+    from tfgrpo.optimizers.learning_paths import learn_from_groups
     from tfgrpo.programs.library import ExperienceLibrary
 
     lm = ScriptedLM(contrast_learner())
@@ -103,11 +101,9 @@ def test_a_step_learns_from_groups_it_is_given_and_applies_the_plan_to_a_copy():
         Scored(Attempt(outputs={"answer": a}, error=None, trace=[], tool_calls=0, text=f"answer: {a}"), reward=r)
         for a, r in ((ex.answer, 1.0), ("-1", 0.0)))) for i, ex in enumerate(trainset)]
     start = ExperienceLibrary()
-    step = Step(Knobs(constrained_decoding="off", max_operations_per_group=1), path=ContrastPath(),
-                program=dspy.Predict("question -> answer"), targets=["self"], library=start, demos=[],
-                trainset=trainset, batch=[0, 1], index=0, reflection_lm=lm, ckpt=Checkpoint(None))
-    learning = step.learn(groups)
-    assert [op.text for op in learning.learned.plan] == [LESSON] and learning.usage["contrast"]["calls"] == 2
-    assert learning.usage["rollout"].get("calls", 0) == 0 and learning.groups == groups
-    library, report = step.apply(learning.learned.plan, learning)
-    assert library.texts() == [LESSON] and report.num_applied == 1 and len(start) == 0  # the step's library is untouched
+    lessons, usage = learn_from_groups(ContrastPath(), groups, settings=Knobs(constrained_decoding="off",
+                                       max_operations_per_group=1), reflection_lm=lm, library=start, trainset=trainset)
+    assert [op.text for op in lessons.plan] == [LESSON] and usage["contrast"]["calls"] == 2
+    library = start.copy()
+    report = library.apply(lessons.plan, step=0)
+    assert library.texts() == [LESSON] and report.num_applied == 1 and len(start) == 0  # the start is untouched

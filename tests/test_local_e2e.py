@@ -59,7 +59,7 @@ def test_compile_save_and_load_in_stock_dspy(local_lm, tmp_path):
                                 learning_path="paper", max_demos=2, max_failure_rate=1.0,
                                 log_dir=str(tmp_path / "log")).compile(dspy.ChainOfThought("question -> answer"),
                                                                        trainset=trainset)
-    step = compiled.detailed_results["steps"][0]
+    step = compiled.detailed_results.to_dict()["steps"][0]
     assert step["usage"]["rollout"]["calls"] >= 6 and step["usage"]["rollout"]["completion_tokens"] > 0
     assert 0.0 <= step["mean_reward"] <= 1.0 and step["rollout_failures"] <= 3
     expected_learning_calls = 3 * step["groups_kept"] + step["groups_kept"]
@@ -123,7 +123,7 @@ def test_game24_compiles_on_the_contrast_path(local_lm, tmp_path):
                                     max_operations_per_group=1, constrained_decoding="json_object",
                                     log_dir=str(tmp_path / "log")).compile(Game24Solver(),
                                                                            trainset=load_game24(limit=2, offset=300))
-    step = compiled.detailed_results["steps"][0]
+    step = compiled.detailed_results.to_dict()["steps"][0]
     why = json.dumps({k: v for k, v in step.items() if k != "demos"}, default=str)  # the whole record if one fails
     assert step["usage"]["rollout"]["calls"] == 6 and "summary" not in step["usage"], why
     assert step["usage"].get("contrast", {}).get("calls", 0) >= step["groups_kept"] - step["learning_failures"], why

@@ -107,7 +107,7 @@ def test_compiles_any_program_and_never_mutates_the_student(make):
         assert LESSON in predictor.signature.instructions, name
         assert predictor.signature.instructions.startswith(before[name])  # appended: ReAct's tool list survives
         assert predictor.lm is None  # no rollout LM copy leaks into the result
-    step = compiled.detailed_results["steps"][0]
+    step = compiled.detailed_results.to_dict()["steps"][0]
     assert step["groups_kept"] == 4 and step["operations_applied"]["add"] == 1 and step["library_size"] == 1
 
 
@@ -124,7 +124,7 @@ def test_call_budget_of_a_step():
     compiled = compile_with(lm, dspy.Predict("question -> answer"))
     # B*G rollouts + G*M summaries + M advantages + 1 consolidation, M = 4 mixed groups
     assert (count(lm, "student"), count(lm, "summary"), count(lm, "advantage"), count(lm, "consolidation")) == (16, 16, 4, 1)
-    usage = compiled.detailed_results["steps"][0]["usage"]
+    usage = compiled.detailed_results.to_dict()["steps"][0]["usage"]
     assert {k: v["calls"] for k, v in usage.items()} == {"rollout": 16, "summary": 16, "advantage": 4, "consolidation": 1}
     assert all(v["prompt_tokens"] > 0 for v in usage.values())
 
@@ -161,7 +161,7 @@ def test_groups_with_equal_rewards_make_no_learning_call():
 
     lm = ScriptedLM(respond)
     compiled = compile_with(lm, dspy.Predict("question -> answer"))
-    step = compiled.detailed_results["steps"][0]
+    step = compiled.detailed_results.to_dict()["steps"][0]
     assert step["groups_kept"] == 0 and step["frac_skipped_zero_std"] == 1.0
     assert len(lm.calls) == 16 and len(compiled.experience_library) == 0
 
@@ -172,7 +172,7 @@ def test_group_size_one_learns_from_each_attempt_against_the_ground_truth():
     compiled = compile_with(lm, dspy.Predict("question -> answer"), num_generations=1)
     assert count(lm, "student") == 4 and count(lm, "summary") == 4 and count(lm, "advantage") == 4
     assert compiled.experience_library.texts() == [LESSON]
-    assert compiled.detailed_results["steps"][0]["groups_kept"] == 4
+    assert compiled.detailed_results.to_dict()["steps"][0]["groups_kept"] == 4
 
 
 def test_group_size_one_on_the_contrast_path_is_refused():
@@ -187,7 +187,7 @@ def test_garbage_from_the_learning_lm_stops_the_run_unless_tolerated_and_never_e
     lm = ScriptedLM(learner(garbage=True))
     compiled = compile_with(lm, dspy.Predict("question -> answer"), num_train_epochs=2, max_failure_rate=1.0)
     assert len(compiled.experience_library) == 0
-    steps = compiled.detailed_results["steps"]
+    steps = compiled.detailed_results.to_dict()["steps"]
     assert len(steps) == 2 and all(s["learning_failures"] == 16 + 4 for s in steps)  # summaries + advantages
     assert OPEN_TAG not in compiled.predictors()[0].signature.instructions
 
@@ -197,7 +197,7 @@ def test_invented_ids_are_refused_and_valid_operations_still_apply():
            {"action": "add", "ids": [], "text": LESSON}]
     lm = ScriptedLM(learner(ops=ops))
     compiled = compile_with(lm, dspy.Predict("question -> answer"))
-    step = compiled.detailed_results["steps"][0]
+    step = compiled.detailed_results.to_dict()["steps"][0]
     assert compiled.experience_library.texts() == [LESSON]
     assert step["operations_rejected"] == 2 and step["operations_applied"]["add"] == 1
 
@@ -206,7 +206,7 @@ def test_proposals_cap_per_group():
     ops = [{"action": "add", "ids": [], "text": f"When case {i} holds, try method {i}."} for i in range(5)]
     lm = ScriptedLM(learner(ops=ops, plan=[]))
     compiled = compile_with(lm, dspy.Predict("question -> answer"), max_operations_per_group=2)
-    assert compiled.detailed_results["steps"][0]["operations_proposed"] == 8  # 4 groups x 2
+    assert compiled.detailed_results.to_dict()["steps"][0]["operations_proposed"] == 8  # 4 groups x 2
 
 
 def test_learning_in_later_steps_sees_the_library_and_uses_reflection_lm():
@@ -218,7 +218,7 @@ def test_learning_in_later_steps_sees_the_library_and_uses_reflection_lm():
                                                                   trainset=make_trainset())
     assert all(kind_of(c["messages"]) == "student" for c in policy.calls)
     assert all(kind_of(c["messages"]) != "student" for c in reflection.calls)
-    steps = compiled.detailed_results["steps"]
+    steps = compiled.detailed_results.to_dict()["steps"]
     # step 0 learns the lesson; with it in the prompt every later rollout is right: no contrast, no learning calls
     assert steps[0]["library_size"] == 1 and all(s["groups_kept"] == 0 for s in steps[1:])
     assert [s["mean_reward"] for s in steps[1:]] == [1.0] * 3
@@ -233,7 +233,7 @@ def test_without_ground_truth_no_answer_key_reaches_a_learning_call():
     for call in learning:
         text = json.dumps(call["messages"])
         assert "reference_answer" not in text and "correct answer" not in text
-    assert compiled.detailed_results["steps"][0]["groups_kept"] == 4
+    assert compiled.detailed_results.to_dict()["steps"][0]["groups_kept"] == 4
 
 
 def test_valset_keeps_the_best_epoch():
@@ -258,7 +258,7 @@ def test_valset_keeps_the_best_epoch():
     # validation runs without rollout_id: wrong unless the lesson is in the prompt
     compiled = opt.compile(dspy.Predict("question -> answer"), trainset=make_trainset(),
                            valset=[dspy.Example(question="What is 1 + 2?", answer="3").with_inputs("question")])
-    epochs = compiled.detailed_results["epochs"]
+    epochs = compiled.detailed_results.to_dict()["epochs"]
     assert [e["val_score"] for e in epochs] == [1.0, 1.0]  # epoch 1 made no change (no contrast left)
     assert compiled.experience_library.texts() == [LESSON]
 
@@ -295,7 +295,7 @@ def test_failed_rollouts_are_scored_as_failures_and_too_many_stop_the_run():
 
     lm = ScriptedLM(respond)
     compiled = compile_with(lm, dspy.Predict("question -> answer"))
-    step = compiled.detailed_results["steps"][0]
+    step = compiled.detailed_results.to_dict()["steps"][0]
     assert step["rollout_failures"] > 0 and step["groups_kept"] > 0
     with pytest.raises(RuntimeError, match="attempts failed"):
         compile_with(ScriptedLM(respond), dspy.Predict("question -> answer"), max_failure_rate=0.1)
@@ -319,7 +319,7 @@ def test_token_budget_stops_after_the_step_that_reaches_it():
     lm = ScriptedLM(learner())
     compiled = compile_with(lm, dspy.Predict("question -> answer"), num_train_epochs=3, batch_size=2,
                             max_total_tokens=1)
-    results = compiled.detailed_results
+    results = compiled.detailed_results.to_dict()
     assert len(results["steps"]) == 1 and "max_total_tokens" in results["stopped_early"]
     policy, reflection = results["usage"]["policy"], results["usage"]["reflection"]
     assert policy["calls"] == 8 and reflection["calls"] == 2 * 4 + 2 + 1
@@ -344,13 +344,13 @@ def test_max_steps_stops_part_way_through_an_epoch_and_a_resume_with_more_goes_o
     lm = ScriptedLM(learner())
     compiled = compile_with(lm, dspy.Predict("question -> answer"), num_train_epochs=3, batch_size=2, max_steps=3,
                             log_dir=str(tmp_path))
-    steps = compiled.detailed_results["steps"]
+    steps = compiled.detailed_results.to_dict()["steps"]
     assert [(s["step"], s["epoch"]) for s in steps] == [(0, 0), (1, 0), (2, 1)]
     assert count(lm, "student") == 3 * 2 * 4
     lm = ScriptedLM(learner())  # raising max_steps is not a new run: the 3 finished steps are reused
     compiled = compile_with(lm, dspy.Predict("question -> answer"), num_train_epochs=3, batch_size=2, max_steps=4,
                             log_dir=str(tmp_path))
-    assert len(compiled.detailed_results["steps"]) == 4 and count(lm, "student") == 2 * 4
+    assert len(compiled.detailed_results.to_dict()["steps"]) == 4 and count(lm, "student") == 2 * 4
 
 class Terminal(io.StringIO):
     def isatty(self):

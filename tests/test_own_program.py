@@ -84,7 +84,7 @@ def test_max_cost_is_refused_for_a_model_without_a_price_and_stops_a_priced_one(
             compile_on("openai/fake")
         assert server.stats()["calls"] == 0
         # the same server under a model name DSPy can price: the budget is measured and stops the run
-        results = compile_on("openai/gpt-4o-mini").detailed_results
+        results = compile_on("openai/gpt-4o-mini").detailed_results.to_dict()
     assert "max_cost" in results["stopped_early"] and len(results["steps"]) == 1
     assert results["usage"]["policy"]["cost"] > 0
 
@@ -122,10 +122,10 @@ def test_a_few_validation_errors_are_warned_about_and_counted(caplog):
         compiled = TrainingFreeGRPO(metric, num_generations=4, batch_size=4, num_train_epochs=1,
                                     progress=lambda *_: None).compile(Fragile(), trainset=make_trainset(),
                                                                       valset=valset(1, 3))
-    epoch = compiled.detailed_results["epochs"][0]
+    epoch = compiled.detailed_results.to_dict()["epochs"][0]
     assert epoch["val_failures"] == 1 and epoch["val_score"] == pytest.approx(0.75)
     assert "failed on 1 of 4 validation examples" in caplog.text and "calculator crashed" in caplog.text
-    assert compiled.detailed_results["best_epoch"] == 0 and "Keeping the library of epoch 0" in caplog.text
+    assert compiled.detailed_results.to_dict()["best_epoch"] == 0 and "Keeping the library of epoch 0" in caplog.text
 
 
 # -- what DSPy users bring -----------------------------------------------------------------------------------

@@ -1,12 +1,13 @@
 """Edits that earn their place: the probe (probe_size) keeps what helps on other training queries, and excerpts
 (max_excerpt_lines) are copied from the attempt, never invented."""
 
+import re
 import statistics
 
 import dspy
 
 from scripted_lm import ScriptedLM, kind_of
-from test_optimizer import LESSON, compile_with, make_trainset, student_answer
+from test_optimizer import LESSON, compile_with, learner, make_trainset, student_answer
 from tfgrpo.base.util import digest
 from tfgrpo.optimizers.probe import probe_queries
 from tfgrpo.programs.excerpt import checked_excerpt
@@ -41,7 +42,7 @@ def test_probe_keeps_the_rule_that_helps_and_drops_the_one_that_hurts(tmp_path):
     compiled = compile_with(lm, dspy.Predict("question -> answer"), trainset=make_trainset(8), batch_size=4,
                             learning_path="paper", probe_size=3, seed=_seed_with_even_probe_run(),
                             log_dir=str(tmp_path / "ckpt"))
-    step = compiled.detailed_results["steps"][0]
+    step = compiled.detailed_results.to_dict()["steps"][0]
     probe = step["probe"]
     assert [c["kept"] for c in probe["candidates"]] == [True, False]
     assert probe["base_mean"] == 1.0 and [c["mean"] for c in probe["candidates"]] == [1.0, 0.0]
@@ -171,7 +172,7 @@ def test_contrast_rules_carry_an_excerpt_copied_from_the_better_attempt():
     compiled = compile_contrast(ScriptedLM(_contrast_learner_with_excerpt()), max_excerpt_lines=4)
     (exp,) = compiled.experience_library
     assert exp.text == LESSON and exp.excerpt.startswith("answer: ")
-    step = compiled.detailed_results["steps"][0]
+    step = compiled.detailed_results.to_dict()["steps"][0]
     # "What is 0 + 10?" is answered "answer: 10": masked, only the query's own value is left, refused
     assert step["details"]["excerpts"] == 3 and step["details"]["excerpts_refused"] == 1
     assert exp.excerpt in compiled.signature.instructions  # the policy sees the lines
@@ -183,7 +184,7 @@ def test_an_invented_excerpt_leaves_the_rule_without_one():
     compiled = compile_contrast(ScriptedLM(_contrast_learner_with_excerpt(invent=True)), max_excerpt_lines=4)
     (exp,) = compiled.experience_library
     assert exp.text == LESSON and exp.excerpt == ""
-    step = compiled.detailed_results["steps"][0]
+    step = compiled.detailed_results.to_dict()["steps"][0]
     assert step["details"]["excerpts"] == 0 and step["details"]["excerpts_refused"] == 4
 
 
@@ -279,9 +280,9 @@ def test_stopping_early_gives_the_verdicts_of_the_full_probe_with_fewer_attempts
     for case in range(150):
         candidates = [rng.choice(kinds)() for _ in range(rng.randint(1, 4))]
         programs = [_Table([rng.choice([1.0, 1.0, 0.3, 0.0]) for _ in range(4)]) for _ in range(len(candidates) + 1)]
-        keep_ties = rng.random() < 0.5
-        full = run_probe_fully(programs, candidates, keep_ties=keep_ties)
-        early = _probe(programs, candidates, keep_ties=keep_ties)
+        keep_ties, alpha = rng.random() < 0.5, rng.choice([1.0, 0.5, 0.15, 0.07])
+        full = run_probe_fully(programs, candidates, keep_ties=keep_ties, alpha=alpha)
+        early = _probe(programs, candidates, keep_ties=keep_ties, alpha=alpha)
         assert early.kept == full.kept, case
         assert [s for s, k in zip(early.scores, early.kept) if k] == [s for s, k in zip(full.scores, full.kept) if k]
         saved += sum(full.ran) - sum(early.ran)
@@ -389,7 +390,7 @@ def test_a_whole_attempt_that_fits_is_the_excerpt_with_no_lm_call():
     # the picker is asked once: "What is 0 + 10?" was answered "answer: 10", a line holding only the query's own
     # number, so nothing of that attempt is left, and the picker's invention is refused
     assert sum("excerpt" in output_fields(call["messages"]) for call in lm.calls) == 1
-    step = compiled.detailed_results["steps"][0]
+    step = compiled.detailed_results.to_dict()["steps"][0]
     assert step["details"]["excerpts"] == 3 and step["details"]["excerpts_refused"] == 1
     from tfgrpo.programs.contrast_learner import ContrastLearner
 
@@ -401,3 +402,124 @@ def test_a_whole_attempt_that_fits_is_the_excerpt_with_no_lm_call():
         whole, why = ContrastLearner(max_excerpt_lines=8, whole_attempt=True)._excerpt(
             "Try every order.", ATTEMPT, "numbers: [3, 7, 7, 7]", "")
     assert len(picker.calls) == 1 and why is None and whole.startswith("from itertools") and "3, 7" not in whole
+
+
+def test_a_demo_must_win_a_sign_test_not_one_lucky_hit():
+    """probe_alpha: one win against none is no evidence (p = 0.5); three against none is (p = 0.125)."""
+    from tfgrpo.optimizers.probe import Candidate, keeps, sign_test_p
+
+    demo = Candidate("demo", demo={})
+    assert sign_test_p(1, 0) == 0.5 and sign_test_p(3, 0) == 0.125 and sign_test_p(0, 0) == 1.0
+    assert abs(sign_test_p(4, 1) - 6 / 32) < 1e-12
+    assert keeps(demo, (1, 0.3), (0, 0.2), wins=1, losses=0)  # alpha 1.0: any net gain, as before
+    assert not keeps(demo, (1, 0.3), (0, 0.2), wins=1, losses=0, alpha=0.15)
+    assert keeps(demo, (3, 0.5), (0, 0.2), wins=3, losses=0, alpha=0.15)
+    assert not keeps(demo, (4, 0.5), (1, 0.2), wins=4, losses=1, alpha=0.15)
+    # the probe: a demo that solves one more probe query than the program it would replace is dropped
+    programs = [_Fixed(0, "none"), _Fixed(1, "none"), _Fixed(3, "none")]
+    result = _probe(programs, [Candidate("lucky", demo={}), Candidate("real", demo={})], alpha=0.15)
+    assert result.kept == [False, True] and result.solved == [[], [0], [0, 1, 2]]
+
+
+def test_a_kept_demo_that_failed_its_own_query_is_shown_by_a_probe_success(tmp_path):
+    """A candidate judged by what it does on other queries: when it wins the probe but had not solved its own query,
+    the kept demo is its attempt on a probe query it solved (a demo always shows a success)."""
+    from tfgrpo.optimizers.probe import Candidate
+
+    def solver(right):
+        def respond(messages, kwargs):
+            n = int(re.findall(r"What is (\d+) \+", messages[-1]["content"])[-1])
+            return {"answer": str(2 * n + 10) if n < right else "none"}
+        program = dspy.Predict("question -> answer")
+        program.lm = ScriptedLM(respond)
+        return program
+
+    result = _probe([solver(0), solver(2)], [Candidate("general", demo={})], alpha=1.0)
+    assert result.kept == [True] and result.tried[1] == [0, 1, 2, 3] and result.solved[1] == [0, 1]
+    assert result.traces[1][0][0]["outputs"]["answer"] == "10"  # query 0's own success
+
+
+def test_explore_generations_roll_out_without_the_demos_and_candidates_skip_the_copies(tmp_path):
+    """num_explore_generations: the last attempts of each group see no demo; a demo candidate is never the current
+    program's own uniform attempt."""
+    from tfgrpo.optimizers.attempts import Attempt, Group, Scored
+    from tfgrpo.optimizers.demos import demo_candidates
+
+    def group(rewards):
+        attempts = tuple(Scored(Attempt(outputs={"answer": str(g)}, error=None, trace=[{"g": g}], tool_calls=0,
+                                        text=""), reward=r) for g, r in enumerate(rewards))
+        return Group(index=0, key="q0", example=dspy.Example(question="q").with_inputs("question"), attempts=attempts)
+
+    # the current program solves it on both of its attempts: the explorers' best (0.3) is the candidate
+    assert [d["trace"] for d in demo_candidates([group([1.0, 1.0, 0.3, 0.0])], 0, min_reward=0.0,
+                                                explore_from=2)] == [[{"g": 2}]]
+    # the current program fails alike: an explorer that solved it is the candidate
+    assert demo_candidates([group([0.0, 0.0, 0.0, 1.0])], 0, explore_from=2)[0]["trace"] == [{"g": 3}]
+    # the current program's attempts differ: its best is a candidate as without exploration
+    assert demo_candidates([group([1.0, 0.0, 0.0, 0.0])], 0, explore_from=2)[0]["trace"] == [{"g": 0}]
+
+    seen = {}
+
+    def respond(messages, kwargs):
+        if kind_of(messages) == "student":
+            seen.setdefault(kwargs.get("rollout_id"), set()).add(len(messages) > 2)  # a demo: an earlier exchange
+        return learner()(messages, kwargs)
+
+    lm = ScriptedLM(respond)
+    compiled = compile_with(lm, dspy.Predict("question -> answer"), trainset=make_trainset(8), batch_size=4,
+                            max_demos=1, num_explore_generations=2, learning_path="paper")
+    assert len(compiled.detailed_results.steps) == 2 and compiled.detailed_results.steps[0].demos
+    rid = [int(digest([0, 1, g]), 16) % 2**31 for g in range(4)]  # step 1's attempts, g = 0..3
+    assert [seen[r] for r in rid] == [{True}, {True}, {False}, {False}]
+
+
+def test_dynamic_sampling_rolls_out_more_queries_until_groups_have_contrast():
+    """max_resampled_queries: queries whose attempts all score alike teach nothing; the step tries more."""
+    def respond(messages, kwargs):
+        if kind_of(messages) == "student":
+            values = student_answer(messages, kwargs)
+            q = re.findall(r"What is (\d+) \+", messages[-1]["content"])
+            if q and int(q[-1]) % 2 == 0:  # even queries: every attempt right, no contrast
+                values["answer"] = str(2 * int(q[-1]) + 10)
+            return values
+        return learner()(messages, kwargs)
+
+    trainset = make_trainset(12)
+    lm = ScriptedLM(respond)
+    plain = compile_with(lm, dspy.Predict("question -> answer"), trainset=trainset, batch_size=4, max_steps=1,
+                         learning_path="paper")
+    lm2 = ScriptedLM(respond)
+    sampled = compile_with(lm2, dspy.Predict("question -> answer"), trainset=trainset, batch_size=4, max_steps=1,
+                           learning_path="paper", max_resampled_queries=6)
+    before, after = plain.detailed_results.steps[0], sampled.detailed_results.steps[0]
+    assert before.groups == 4 and before.groups_kept < 4
+    assert after.groups > 4 and after.groups_kept > before.groups_kept and after.queries[:4] == before.queries
+    assert after.groups_kept == min(4, sum(q % 2 for q in after.queries)) and after.groups <= 10
+
+
+def test_stop_when_nothing_to_learn_ends_the_run_and_says_so():
+    def respond(messages, kwargs):
+        if kind_of(messages) == "student":
+            values = student_answer(messages, kwargs)
+            values["answer"] = "-1"  # every attempt wrong alike: no group ever has contrast
+            return values
+        return learner()(messages, kwargs)
+
+    lm = ScriptedLM(respond)
+    compiled = compile_with(lm, dspy.Predict("question -> answer"), trainset=make_trainset(12), batch_size=4,
+                            learning_path="paper", stop_when_nothing_to_learn=True)
+    result = compiled.detailed_results
+    assert len(result.steps) == 1 and result.stopped_early.startswith("nothing left to learn")
+
+
+def test_focus_on_failures_puts_the_queries_the_program_fails_first():
+    from tfgrpo.optimizers import TrainingFreeGRPO
+
+    opt = TrainingFreeGRPO(lambda e, p, t=None: 1.0, batch_size=2, focus_on_failures=True, max_resampled_queries=2)
+    order = [5, 4, 3, 2, 1, 0]
+    evidence = {5: True, 3: False, 0: False, 1: True}
+    # known failures first (in the epoch's order), then the untried ones, then the solved ones
+    assert opt._ranked(order, 0, evidence, used=set()) == [3, 0, 4, 2]
+    assert opt._ranked(order, 0, evidence, used={3}) == [0, 3, 4, 2]  # this epoch's used ones go after
+    plain = TrainingFreeGRPO(lambda e, p, t=None: 1.0, batch_size=2, max_resampled_queries=2)
+    assert plain._ranked(order, 2, evidence, used=set()) == [3, 2, 1, 0]

@@ -67,11 +67,11 @@ def test_resume_after_a_crash_redoes_nothing_and_ends_the_same(tmp_path, at_kind
     assert resumed.experience_library.dump_state() == reference.experience_library.dump_state()
     # every call that returned before the crash was kept: together the two runs made the calls of one
     assert len(first.calls) + len(resumed_lm.calls) == len(reference_lm.calls)
-    assert resumed.detailed_results["reused_units"] == units > 0  # a finished step is one unit; a tally is none
+    assert resumed.detailed_results.to_dict()["reused_units"] == units > 0  # a finished step is one unit; a tally is none
     # and the run's cost counts them: a step stopped halfway keeps what its finished units spent
-    calls = lambda result: {role: u.get("calls", 0) for role, u in result.detailed_results["run_usage"].items()}  # noqa: E731
+    calls = lambda result: {role: u.get("calls", 0) for role, u in result.detailed_results.to_dict()["run_usage"].items()}  # noqa: E731
     assert calls(resumed) == calls(reference)
-    new = sum(u.get("calls", 0) for u in resumed.detailed_results["usage"].values())
+    new = sum(u.get("calls", 0) for u in resumed.detailed_results.to_dict()["usage"].values())
     assert new == len(resumed_lm.calls)  # and this compile's own calls are those it made
 
 
@@ -80,9 +80,9 @@ def test_a_finished_run_resumes_with_zero_calls_and_reports_none_as_new(tmp_path
     lm = ScriptedLM(learner)
     again = run(lm, tmp_path)
     assert lm.calls == [] and again.experience_library.texts()
-    usage, whole = again.detailed_results["usage"], again.detailed_results["run_usage"]
+    usage, whole = again.detailed_results.to_dict()["usage"], again.detailed_results.to_dict()["run_usage"]
     assert usage["policy"].get("calls", 0) == 0 and usage["reflection"].get("calls", 0) == 0, usage
-    assert whole == first.detailed_results["usage"] == first.detailed_results["run_usage"]  # what the run had cost
+    assert whole == first.detailed_results.to_dict()["usage"] == first.detailed_results.to_dict()["run_usage"]  # what the run had cost
 
 
 def test_changed_settings_are_refused_naming_each_field_old_and_new(tmp_path):

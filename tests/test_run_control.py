@@ -124,7 +124,7 @@ def test_a_second_compile_is_refused_naming_the_holder_and_a_dead_holders_lock_i
     compiled = TrainingFreeGRPO(exact, log_dir=str(log_dir), **OPTS).compile(dspy.Predict("question -> answer"),
                                                                             trainset=make_trainset())
     rollouts = sum(1 for c in lm.calls if kind_of(c["messages"]) == "student")
-    assert compiled.detailed_results["reused_units"] > 0 and rollouts < 16, "the dead holder's finished work is kept"
+    assert compiled.detailed_results.to_dict()["reused_units"] > 0 and rollouts < 16, "the dead holder's finished work is kept"
     assert "pid" not in (log_dir / ".lock").read_text()  # released: the file says nobody holds it
 
 
@@ -232,9 +232,9 @@ def test_a_metric_timeout_turns_a_hung_call_into_a_counted_failure(tmp_path, cap
             compiled = opt.compile(dspy.Predict("question -> answer"), trainset=trainset, valset=trainset)
     finally:
         release.set()
-    step = compiled.detailed_results["steps"][0]
+    step = compiled.detailed_results.to_dict()["steps"][0]
     assert step["details"]["metric_timeouts"] == OPTS["num_generations"]  # the hanging query's attempts, scored 0
-    assert compiled.detailed_results["epochs"][0]["val_failures"] == 1
+    assert compiled.detailed_results.to_dict()["epochs"][0]["val_failures"] == 1
     assert "the metric timed out on 4 of 16 attempts" in caplog.text
     assert "metric_timeout_s=0.2" in caplog.text
 
@@ -296,5 +296,5 @@ def test_the_cli_says_interrupted_exits_130_and_a_rerun_says_it_resumes(tmp_path
         again = CliRunner().invoke(app, ["compile", str(cfg)])
     assert again.exit_code == 0, again.output
     said = " ".join(again.output.split())
-    assert f"resuming from {checkpoint}: " in said and "finished units kept" in said
+    assert f"resuming from {checkpoint}: " in said and "finished units found" in said
     assert "run: epoch 1/1, steps" in said

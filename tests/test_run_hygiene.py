@@ -83,5 +83,5 @@ def test_attempts_refused_for_context_length_are_said_on_the_console(caplog):
     with caplog.at_level(logging.WARNING, logger="tfgrpo"):
         compiled = TrainingFreeGRPO(exact, **OPTS).compile(dspy.Predict("question -> answer"),
                                                            trainset=make_trainset())
-    assert compiled.detailed_results["steps"][0]["rollout_failures"] == 4
+    assert compiled.detailed_results.to_dict()["steps"][0]["rollout_failures"] == 4
     assert "Step 0: 4 attempt(s) refused by the LM for context length" in caplog.text

@@ -69,7 +69,7 @@ def test_a_reflection_outage_is_not_a_finished_step_and_a_resume_redoes_the_lear
 def test_an_unparseable_learning_reply_costs_at_most_two_calls_and_all_are_counted():
     lm = ScriptedLM(learner(garbage=True))
     compiled = compile_with(lm, dspy.Predict("question -> answer"), max_failure_rate=1.0)
-    step = compiled.detailed_results["steps"][0]
+    step = compiled.detailed_results.to_dict()["steps"][0]
     learning_calls = len(lm.calls) - 16
     assert learning_calls == 2 * (16 + 4), "one retry per summary and per group advantage, nothing more"
     assert step["learning_failures"] == 16 + 4
@@ -90,7 +90,7 @@ def test_the_dry_run_bound_covers_a_step_of_unparseable_replies():
     dspy.configure(lm=lm)
     optimizer = TrainingFreeGRPO(metric, num_generations=4, num_train_epochs=1, batch_size=4, num_threads=4)
     bound = estimate_run(optimizer, dspy.Predict("question -> answer"), make_trainset())["per_step_upper_bound"]
-    step = optimizer.compile(dspy.Predict("question -> answer"), trainset=make_trainset()).detailed_results["steps"][0]
+    step = optimizer.compile(dspy.Predict("question -> answer"), trainset=make_trainset()).detailed_results.to_dict()["steps"][0]
     assert step["groups_kept"] == 4, "the JSON fallback let the students answer"
     for stage, usage in step["usage"].items():
         assert 0 < usage["calls"] <= bound[stage]["calls"], stage
@@ -122,7 +122,7 @@ def test_budgets_hold_when_dspy_history_is_disabled():
             optimizer = TrainingFreeGRPO(metric, num_generations=4, num_train_epochs=3, batch_size=2, **budget)
             return optimizer.compile(dspy.Predict("question -> answer"), trainset=make_trainset())
 
-    results = compile_without_history(max_total_tokens=1).detailed_results
+    results = compile_without_history(max_total_tokens=1).detailed_results.to_dict()
     assert len(results["steps"]) == 1 and "max_total_tokens" in results["stopped_early"]
     assert results["usage"]["policy"]["calls"] == 8 and results["usage"]["policy"]["prompt_tokens"] > 0
     with pytest.raises(ValueError, match="disable_history"):  # the price of a call is only kept in the history

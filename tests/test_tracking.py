@@ -105,8 +105,8 @@ AUTOLOG_SCRIPT = textwrap.dedent("""
         optimizer = TrainingFreeGRPO(metric, num_generations=3, batch_size=2, num_train_epochs=2, num_threads=4,
                                      log_dir=log_dir, progress=lambda *_: None)
         compiled = optimizer.compile(dspy.Predict("question -> answer"), trainset=data, valset=data[:2])
-    print(json.dumps({"run_id": mlflow.last_active_run().info.run_id, "steps": compiled.detailed_results["steps"],
-                      "epochs": compiled.detailed_results["epochs"], "patched": "mlflow" in sys.modules}))
+    print(json.dumps({"run_id": mlflow.last_active_run().info.run_id, "steps": compiled.detailed_results.to_dict()["steps"],
+                      "epochs": compiled.detailed_results.to_dict()["epochs"], "patched": "mlflow" in sys.modules}))
 """)
 
 
@@ -150,7 +150,7 @@ def test_a_users_own_run_gets_the_compile_and_stays_open(tmp_path, empty_store):
                                     max_demos=1).compile(dspy.Predict("question -> answer"), trainset=make_trainset())
         assert mlflow.active_run().info.run_id == run.info.run_id  # the compile did not end the user's run
     client = MlflowClient()
-    steps = compiled.detailed_results["steps"]
+    steps = compiled.detailed_results.to_dict()["steps"]
     data = client.get_run(run.info.run_id).data
     assert data.metrics["library/size"] == len(compiled.experience_library) == 4
     assert data.metrics["learning/operations_proposed"] == steps[-1]["operations_proposed"]
@@ -184,7 +184,7 @@ def test_use_mlflow_starts_a_run_and_a_resume_after_a_crash_continues_it(tmp_pat
     run, _ = the_run(uri, "resume")
     assert run.info.run_id == crashed.info.run_id and run.info.status == "FINISHED"
     assert history(client, run.info.run_id, "train/mean_reward") == \
-        [(s["step"], s["mean_reward"]) for s in compiled.detailed_results["steps"]]  # step 0 once
+        [(s["step"], s["mean_reward"]) for s in compiled.detailed_results.to_dict()["steps"]]  # step 0 once
     assert mlflow.active_run() is None
 
 

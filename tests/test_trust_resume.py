@@ -213,12 +213,12 @@ def test_the_dry_run_bound_covers_the_calls_of_a_probed_compile(path):
     else:
         bound, compiled = probed_compile(ScriptedLM(_contrast_learner_with_excerpt()), learning_path="contrast",
                                          constrained_decoding="off", max_excerpt_lines=4)
-    steps = compiled.detailed_results["steps"]
+    steps = compiled.detailed_results.to_dict()["steps"]
     assert any(step["usage"].get("probe", {}).get("calls") for step in steps), "the probe ran"
     for step in steps:
         for stage, usage in step["usage"].items():
             assert usage["calls"] <= bound["per_step_upper_bound"][stage]["calls"], stage
-    made = sum(u.get("calls", 0) for u in compiled.detailed_results["usage"].values())
+    made = sum(u.get("calls", 0) for u in compiled.detailed_results.to_dict()["usage"].values())
     assert made <= bound["total_upper_bound"]["calls"]
 
 

@@ -85,7 +85,7 @@ def test_compile_learns_the_rule_then_saves_and_loads(site, tmp_path):
                                 num_threads=2, max_operations_per_group=1).compile(student, trainset=examples())
     assert [e.text for e in compiled.experience_library.active.values()] == [RULE]
     assert RULE not in student.step.signature.instructions  # the student is never changed
-    steps = compiled.detailed_results["steps"]
+    steps = compiled.detailed_results.to_dict()["steps"]
     assert steps[0]["tool_calls_mean"] > 1.0 and 0 < steps[0]["mean_reward"] < 1
     learner_saw = next(c for c in lm.calls if "difference" in output_fields(c["messages"]))["messages"][-1]["content"]
     assert "open_page(http://127.0.0.1:" in learner_saw and "characters returned)" in learner_saw  # the actions...

@@ -26,7 +26,6 @@ from tfgrpo.cli_learned import (API_BASE, CONFIG_OR_NAME, FILE_OR_NAME, evaluate
                                  shipped)
 from tfgrpo.cli_lm import lm_app
 from tfgrpo.config import Config, ConfigError
-from tfgrpo.optimizers.knobs import KNOBS
 from tfgrpo.progress import RunBars, progress_display
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, cls=HelpGroup, context_settings=HELP_OPTIONS,
@@ -150,7 +149,7 @@ def _compile(config: Config, parts, policy, reflection) -> Path:
                                       target_predictors=o.target_predictors)
         compiled, steps = optimizer.compile(make(), trainset=trainset), []
     else:
-        knobs = _tfgrpo_knobs(config)
+        knobs = config.optimizer_knobs()
         optimizer = TrainingFreeGRPO(reward, reflection_lm=reflection, log_dir=str(run_dir / "checkpoint"),
                                      use_mlflow=bool(config.tracking and config.tracking.enabled), **knobs)
         try:
@@ -163,7 +162,7 @@ def _compile(config: Config, parts, policy, reflection) -> Path:
             raise RunMismatchError(f"run_dir {run_dir} already holds work of a run made with other settings:\n  " +
                                    "\n  ".join(exc.changes) + "\nKeep that run's settings to resume it, set another "
                                    f"run_dir, or delete {run_dir / 'checkpoint'} to start over", exc.changes) from exc
-        steps = compiled.detailed_results["steps"]
+        steps = compiled.detailed_results.to_dict()["steps"]
     save_program(compiled, run_dir / "program.json")
     write_atomic(run_dir / "library.json", json.dumps(compiled.experience_library.dump_state(), indent=2))
     write_atomic(run_dir / "steps.jsonl", "".join(json.dumps(s) + "\n" for s in steps))
@@ -172,7 +171,7 @@ def _compile(config: Config, parts, policy, reflection) -> Path:
     demos = sum(len(p.demos) for _, p in compiled.named_predictors())
     console.print(f"compiled in {time.time() - started:.0f} s: {len(compiled.experience_library)} experiences, "
                   f"{demos} demos")
-    results = compiled.detailed_results if o.method != "direct" else None  # a TrainingFreeGRPOResult
+    results = compiled.detailed_results.to_dict() if o.method != "direct" else None  # a TrainingFreeGRPOResult, as data
     run_usage = results["run_usage"] if results is not None else {}
     for role, u in (results["usage"] if results is not None else {}).items():
         cached = f" ({u['cached_tokens']:,} from the server's prompt cache)" if u.get("cached_tokens") else ""
@@ -268,14 +267,6 @@ def _print_library(state: dict) -> None:
                       "deploy the program", style="yellow", markup=False, highlight=False, soft_wrap=True)
 
 
-def _tfgrpo_knobs(cfg: Config) -> dict:
-    """The [optimizer] section as TrainingFreeGRPO keyword arguments (the direct baseline's keys left out)."""
-    knobs = cfg.optimizer.model_dump(include=set(KNOBS))
-    if knobs["constrained_decoding"] == "auto":
-        knobs["constrained_decoding"] = cfg.reflection_config().constrained_mode or "auto"
-    return knobs
-
-
 def _dry_run(cfg: Config) -> None:
     from tfgrpo.cli_dry_run import dry_run
     from tfgrpo.task import task_parts
@@ -285,7 +276,7 @@ def _dry_run(cfg: Config) -> None:
     t = cfg.task
     trainset = _load(parts.load, t.trainset, limit=t.train_limit, offset=t.train_offset)
     valset = _load(parts.load, t.valset, limit=t.val_limit) if t.valset else None
-    dry_run(cfg, parts, trainset, valset, _tfgrpo_knobs(cfg), console)
+    dry_run(cfg, parts, trainset, valset, cfg.optimizer_knobs(), console)
 
 
 @contextlib.contextmanager

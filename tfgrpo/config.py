@@ -11,6 +11,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Literal, get_args, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
@@ -173,7 +174,9 @@ class _OptimizerSection(_Strict):
 
 def _knob_fields() -> dict:
     """The knobs a file can hold, as pydantic fields with the optimizer's types and defaults."""
-    types = get_type_hints(Knobs)
+    # a file holds text: learning_path is a name there (an instance is the Python API's alone), and the knobs set
+    # elsewhere (the reflection LM) are left out; so the names their hints use need not be loaded (DSPy)
+    types = get_type_hints(Knobs, localns={"LearningPath": str, "dspy": SimpleNamespace(BaseLM=object)})
     return {name: (types[name], knob.default) for name, knob in KNOBS.items() if name not in SET_ELSEWHERE}
 
 
@@ -214,6 +217,14 @@ class Config(_Strict):
     def judge_config(self) -> LMConfig:
         """The web task's judge: [judge], else the reflection LM (else the policy LM)."""
         return self.judge or self.reflection_config()
+
+    def optimizer_knobs(self) -> dict:
+        """The [optimizer] section as `TrainingFreeGRPO` keyword arguments (the direct baseline's keys left out), with
+        `constrained_decoding = "auto"` resolved for the reflection LM's backend."""
+        knobs = self.optimizer.model_dump(include=set(KNOBS))
+        if knobs["constrained_decoding"] == "auto":
+            knobs["constrained_decoding"] = self.reflection_config().constrained_mode or "auto"
+        return knobs
 
     @classmethod
     def load(cls, path: str | Path) -> "Config":

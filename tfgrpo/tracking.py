@@ -191,7 +191,7 @@ class CompileTracker:
         from tfgrpo.plots import learning_curve  # matplotlib: only for a compile that is tracked
 
         results = compiled.detailed_results
-        steps = [step_record(s) for s in results["steps"]]
+        steps = [step_record(s) for s in results.steps]
         state = compiled.experience_library.dump_state()
         demos = sum(len(p.demos) for _, p in compiled.named_predictors())
         try:

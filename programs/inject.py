@@ -107,6 +107,23 @@ def apply_library(program: dspy.Module, library: ExperienceLibrary, target_predi
     return program
 
 
+def apply_demos(program: dspy.Module, demos: list[dict], targets: list[str]) -> dspy.Module:
+    """Put each demo's predictor calls into the matching target predictors' `demos` (in place; returns
+    `program`). Without demos the program's own demos are left as they are."""
+    if not demos:
+        return program
+    for name, predictor in program.named_predictors():
+        if name in targets:
+            predictor.demos = [dspy.Example(**call["inputs"], **call["outputs"])
+                               for demo in demos for call in demo["trace"] if call["predictor"] == name]
+    return program
+
+
+def with_learned(program: dspy.Module, targets: list[str], library, demos: list[dict]) -> dspy.Module:
+    """A copy of `program` carrying what was learned: the library in the targets' instructions, and the demos."""
+    return apply_demos(apply_library(program.deepcopy(), library, targets), demos, targets)
+
+
 def save_program(program: dspy.Module, path: str | Path) -> Path:
     """Save like `program.save(path)` but never write LM settings (model, base URL, keys): `lm` is null."""
     path = Path(path)

@@ -49,6 +49,7 @@ from tfgrpo.plots import score_against_cost
 from tfgrpo.programs import save_program
 
 TFGRPO_ARMS = {  # arm -> knobs on top of the shared ones; every arm that keeps demos has "demos" in its name
+    # (tfgrpo-default too keeps demos: its preset's)
     "tfgrpo-rules": {},  # the contrast path's rules only: no probe, no excerpt, no demo
     "tfgrpo-rules+demos": {"max_demos": 2},  # demos picked by their own reward, as in the issue's hand measurement
     "tfgrpo-probed+demos": {"max_demos": 2, "probe_size": 4},
@@ -64,6 +65,13 @@ TFGRPO_ARMS = {  # arm -> knobs on top of the shared ones; every arm that keeps 
     "tfgrpo-probed-ties+demos": {"max_demos": 2, "probe_size": 4, "keep_tied_demos": True},
     # configs/local-onestep.toml: one step of 6 queries, each edit probed on 4 of the others
     "tfgrpo-onestep+demos": {"max_demos": 2, "probe_size": 4, "batch_size": 6, "max_steps": 1},
+    # issue 54: the probe keeps a demo only on a sign test (probe_alpha), half of each group explores without the
+    # demos, probe successes become the next step's candidates, the run ends when nothing is left to learn
+    "tfgrpo-compound+demos": {"max_demos": 2, "probe_size": 8, "probe_alpha": 0.15, "num_explore_generations": 2,
+                              "stop_when_nothing_to_learn": True, "max_metric_calls": 120},
+    # TrainingFreeGRPO(metric) as a user makes it, given only a seed, threads and the server's JSON form: its `auto`
+    # preset picks every other knob for the 1.5B (configs/local.toml); the same values as tfgrpo-compound+demos
+    "tfgrpo-default": None,
 }
 # arms made for one task; elsewhere they are not in the menu. knn-bootstrapped: KNN over the student's own solved
 # traces instead of GSM8K's reference solutions (on the Game of 24 `knn` already retrieves from such a pool)
@@ -82,7 +90,7 @@ EXPLORED = {
 PEER_ARMS = ("baseline", "bootstrap", "bootstrap-rs", "bootstrap-rs-solved", "infer-rules", "knn",
              "knn-bootstrapped", "simba", "simba-solved", "gepa", "mipro")
 KNN_ARMS = ("knn", "knn-bootstrapped")  # compile a pool of solved examples; evaluate by retrieving from it
-MAIN_ARM = "tfgrpo-probed-wide+demos"  # the best arm measured on both tasks: the others' budget is matched to it
+MAIN_ARM = "tfgrpo-default"  # the arm configs/local.toml runs (the default construction): the others' budget is matched to it
 
 
 def menu(task: str) -> list[str]:
@@ -129,6 +137,9 @@ def scalar(metric):
 
 def compile_arm(arm: str, student, reward, trainset: list, lm: dspy.LM, seed: int, args, where: Path) -> dspy.Module:
     G, threads, T, budget = args.generations, args.threads, len(trainset), args.match_calls
+    if TFGRPO_ARMS.get(arm, {}) is None:  # the default construction: nothing but what runs it here
+        return TrainingFreeGRPO(reward, seed=seed, num_threads=threads, constrained_decoding="json_object",
+                                log_dir=str(where / "checkpoint")).compile(student, trainset=trainset)
     if arm in TFGRPO_ARMS:
         shared = dict(num_generations=G, num_train_epochs=1, batch_size=args.batch, seed=seed, learning_path="contrast",
                       constrained_decoding="json_object", max_operations_per_group=1, num_threads=threads,

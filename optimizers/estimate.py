@@ -43,13 +43,13 @@ def check_run(optimizer, student, trainset: list, valset: list | None = None) ->
         return
 
 
-def estimate_run(optimizer, student, trainset: list, *, turns_per_rollout: int = 1, max_tokens: int = 512,
+def estimate_run(knobs, student, trainset: list, *, turns_per_rollout: int = 1, max_tokens: int = 512,
                  learning_path: str = "paper") -> dict:
     """`learning_path`: "paper" (summaries, advantages, consolidation) or "contrast" (one call per pair of
     attempts, plus at most one rewrite of a rule that repeated its query, and with `max_excerpt_lines` one call that
     picks its excerpt). With `probe_size`, the probe's attempts (the current program and each of `max_probed_edits`
     candidate edits on `probe_size` training queries) are the "probe" stage."""
-    opt = optimizer
+    opt = knobs  # a TrainingFreeGRPO's `resolved(model)`, the preset's values in place
     steps = opt.total_steps(len(trainset))
     batch = min(opt.batch_size + opt.max_resampled_queries, len(trainset))  # dynamic sampling may add queries
     G = opt.num_generations

@@ -78,9 +78,32 @@ def knob(default: Any, check: Check, doc: str, *, fingerprinted: bool = False) -
     return field(default=default, metadata={"check": check, "doc": doc, "fingerprinted": fingerprinted})
 
 
+# The presets of `auto`, each a budget and the settings measured best for it; a knob passed explicitly wins. "light" is
+# the configuration measured on the embedded 1.5B (configs/local.toml, docs/measurements.md); "medium" and "heavy" are
+# the same settings with larger budgets (not measured apart); "paper" is the paper's setting for capable models.
+SMALL_MODEL = dict(num_generations=4, batch_size=4, max_operations_per_group=1, max_demos=2, probe_size=8,
+                   probe_alpha=0.15, num_explore_generations=2, stop_when_nothing_to_learn=True)
+PRESETS = {
+    "light": dict(SMALL_MODEL, num_train_epochs=1, max_metric_calls=120),
+    "medium": dict(SMALL_MODEL, num_train_epochs=3, max_metric_calls=300),
+    "heavy": dict(SMALL_MODEL, num_train_epochs=5, max_metric_calls=800),
+    "paper": dict(num_generations=5, batch_size=50, num_train_epochs=3, max_operations_per_group=2, max_demos=0,
+                  probe_size=0, probe_alpha=1.0, num_explore_generations=0, stop_when_nothing_to_learn=False),
+}
+AUTO_SMALL = "light"  # what auto="auto" takes for a small reflection model (learning_paths.SMALL_REFLECTOR_B)
+
+
 @dataclass(kw_only=True, eq=False)
 class Knobs:
     """Every knob of `TrainingFreeGRPO`, checked when set (a ValueError says what a valid value is)."""
+
+    auto: str | None = knob("auto", optional(one_of("auto", "off", *PRESETS)), doc=(
+        "A preset, as DSPy's MIPROv2 and GEPA take one: \"light\", \"medium\" or \"heavy\" (a budget of "
+        "max_metric_calls and the settings measured on a 1.5B model: demos kept by a probe with a sign test, "
+        "exploring attempts, a stop when nothing is left to learn), \"paper\" (the paper's settings, for capable "
+        "models), \"auto\" (\"light\" when the reflection model's name gives at most 8B parameters, else "
+        "\"paper\"; the choice is logged as the run starts) or None (\"off\" in a config file: every knob as "
+        "declared). A knob you pass yourself always wins over the preset."))
 
     # group rollouts
     num_generations: int = knob(5, integer(1), fingerprinted=True, doc=(
@@ -238,6 +261,13 @@ def check_knob(name: str, value: Any) -> Any:
     if not check.valid(value):
         raise ValueError(f"{name} must be {check.expected}, not {value!r}")
     return value
+
+
+def with_preset(knobs: Knobs, preset: str | None, explicit: set[str]) -> Knobs:
+    """A copy of `knobs` with `preset`'s values for every knob not in `explicit` (None: an unchanged copy)."""
+    values = {name: getattr(knobs, name) for name in KNOBS}
+    values.update({k: v for k, v in PRESETS.get(preset, {}).items() if k not in explicit})
+    return Knobs(**values)
 
 
 def fingerprinted_knobs(knobs: Knobs) -> dict[str, Any]:

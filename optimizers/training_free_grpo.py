@@ -19,6 +19,7 @@ resending it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import random
 from dataclasses import dataclass, field
@@ -33,8 +34,8 @@ from tfgrpo.optimizers.checkpoint import Checkpoint, Keys, code_fingerprint
 from tfgrpo.optimizers.contrast import ContrastPath
 from tfgrpo.optimizers.inputs import (check_examples, check_inputs, check_prices, check_program, explain_learning_path,
                                       starting_library)
-from tfgrpo.optimizers.knobs import KNOBS, Knobs, args_doc, fingerprinted_knobs
-from tfgrpo.optimizers.learning_paths import LearningPath, path_name
+from tfgrpo.optimizers.knobs import AUTO_SMALL, KNOBS, PRESETS, Knobs, args_doc, fingerprinted_knobs, with_preset
+from tfgrpo.optimizers.learning_paths import SMALL_REFLECTOR_B, LearningPath, model_size_b, path_name
 from tfgrpo.optimizers.paper_path import PaperPath
 from tfgrpo.optimizers.parallel import StageBar
 from tfgrpo.optimizers.result import EpochResult, StepResult, TrainingFreeGRPOResult
@@ -163,12 +164,13 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
 
     def _compile(self, student, *, trainset, valset, trackers, ckpt) -> dspy.Module:
         setup, start = self._prepare(student, trainset, valset, ckpt)
-        run = _Run(library=start.library, total_steps=self.total_steps(len(trainset)))
+        knobs = setup.knobs  # the knobs as the run uses them (the preset's, where `auto` set them)
+        run = _Run(library=start.library, total_steps=knobs.total_steps(len(trainset)))
         overall = self.progress or StageBar(resumed=True)  # the whole run: steps done of all, with its ETA
         if run.total_steps:
             overall("step", sum(ckpt.has(Keys.done(i)) for i in range(run.total_steps)), run.total_steps)
-        rng = random.Random(self.seed)
-        for epoch in range(self.num_train_epochs):
+        rng = random.Random(knobs.seed)
+        for epoch in range(knobs.num_train_epochs):
             if run.step == run.total_steps:  # max_steps reached with the last epoch
                 break
             order = list(range(len(trainset)))
@@ -202,15 +204,15 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
                                  "and it is off (dspy.configure(disable_history=True) or max_history_size=0): turn it "
                                  "back on, or budget with max_total_tokens, which is measured either way")
             check_prices([*policy_lms.values()], reflection_lm)
-        explain_learning_path(self.learning_path, self.resolve_learning_path(str(getattr(reflection_lm, "model", ""))),
-                              reflection_lm)
-        library = starting_library(student, program, targets, max_words=self.max_words_per_experience,
-                                   max_experiences=self.max_experiences)
-        path, name = self.resolve_path(reflection_lm)
-        ckpt.start(self._fingerprint(program, targets, trainset, valset, library, policy_lms, reflection_lm))
+        model = str(getattr(reflection_lm, "model", ""))
+        knobs = self.resolved(model, log=True)  # the settings alone, as the steps read them
+        explain_learning_path(knobs.learning_path, path_name(knobs.learning_path, model), reflection_lm)
+        library = starting_library(student, program, targets, max_words=knobs.max_words_per_experience,
+                                   max_experiences=knobs.max_experiences)
+        path, name = _path(knobs, model)
+        ckpt.start(self._fingerprint(knobs, program, targets, (trainset, valset), library, (policy_lms, reflection_lm)))
         if saved := ckpt.saved_units():
             logger.info("resuming from %s: %d finished units found", ckpt.root, saved)
-        knobs = Knobs(**{k: getattr(self, k) for k in KNOBS})  # the settings alone, as the steps read them
         setup = RunSetup(knobs=knobs, metric=self.metric, path=path, path_name=name, reflection_lm=reflection_lm,
                          ckpt=ckpt)
         start = StepStart(index=0, epoch=0, program=program, targets=targets, library=library, demos=[],
@@ -220,11 +222,11 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
     def _epoch(self, setup: RunSetup, start: StepStart, run: _Run, epoch: int, order: list[int], trackers,
                overall) -> None:
         """The epoch's steps, one batch after another, each from what the one before it kept."""
-        used: set[int] = set()  # the queries this epoch has rolled out
-        for at in range(0, len(order), self.batch_size):
+        knobs, used = setup.knobs, set()  # used: the queries this epoch has rolled out
+        for at in range(0, len(order), knobs.batch_size):
             if run.stopped or run.step == run.total_steps:
                 return
-            ranked, size = self._ranked(order, at, run.evidence, used), len(order[at: at + self.batch_size])
+            ranked, size = _ranked(knobs, order, at, run.evidence, used), len(order[at: at + knobs.batch_size])
             reused = setup.ckpt.has(Keys.done(run.step))
             begin = dataclasses.replace(start, index=run.step, epoch=epoch, library=run.library, demos=run.demos,
                                         batch=ranked[:size], reserve=ranked[size:], evidence=run.evidence,
@@ -239,7 +241,7 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
             if run.total_steps:
                 overall("step", run.step, run.total_steps)
             run.count(stats, reused)
-            run.stopped = self._over_budget(run) or self._learned_out(stats)
+            run.stopped = _over_budget(knobs, run) or _learned_out(knobs, stats)
 
     def _validated(self, setup: RunSetup, start: StepStart, run: _Run, epoch: int, valset: list, trackers) -> None:
         """Score the epoch's library on the valset; the best so far (the later on a tie) is the one kept."""
@@ -247,7 +249,7 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
                           knobs=setup.knobs, metric=self.metric, ckpt=setup.ckpt)
         run.metric_calls += len(valset)
         if run.step < run.total_steps:  # steps remain: a budget reached here stops them
-            run.stopped = self._over_budget(run)
+            run.stopped = _over_budget(setup.knobs, run)
         run.epochs.append(EpochResult(epoch=epoch, library_size=len(run.library), **record))
         for tracker in trackers:
             tracker.validation(run.epochs[-1].__dict__, step=run.step - 1)
@@ -273,44 +275,31 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
     # -- pieces ---------------------------------------------------------------------------------------------
     def resolve_learning_path(self, reflection_model: str) -> str:
         """The name of the learning path for a reflection LM of this name ("auto": contrast for small models)."""
-        return path_name(self.learning_path, reflection_model)
+        return path_name(self.resolved(reflection_model).learning_path, reflection_model)
 
     def resolve_path(self, reflection_lm: dspy.BaseLM) -> tuple[LearningPath, str]:
         """The learning path object and its name; a contrast path with G = 1 is refused (it compares attempts)."""
-        name = self.resolve_learning_path(getattr(reflection_lm, "model", ""))
-        if isinstance(self.learning_path, LearningPath):
-            return self.learning_path, name
-        if name == "contrast" and self.num_generations == 1:
-            raise ValueError("the contrast learning path compares attempts of one query and learns nothing from "
-                             "num_generations=1: use learning_path='paper' (the paper's G = 1 ablation) or G >= 2")
-        return (ContrastPath() if name == "contrast" else PaperPath()), name
+        model = str(getattr(reflection_lm, "model", ""))
+        return _path(self.resolved(model), model)
 
-    def _ranked(self, order: list[int], at: int, evidence: dict[int, bool], used: set[int]) -> list[int]:
-        """The training queries in the order a step takes them: its batch first, then (dynamic sampling) the ones it
-        may add. In the epoch's shuffled order from `at` on; with `focus_on_failures`, the queries the current program
-        is known to fail first, then those never tried, then those it solves, each the ones not yet used this epoch
-        first."""
-        ranked = order[at:] + order[:at]
-        if self.focus_on_failures:
-            known = {False: 0, None: 1, True: 2}  # failed, never tried, solved
-            ranked.sort(key=lambda qi: (known[evidence.get(qi)], qi in used))  # a stable sort: the order within is kept
-        return ranked[: self.batch_size + self.max_resampled_queries]
-
-    def _learned_out(self, stats) -> str | None:
-        """Why the run stops with nothing left to learn (`stop_when_nothing_to_learn`), or None."""
-        if not self.stop_when_nothing_to_learn:
-            return None
-        if not stats.groups_kept:
-            return f"nothing left to learn: no group had reward contrast in step {stats.step} ({stats.groups} queries)"
-        probe = stats.probe or {}
-        if probe.get("queries") and probe["base_successes"] == len(probe["queries"]):
-            return f"nothing left to learn: the program solved all {len(probe['queries'])} probe queries of step " \
-                   f"{stats.step}"
-        return None
-
-    def _over_budget(self, run: _Run) -> str | None:
-        return over_budget(run.run_usage, max_total_tokens=self.max_total_tokens, max_cost=self.max_cost,
-                           metric_calls=run.metric_calls, max_metric_calls=self.max_metric_calls)
+    def resolved(self, reflection_model: str, *, log: bool = False) -> Knobs:
+        """The knobs a run with a reflection LM of this name uses: the `auto` preset's values (for "auto", by the
+        model's size) for every knob not passed explicitly. `log`: say which preset was taken."""
+        preset = None if self.auto == "off" else self.auto
+        if preset == "auto":
+            preset = AUTO_SMALL if model_size_b(reflection_model) <= SMALL_REFLECTOR_B else "paper"
+        explicit = set(getattr(self, "_explicit", KNOBS))
+        if not self.use_ground_truth:  # a probe needs the ground truth: a preset does not turn it on without
+            explicit.add("probe_size")
+        if "num_generations" in explicit:  # exploring attempts never outnumber a group
+            explicit.add("num_explore_generations")
+        knobs = with_preset(self, preset, explicit)
+        if log and preset is not None:
+            changed = {k: v for k, v in PRESETS.get(preset, {}).items() if k not in explicit}
+            logger.info("auto=%r: preset %r for the reflection model %r (%s); set auto=None to use the knobs as "
+                        "declared", self.auto, preset, reflection_model,
+                        ", ".join(f"{k}={v}" for k, v in changed.items()) or "every knob passed explicitly")
+        return knobs
 
     def _policy_lms(self, program) -> dict[int, dspy.BaseLM]:
         lms = {}
@@ -334,10 +323,13 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
                       student=type(program).__name__)
         return params
 
-    def _fingerprint(self, program, targets, trainset, valset, library, policy_lms, reflection_lm) -> dict:
+    def _fingerprint(self, knobs: Knobs, program, targets, data: tuple, library, lms: tuple) -> dict:
+        """What a resume must match: the knobs that change what is computed, the targets, the LMs' models, the
+        program's instructions and code, the metric, the data (trainset, valset) and the starting library."""
+        (trainset, valset), (policy_lms, reflection_lm) = data, lms
         models = {"policy": sorted({str(getattr(lm, "model", type(lm).__name__)) for lm in policy_lms.values()}),
                   "reflection": str(getattr(reflection_lm, "model", type(reflection_lm).__name__))}
-        knobs = fingerprinted_knobs(self)
+        knobs = fingerprinted_knobs(knobs)
         if isinstance(knobs["learning_path"], LearningPath):  # a plug-in path is known by its class
             knobs["learning_path"] = f"{type(knobs['learning_path']).__module__}.{type(knobs['learning_path']).__qualname__}"
         return {"knobs": knobs, "targets": targets, "models": models,
@@ -346,8 +338,60 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
                 "initial_library": digest(library.dump_state()), **code_fingerprint(self.metric, program)}
 
 
+def _path(knobs: Knobs, reflection_model: str) -> tuple[LearningPath, str]:
+    """The learning path object for these knobs and its name; a contrast path with G = 1 is refused."""
+    name = path_name(knobs.learning_path, reflection_model)
+    if isinstance(knobs.learning_path, LearningPath):
+        return knobs.learning_path, name
+    if name == "contrast" and knobs.num_generations == 1:
+        raise ValueError("the contrast learning path compares attempts of one query and learns nothing from "
+                         "num_generations=1: use learning_path='paper' (the paper's G = 1 ablation) or G >= 2")
+    return (ContrastPath() if name == "contrast" else PaperPath()), name
+
+
+def _ranked(knobs: Knobs, order: list[int], at: int, evidence: dict[int, bool], used: set[int]) -> list[int]:
+    """The training queries in the order a step takes them: its batch first, then (dynamic sampling) the ones it may
+    add. In the epoch's shuffled order from `at` on; with `focus_on_failures`, the queries the current program is
+    known to fail first, then those never tried, then those it solves, each the ones not yet used this epoch first."""
+    ranked = order[at:] + order[:at]
+    if knobs.focus_on_failures:
+        known = {False: 0, None: 1, True: 2}  # failed, never tried, solved
+        ranked.sort(key=lambda qi: (known[evidence.get(qi)], qi in used))  # a stable sort: the order within is kept
+    return ranked[: knobs.batch_size + knobs.max_resampled_queries]
+
+
+def _learned_out(knobs: Knobs, stats: StepResult) -> str | None:
+    """Why the run stops with nothing left to learn (`stop_when_nothing_to_learn`), or None."""
+    if not knobs.stop_when_nothing_to_learn:
+        return None
+    if not stats.groups_kept:
+        return f"nothing left to learn: no group had reward contrast in step {stats.step} ({stats.groups} queries)"
+    probe = stats.probe or {}
+    if probe.get("queries") and probe["base_successes"] == len(probe["queries"]):
+        return f"nothing left to learn: the program solved all {len(probe['queries'])} probe queries of step " \
+               f"{stats.step}"
+    return None
+
+
+def _over_budget(knobs: Knobs, run: _Run) -> str | None:
+    return over_budget(run.run_usage, max_total_tokens=knobs.max_total_tokens, max_cost=knobs.max_cost,
+                       metric_calls=run.metric_calls, max_metric_calls=knobs.max_metric_calls)
+
+
 def _lm_name(lm) -> str:
     return str(getattr(lm, "model", None) or type(lm).__name__)
 
 
 TrainingFreeGRPO.__doc__ = TrainingFreeGRPO.__doc__.rstrip() + "\n" + args_doc()  # the knobs' Args, from knobs.py
+
+
+def _remember_explicit(init):
+    """The dataclass's __init__, noting which knobs the caller passed (they win over the `auto` preset)."""
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        self._explicit = set(kwargs) & set(KNOBS)
+        init(self, *args, **kwargs)
+    return __init__
+
+
+TrainingFreeGRPO.__init__ = _remember_explicit(TrainingFreeGRPO.__init__)

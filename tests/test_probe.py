@@ -513,13 +513,14 @@ def test_stop_when_nothing_to_learn_ends_the_run_and_says_so():
 
 
 def test_focus_on_failures_puts_the_queries_the_program_fails_first():
-    from tfgrpo.optimizers import TrainingFreeGRPO
+    from tfgrpo.optimizers.knobs import Knobs
+    from tfgrpo.optimizers.training_free_grpo import _ranked
 
-    opt = TrainingFreeGRPO(lambda e, p, t=None: 1.0, batch_size=2, focus_on_failures=True, max_resampled_queries=2)
+    focus = Knobs(batch_size=2, focus_on_failures=True, max_resampled_queries=2)
     order = [5, 4, 3, 2, 1, 0]
     evidence = {5: True, 3: False, 0: False, 1: True}
     # known failures first (in the epoch's order), then the untried ones, then the solved ones
-    assert opt._ranked(order, 0, evidence, used=set()) == [3, 0, 4, 2]
-    assert opt._ranked(order, 0, evidence, used={3}) == [0, 3, 4, 2]  # this epoch's used ones go after
-    plain = TrainingFreeGRPO(lambda e, p, t=None: 1.0, batch_size=2, max_resampled_queries=2)
-    assert plain._ranked(order, 2, evidence, used=set()) == [3, 2, 1, 0]
+    assert _ranked(focus, order, 0, evidence, used=set()) == [3, 0, 4, 2]
+    assert _ranked(focus, order, 0, evidence, used={3}) == [0, 3, 4, 2]  # this epoch's used ones go after
+    plain = Knobs(batch_size=2, max_resampled_queries=2)
+    assert _ranked(plain, order, 2, evidence, used=set()) == [3, 2, 1, 0]

@@ -139,11 +139,11 @@ def _compile(config: Config, parts, policy, reflection) -> Path:
     t, o, run_dir = config.task, config.optimizer, Path(config.run_dir)
     trainset = _load(load, t.trainset, limit=t.train_limit, offset=t.train_offset)
     valset = _load(load, t.valset, limit=t.val_limit) if t.valset else None
-    console.print(f"[bold]compile[/] {len(trainset)} training problems, G={o.num_generations}, "
-                  f"{o.num_train_epochs} epoch(s), batch {o.batch_size} -> {run_dir}")
     dspy.configure(lm=policy)
     started = time.time()
     if o.method == "direct":
+        console.print(f"[bold]compile[/] {len(trainset)} training problems, {o.num_direct_experiences} directly "
+                      f"generated experiences -> {run_dir}")
         optimizer = DirectExperiences(num_experiences=o.num_direct_experiences, lm=reflection,
                                       max_words_per_experience=o.max_words_per_experience,
                                       target_predictors=o.target_predictors)
@@ -152,9 +152,12 @@ def _compile(config: Config, parts, policy, reflection) -> Path:
         knobs = config.optimizer_knobs()
         optimizer = TrainingFreeGRPO(reward, reflection_lm=reflection, log_dir=str(run_dir / "checkpoint"),
                                      use_mlflow=bool(config.tracking and config.tracking.enabled), **knobs)
+        k = optimizer.resolved(str(reflection.model))  # with the `auto` preset's values
+        console.print(f"[bold]compile[/] {len(trainset)} training problems, G={k.num_generations}, "
+                      f"{k.num_train_epochs} epoch(s), batch {k.batch_size}, auto={k.auto!r} -> {run_dir}")
         try:
             with _progress() as progress:
-                optimizer.progress = _bars(progress, o.num_train_epochs)
+                optimizer.progress = _bars(progress, k.num_train_epochs)
                 compiled = optimizer.compile(make(), trainset=trainset, valset=valset)
         except RunMismatchError as exc:  # in the config's terms: run_dir, not log_dir
             if not exc.changes:

@@ -31,7 +31,8 @@ def dry_run(cfg: Config, parts, trainset: list, valset: list | None, knobs: dict
     with dspy.context(lm=unstarted_lm(cfg.policy)):
         check_run(optimizer, parts.make(), trainset, valset)
     path = optimizer.resolve_learning_path(reflection.model)
-    est = estimate_run(optimizer, parts.make(), trainset, turns_per_rollout=turns, max_tokens=cfg.policy.max_tokens,
+    knobs = optimizer.resolved(reflection.model)  # with the `auto` preset's values
+    est = estimate_run(knobs, parts.make(), trainset, turns_per_rollout=turns, max_tokens=cfg.policy.max_tokens,
                        learning_path=path)
     table = Table(title=f"dry run: {est['steps']} step(s), {path} learning path, upper bounds (no call is made)")
     for col in ("stage", "calls/step", "prompt tokens/step", "completion tokens/step"):
@@ -42,11 +43,12 @@ def dry_run(cfg: Config, parts, trainset: list, valset: list | None, knobs: dict
     table.add_row("[bold]run total", f"{total['calls']:,}", f"{total['prompt_tokens']:,}",
                   f"{total['completion_tokens']:,}")
     console.print(table)
-    _print_budgets(cfg, est, console)
+    _print_budgets(knobs, est, console)
 
 
-def _print_budgets(cfg: Config, est: dict, console: Console) -> None:
-    o, total = cfg.optimizer, est["total_upper_bound"]
+def _print_budgets(o, est: dict, console: Console) -> None:
+    """What the budgets (of the knobs `o`, presets applied) cap of the estimate."""
+    total = est["total_upper_bound"]
     if o.max_total_tokens is not None:
         step = sum(s["prompt_tokens"] + s["completion_tokens"] for s in est["per_step_upper_bound"].values())
         run = total["prompt_tokens"] + total["completion_tokens"]

@@ -221,8 +221,8 @@ class Config(_Strict):
     def optimizer_knobs(self) -> dict:
         """The [optimizer] section as `TrainingFreeGRPO` keyword arguments (the direct baseline's keys left out), with
         `constrained_decoding = "auto"` resolved for the reflection LM's backend."""
-        knobs = self.optimizer.model_dump(include=set(KNOBS))
-        if knobs["constrained_decoding"] == "auto":
+        knobs = self.optimizer.model_dump(include=set(KNOBS), exclude_unset=True)  # the rest: the `auto` preset's
+        if knobs.get("constrained_decoding", "auto") == "auto":
             knobs["constrained_decoding"] = self.reflection_config().constrained_mode or "auto"
         return knobs
 

@@ -26,7 +26,7 @@ from tfgrpo.testing import FakeLMServer
 ROOT = Path(__file__).resolve().parent.parent
 X = r"[+-]?\d+\.\d+"  # a figure as the benchmarks print them
 COVERED = {"faults.py", "learning_paths.py", "local_learning.py", "local_math.py", "local_throughput.py",
-           "local_web.py", "peers.py", "rule_ceiling.py", "step_latency.py"}  # each has a test below
+           "local_web.py", "peers.py", "replay.py", "rule_ceiling.py", "step_latency.py"}  # each has a test below
 NOT_BENCHMARKS = {"__init__.py", "ceiling.py", "common.py", "fault_child.py", "log_dir_checks.py", "stop_rows.py",
                   "trust_rows.py"}  # helpers of the benchmarks
 
@@ -213,6 +213,23 @@ def test_peers_refuses_an_arm_outside_the_tasks_menu():
         proc = subprocess.run([sys.executable, "-m", "benchmarks.peers", "--arms", arm], cwd=ROOT,
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode != 0 and f"{arm} {why}" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_replay(fake, tmp_path):
+    """Sampling the pool (here from the fake server, whose programs solve nothing), then every configuration replayed
+    on it; and the replay of the saved pool, at its smallest size."""
+    pool = tmp_path / "pool.json"
+    lines = run("replay.py", "--collect", "2", "--pool", str(pool), "--runs", "5", *endpoint(fake))
+    assert len(json.loads(pool.read_text())["programs"]) == 2
+    from benchmarks.replay import CONFIGS
+
+    replayed = [line for line in lines if line.startswith("replay: ")]
+    assert [re.search(r"config=(\S+)", line).group(1) for line in replayed] == list(CONFIGS)
+    for line in replayed:
+        assert re.fullmatch(rf"replay: config=\S+ runs=5 general_mean={X} p10=\d+ p50=\d+ share_flat_or_better={X} "
+                            rf"share_none={X} metric_calls=\d+", line), line
+    saved = run("replay.py", "--runs", "5")
+    assert sum(line.startswith("replay: ") for line in saved) == len(CONFIGS)
 
 
 def test_rule_ceiling(fake):

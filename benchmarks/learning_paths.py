@@ -87,7 +87,7 @@ def main() -> None:
             allowed = " ".join(p.signature.instructions for _, p in program.named_predictors())
             lessons, usage = learn_from_groups(  # the learning path alone, on the groups scored by the compile
                 opt.resolve_path(reflection)[0], kept, settings=Knobs(**knobs), reflection_lm=reflection,
-                library=start, trainset=trainset, instructions=allowed, step=args.step)
+                library=start, instructions=allowed)
             plan, proposals = lessons.plan, lessons.proposals
             seconds = time.time() - t0
             library = start.copy()

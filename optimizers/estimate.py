@@ -65,7 +65,7 @@ def estimate_run(knobs, student, trainset: list, *, turns_per_rollout: int = 1, 
         per_step = {"rollout": rollout, "contrast": {
             "calls": calls, "prompt_tokens": calls * (LEARNING_PROMPT_OVERHEAD + query + library + 2 * max_tokens)}}
     else:
-        per_step = _paper_step(opt, rollout, batch, G, query, library, max_tokens)
+        per_step = _paper_step(opt, rollout, batch, (query, library, max_tokens))
     if opt.probe_size:  # one attempt of the current program and of each candidate edit per probe query
         attempts = (1 + opt.max_probed_edits) * min(opt.probe_size, len(trainset))
         per_step["probe"] = {"calls": attempts * turns_per_rollout,
@@ -78,7 +78,10 @@ def estimate_run(knobs, student, trainset: list, *, turns_per_rollout: int = 1, 
     return {"steps": steps, "per_step_upper_bound": per_step, "total_upper_bound": total}
 
 
-def _paper_step(opt, rollout: dict, batch: int, G: int, query: int, library: int, max_tokens: int) -> dict:
+def _paper_step(opt, rollout: dict, batch: int, sizes: tuple[int, int, int]) -> dict:
+    """The paper's path per step: a summary per attempt, an advantage call per group, one consolidation (`sizes`: the
+    tokens of a query, of a full library, and a reply's cap)."""
+    (query, library, max_tokens), G = sizes, opt.num_generations
     return {
         "rollout": rollout,
         "summary": {"calls": batch * G, "prompt_tokens": batch * G * (LEARNING_PROMPT_OVERHEAD + query + library + max_tokens)},

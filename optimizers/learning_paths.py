@@ -153,17 +153,17 @@ class LearningPath:
 
 
 def learn_from_groups(path: LearningPath, groups: list[Group], *, settings: Knobs, reflection_lm: dspy.BaseLM,
-                      library: ExperienceLibrary, trainset: list, instructions: str = "",
-                      step: int = 0) -> tuple[Lessons, dict[str, dict]]:
+                      library: ExperienceLibrary, instructions: str = "") -> tuple[Lessons, dict[str, dict]]:
     """Run `path` on groups scored elsewhere (saved rollouts, say), as a step would, with nothing saved: its lessons
-    and the usage of each of its stages. The library is not changed (apply the plan to a copy)."""
+    and the usage of each of its stages. The library is not changed (apply the plan to a copy); `ctx.trainset` holds
+    the groups' examples, by query index; `instructions`, the program's (what a rule may repeat)."""
     with metered_stages(path.stages) as meters, Workers(settings.num_threads, meters=meters,
                                                         progress=StageBars()) as work:
         informative = [g for g in groups if g.informative]
         gates = Gates([g.index for g in informative], check=lambda stage: ctx.check(stage))
-        ctx = StepContext(step=step, settings=settings, reflection_lm=reflection_lm, library=library,
-                          trainset=trainset, instructions=instructions, ckpt=Checkpoint(None), key=f"steps/{step:04d}",
-                          work=work, gates=gates)
+        ctx = StepContext(step=0, settings=settings, reflection_lm=reflection_lm, library=library,
+                          trainset={g.index: g.example for g in groups}, instructions=instructions,
+                          ckpt=Checkpoint(None), key="steps/0000", work=work, gates=gates)
 
         def one(group):
             try:

@@ -102,15 +102,17 @@ def sign_test_p(wins: int, losses: int) -> float:
     return sum(math.comb(n, k) for k in range(wins, n + 1)) / 2 ** n if n else 1.0
 
 
-def keeps(candidate: Candidate, score: tuple[int, float], base: tuple[int, float], *, wins: int = 0, losses: int = 0,
+def keeps(candidate: Candidate, score: tuple[int, float], base: tuple[int, float], paired: tuple[int, int] = (0, 0), *,
           keep_ties: bool = False, alpha: float = 1.0) -> bool:
-    """A demo, or an experience that carries code (an excerpt), must win more probe queries than it loses (`wins`:
-    solved by it and not by the current program; `losses`: the reverse) by a one-sided sign test at level `alpha`;
+    """A demo, or an experience that carries code (an excerpt), must win more probe queries than it loses (`paired`:
+    its wins, solved by it and not by the current program, and its losses, the reverse) by a one-sided sign test at
+    level `alpha`;
     any other operation must rank no lower (successes, then mean reward). With `keep_ties`, a demo that ranks no
     lower is kept as well when the current program already solves at least one probe query."""
     if candidate.demo is not None and keep_ties and base[0] >= 1 and score >= base:
         return True
     if candidate.shows_code:
+        wins, losses = paired
         return wins > losses and sign_test_p(wins, losses) <= alpha
     return score >= base
 
@@ -128,99 +130,120 @@ def probe_queries(trainset_size: int, batch: list[int], size: int, *, seed: int,
     return sorted(chosen + rng.sample(others, min(size - len(chosen), len(others))))
 
 
-def run_probe(programs: list[dspy.Module], candidates: list[Candidate], *, queries: list[int], trainset: list,
-              metric, unit_of, cached, run_units, keep_ties: bool = False, alpha: float = 1.0,
-              timeout_s: float | None = None, stop_early: bool = True) -> ProbeResult:
+@dataclass(frozen=True)
+class ProbeRules:
+    """How a probe judges: `alpha`, the sign test's level for a candidate that shows code; `keep_ties`, a demo that
+    ties a program already solving some probe query is kept too; `timeout_s`, the metric's (`metric_timeout_s`)."""
+
+    alpha: float = 1.0
+    keep_ties: bool = False
+    timeout_s: float | None = None
+
+
+class Probe:
     """Full successes and mean reward of `programs[0]` (the current program) and of `programs[1 + c]` (with candidate
-    c) over `queries`, and which candidates are kept.
+    c) over `queries`, and which candidates are kept (`run`).
 
-    `unit_of(p, qi)` names a checkpoint unit, `cached(unit)` reads one, `run_units(fn, jobs)` runs the attempts on
-    the step's threads (with its meter and progress) and stores them. With `stop_early`, a candidate whose verdict
-    is known runs no more queries (same verdicts, fewer attempts)."""
+    `unit_of(p, qi)` names a checkpoint unit, `cached(unit)` reads one, `run_units(fn, jobs)` runs the attempts on the
+    step's threads (with its meter and progress) and stores them. The candidates run query by query, and a candidate
+    whose verdict is known runs no more queries (the verdicts of the full probe, with fewer attempts)."""
 
-    def attempt(job):
+    def __init__(self, programs: list[dspy.Module], candidates: list[Candidate], *, queries: list[int], trainset: list,
+                 metric, unit_of, cached, run_units, rules: ProbeRules = ProbeRules()):
+        self.programs, self.candidates, self.queries, self.trainset = programs, candidates, queries, trainset
+        self.metric, self.unit_of, self.cached, self.run_units, self.rules = metric, unit_of, cached, run_units, rules
+        self.found: dict[tuple[int, int], dict] = {}  # (program, query) -> its attempt's reward, error, trace
+        self.base: tuple[int, float] = (0, 0.0)
+
+    def run(self) -> ProbeResult:
+        self._run([(0, qi) for qi in self.queries])  # the bar every candidate must clear
+        self.base = self.score(0)
+        alive = list(range(len(self.candidates)))
+        for qi in self.queries:
+            self._run([(1 + c, qi) for c in alive])
+            alive = [c for c in alive if self._possible(c, alive)]
+        return self._result(alive)
+
+    # -- the attempts ------------------------------------------------------------------------------------------
+    def _attempt(self, job: tuple[int, int]) -> dict:
         p, qi = job
-        rec = run_and_score(programs[p], trainset[qi], metric, timeout_s)  # a failed attempt scores 0, as in rollouts
+        rec = run_and_score(self.programs[p], self.trainset[qi], self.metric, self.rules.timeout_s)  # a failed one: 0
         return {"reward": rec["reward"], "error": rec["error"], "trace": rec["trace"] if rec["reward"] >= 1 else []}
 
-    found: dict[tuple[int, int], dict] = {}
-
-    def run(jobs):
-        hits = {job: cached(unit_of(*job)) for job in jobs}
-        found.update({job: rec for job, rec in hits.items() if rec is not None})
+    def _run(self, jobs: list[tuple[int, int]]) -> None:
+        hits = {job: self.cached(self.unit_of(*job)) for job in jobs}
+        self.found.update({job: rec for job, rec in hits.items() if rec is not None})
         todo = [job for job in jobs if hits[job] is None]
-        found.update(zip(todo, run_units(attempt, todo)))
+        self.found.update(zip(todo, self.run_units(self._attempt, todo)))
 
-    def solved(p: int, qi: int) -> bool:
-        return found[(p, qi)]["reward"] >= 1
+    # -- what they show ------------------------------------------------------------------------------------------
+    def solved(self, p: int, qi: int) -> bool:
+        return self.found[(p, qi)]["reward"] >= 1
 
-    def rewards(p: int) -> list[float]:  # program p's rewards on the queries it has run
-        return [found[(p, qi)]["reward"] for qi in queries if (p, qi) in found]
+    def rewards(self, p: int) -> list[float]:
+        """Program p's rewards on the queries it has run."""
+        return [self.found[(p, qi)]["reward"] for qi in self.queries if (p, qi) in self.found]
 
-    def score(p: int) -> tuple[int, float]:  # full successes, mean reward over the queries it has run
-        rs = rewards(p)
+    def score(self, p: int) -> tuple[int, float]:
+        """Full successes and mean reward over the queries program p has run."""
+        rs = self.rewards(p)
         return sum(r >= 1 for r in rs), statistics.fmean(rs or [0.0])
 
-    def paired(c: int) -> tuple[int, int, int, int]:  # wins and losses so far; wins and losses still possible
-        ran = [qi for qi in queries if (1 + c, qi) in found]
-        left = [qi for qi in queries if (1 + c, qi) not in found]
-        wins = sum(solved(1 + c, qi) and not solved(0, qi) for qi in ran)
-        losses = sum(solved(0, qi) and not solved(1 + c, qi) for qi in ran)
-        return wins, losses, sum(not solved(0, qi) for qi in left), sum(solved(0, qi) for qi in left)
+    def paired(self, c: int) -> tuple[int, int, int, int]:
+        """Candidate c's wins and losses against the current program so far, and the wins and losses still possible."""
+        ran = [qi for qi in self.queries if (1 + c, qi) in self.found]
+        left = [qi for qi in self.queries if (1 + c, qi) not in self.found]
+        wins = sum(self.solved(1 + c, qi) and not self.solved(0, qi) for qi in ran)
+        losses = sum(self.solved(0, qi) and not self.solved(1 + c, qi) for qi in ran)
+        return wins, losses, sum(not self.solved(0, qi) for qi in left), sum(self.solved(0, qi) for qi in left)
 
-    def bound(c: int, case: str) -> tuple[bool, tuple[int, float]]:
+    def _keeps(self, c: int, point: tuple[int, float], wins: int, losses: int) -> bool:
+        return keeps(self.candidates[c], point, self.base, (wins, losses), keep_ties=self.rules.keep_ties,
+                     alpha=self.rules.alpha)
+
+    def _bound(self, c: int, case: str) -> tuple[bool, tuple[int, float]]:
         """Whether c is kept, and its (successes, mean), if every query left goes its way ("best") or against it
         ("worst"); widened by a rounding error's width, so a tie is never cut short."""
-        wins, losses, can_win, can_lose = paired(c)
-        rs, n, left = rewards(1 + c), len(queries), can_win + can_lose
+        wins, losses, can_win, can_lose = self.paired(c)
+        rs, n, left = self.rewards(1 + c), len(self.queries), can_win + can_lose
         if case == "best":
             point, wins = (sum(r >= 1 for r in rs) + left, (sum(rs) + left) / n + 1e-9), wins + can_win
         else:
             point, losses = (sum(r >= 1 for r in rs), sum(rs) / n - 1e-9), losses + can_lose
-        return keeps(candidates[c], point, base, wins=wins, losses=losses, keep_ties=keep_ties, alpha=alpha), point
+        return self._keeps(c, point, wins, losses), point
 
-    run([(0, qi) for qi in queries])  # the bar every candidate must clear
-    base = score(0)
-    alive = list(range(len(candidates)))
-    for block in ([[qi] for qi in queries] if stop_early else [queries]):
-        run([(1 + c, qi) for c in alive for qi in block])
+    def _possible(self, c: int, alive: list[int]) -> bool:
+        """Can candidate c still be kept? (One demo is kept, the best: can c still be it?)"""
+        ok, best_case = self._bound(c, "best")
+        if not ok:
+            return False
+        return self.candidates[c].demo is None or not any(
+            d != c and self.candidates[d].demo is not None and self._bound(d, "worst")[0]
+            and (self._bound(d, "worst")[1], d) > (best_case, c) for d in alive)
 
-        def possible(c) -> bool:
-            ok, best_case = bound(c, "best")
-            if not ok:
-                return False
-            return candidates[c].demo is None or not any(  # one demo is kept: the best; can c still be it?
-                d != c and candidates[d].demo is not None and bound(d, "worst")[0]
-                and (bound(d, "worst")[1], d) > (best_case, c) for d in alive)
-
-        alive = [c for c in alive if possible(c)]
-    ran = [len(rewards(1 + c)) for c in range(len(candidates))]
-    scores = [score(1 + c) for c in range(len(candidates))]
-    passed = [c in alive and keeps(cand, score, base, wins=paired(c)[0], losses=paired(c)[1], keep_ties=keep_ties,
-                                   alpha=alpha) for c, (cand, score) in enumerate(zip(candidates, scores))]
-
-    def best_of(kind, kept) -> int | None:  # the candidate of a kind still kept that ranks highest
-        wins = [(score, i) for i, (c, score, k) in enumerate(zip(candidates, scores, kept)) if k and kind(c)]
-        return max(wins)[1] if wins else None
-
-    # code competes: one demo (the step keeps the set it was probed with) and one experience with an excerpt; and
-    # one edit per current experience (a rewrite and a retirement of it cannot both be kept)
-    kinds = [lambda c: c.demo is not None, lambda c: c.demo is None and c.shows_code]
-    kinds += [lambda c, t=t: t in c.targets for t in sorted({t for c in candidates for t in c.targets})]
-    kept = list(passed)
-    for kind in kinds:
-        best = best_of(kind, kept)
-        kept = [k and (not kind(c) or i == best) for i, (c, k) in enumerate(zip(candidates, kept))]
-    tried = [[qi for qi in queries if (p, qi) in found] for p in range(len(programs))]
-    solved_by = [[qi for qi in ran if solved(p, qi)] for p, ran in enumerate(tried)]
-    traces = [{qi: found[(p, qi)]["trace"] for qi in solved_by[p] if found[(p, qi)].get("trace")}
-              for p in range(len(programs))]
-    result = ProbeResult(queries=queries, base=base, scores=scores, kept=kept, ran=ran, solved=solved_by, tried=tried,
-                         traces=traces)
-    for c, (s, m), k, r in zip(candidates, result.scores, result.kept, result.ran):
-        logger.info("Probe: %s: %d solved of %d run, mean %.3f vs %d, %.3f now -> %s", c.label, s, r, m, *result.base,
-                    "kept" if k else "dropped")
-    return result
+    def _result(self, alive: list[int]) -> ProbeResult:
+        candidates = self.candidates
+        scores = [self.score(1 + c) for c in range(len(candidates))]
+        kept = [c in alive and self._keeps(c, scores[c], *self.paired(c)[:2]) for c in range(len(candidates))]
+        # code competes: one demo (the step keeps the set it was probed with) and one experience with an excerpt; and
+        # one edit per current experience (a rewrite and a retirement of it cannot both be kept)
+        kinds = [lambda c: c.demo is not None, lambda c: c.demo is None and c.shows_code]
+        kinds += [lambda c, t=t: t in c.targets for t in sorted({t for c in candidates for t in c.targets})]
+        for kind in kinds:
+            wins = [(score, i) for i, (c, score, k) in enumerate(zip(candidates, scores, kept)) if k and kind(c)]
+            best = max(wins)[1] if wins else None
+            kept = [k and (not kind(c) or i == best) for i, (c, k) in enumerate(zip(candidates, kept))]
+        tried = [[qi for qi in self.queries if (p, qi) in self.found] for p in range(len(self.programs))]
+        solved = [[qi for qi in ran if self.solved(p, qi)] for p, ran in enumerate(tried)]
+        traces = [{qi: self.found[(p, qi)]["trace"] for qi in solved[p] if self.found[(p, qi)].get("trace")}
+                  for p in range(len(self.programs))]
+        result = ProbeResult(queries=self.queries, base=self.base, scores=scores, kept=kept,
+                             ran=[len(self.rewards(1 + c)) for c in range(len(candidates))], solved=solved,
+                             tried=tried, traces=traces)
+        for c, (s, m), k, r in zip(candidates, result.scores, result.kept, result.ran):
+            logger.info("Probe: %s: %d solved of %d run, mean %.3f vs %d, %.3f now -> %s", c.label, s, r, m,
+                        *result.base, "kept" if k else "dropped")
+        return result
 
 
 @dataclass(frozen=True)
@@ -240,7 +263,7 @@ class ProbeOutcome:
 
 def probe_edits(setup: RunSetup, start: StepStart, learning: Learning, *, saved: Callable[[], None]) -> ProbeOutcome:
     """The step's probe stage: the plan's operations and the demo candidates, each tried against the current program
-    on the same training queries outside the step's queries; kept as `run_probe` says."""
+    on the same training queries outside the step's queries; kept as `Probe` says."""
     knobs, library, demos = setup.knobs, start.library, start.demos
     candidates, unprobed = _candidates(knobs, start, learning)
     evidence = solved_by(learning.groups, knobs.num_generations - knobs.num_explore_generations, start.evidence)
@@ -276,9 +299,9 @@ def probe_edits(setup: RunSetup, start: StepStart, learning: Learning, *, saved:
     unsolved = {q for q, ok in start.evidence.items() if not ok} if knobs.focus_on_failures else set()
     queries = probe_queries(len(start.trainset), [g.index for g in learning.groups], knobs.probe_size,
                             seed=knobs.seed, step=start.index, unsolved=unsolved)
-    result = run_probe(runnable, candidates, queries=queries, trainset=start.trainset, metric=setup.metric,
-                       unit_of=unit_of, cached=setup.ckpt.get, run_units=run_units, keep_ties=knobs.keep_tied_demos,
-                       alpha=knobs.probe_alpha, timeout_s=knobs.metric_timeout_s)
+    rules = ProbeRules(alpha=knobs.probe_alpha, keep_ties=knobs.keep_tied_demos, timeout_s=knobs.metric_timeout_s)
+    result = Probe(runnable, candidates, queries=queries, trainset=start.trainset, metric=setup.metric,
+                   unit_of=unit_of, cached=setup.ckpt.get, run_units=run_units, rules=rules).run()
     kept_ops = [op for c, k in zip(candidates, result.kept) if k for op in c.operations]
     best = next((i for i, (c, k) in enumerate(zip(candidates, result.kept))  # a demo is shown solving its query
                  if k and c.demo is not None and (c.demo["reward"] >= 1 or result.traces[1 + i])), None)

@@ -57,6 +57,8 @@ class _Run:
 
     library: ExperienceLibrary
     total_steps: int
+    trackers: tuple = ()  # told of every step and validation (MLflow's)
+    progress: Callable = lambda *_: None  # the whole run's progress: steps done of all
     demos: list[dict] = field(default_factory=list)
     evidence: dict[int, bool] = field(default_factory=dict)
     pending: list[dict] = field(default_factory=list)  # demo candidates the last step found for the next one
@@ -165,8 +167,9 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
     def _compile(self, student, *, trainset, valset, trackers, ckpt) -> dspy.Module:
         setup, start = self._prepare(student, trainset, valset, ckpt)
         knobs = setup.knobs  # the knobs as the run uses them (the preset's, where `auto` set them)
-        run = _Run(library=start.library, total_steps=knobs.total_steps(len(trainset)))
         overall = self.progress or StageBar(resumed=True)  # the whole run: steps done of all, with its ETA
+        run = _Run(library=start.library, total_steps=knobs.total_steps(len(trainset)), trackers=trackers,
+                   progress=overall)
         if run.total_steps:
             overall("step", sum(ckpt.has(Keys.done(i)) for i in range(run.total_steps)), run.total_steps)
         rng = random.Random(knobs.seed)
@@ -175,12 +178,12 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
                 break
             order = list(range(len(trainset)))
             rng.shuffle(order)
-            self._epoch(setup, start, run, epoch, order, trackers, overall)
+            self._epoch(setup, start, run, epoch, order)
             if run.stopped:
                 logger.warning("Stopping early: %s", run.stopped)
                 break
             if valset:
-                self._validated(setup, start, run, epoch, valset, trackers)
+                self._validated(setup, start, run, epoch, valset)
         if isinstance(overall, StageBar):
             overall.close()  # a run stopped early ends its bar short
         return self._finish(student, start.targets, run, ckpt)
@@ -219,8 +222,7 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
                           trainset=trainset, batch=[])
         return setup, start
 
-    def _epoch(self, setup: RunSetup, start: StepStart, run: _Run, epoch: int, order: list[int], trackers,
-               overall) -> None:
+    def _epoch(self, setup: RunSetup, start: StepStart, run: _Run, epoch: int, order: list[int]) -> None:
         """The epoch's steps, one batch after another, each from what the one before it kept."""
         knobs, used = setup.knobs, set()  # used: the queries this epoch has rolled out
         for at in range(0, len(order), knobs.batch_size):
@@ -235,23 +237,23 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
             run.evidence = {int(q): ok for q, ok in stats.evidence.items()}
             used.update(stats.queries or begin.batch)
             run.steps.append(stats)
-            for tracker in trackers:
+            for tracker in run.trackers:
                 tracker.step(stats)
             run.step += 1
             if run.total_steps:
-                overall("step", run.step, run.total_steps)
+                run.progress("step", run.step, run.total_steps)
             run.count(stats, reused)
             run.stopped = _over_budget(knobs, run) or _learned_out(knobs, stats)
 
-    def _validated(self, setup: RunSetup, start: StepStart, run: _Run, epoch: int, valset: list, trackers) -> None:
+    def _validated(self, setup: RunSetup, start: StepStart, run: _Run, epoch: int, valset: list) -> None:
         """Score the epoch's library on the valset; the best so far (the later on a tie) is the one kept."""
-        record = validate(start.program, start.targets, run.library, run.demos, valset=valset, epoch=epoch,
-                          knobs=setup.knobs, metric=self.metric, ckpt=setup.ckpt)
+        record = validate(setup, dataclasses.replace(start, library=run.library, demos=run.demos), valset=valset,
+                          epoch=epoch)
         run.metric_calls += len(valset)
         if run.step < run.total_steps:  # steps remain: a budget reached here stops them
             run.stopped = _over_budget(setup.knobs, run)
         run.epochs.append(EpochResult(epoch=epoch, library_size=len(run.library), **record))
-        for tracker in trackers:
+        for tracker in run.trackers:
             tracker.validation(run.epochs[-1].__dict__, step=run.step - 1)
         if run.best is None or record["val_score"] >= run.best[0]:  # ties go to the later library
             run.best = (record["val_score"], run.library.dump_state(), run.demos, epoch)

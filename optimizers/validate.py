@@ -4,30 +4,29 @@ from __future__ import annotations
 
 import logging
 import statistics
-from typing import Callable
 
-from tfgrpo.optimizers.checkpoint import Checkpoint, Keys
-from tfgrpo.optimizers.knobs import Knobs
+from tfgrpo.optimizers.checkpoint import Keys
 from tfgrpo.optimizers.parallel import TooManyFailuresError, run_parallel
 from tfgrpo.optimizers.rollout import run_and_score, with_own_lms
+from tfgrpo.optimizers.step import RunSetup, StepStart
 from tfgrpo.programs.inject import with_learned
-from tfgrpo.programs.library import ExperienceLibrary
 
 logger = logging.getLogger(__name__)
 
 
-def validate(program, targets: list[str], library: ExperienceLibrary, demos: list[dict], *, valset: list, epoch: int,
-             knobs: Knobs, metric: Callable, ckpt: Checkpoint) -> dict:
-    """The epoch's validation record: `val_score` (mean metric; a run of the program that raised, or whose metric
-    call timed out, scores 0) and `val_failures`. More failures than `max_failure_rate` allows stop the run with
-    `TooManyFailuresError`: an outage must not pass for a bad library."""
+def validate(setup: RunSetup, start: StepStart, *, valset: list, epoch: int) -> dict:
+    """The epoch's validation record for the program `start` holds with its library and demos: `val_score` (mean
+    metric; a run of the program that raised, or whose metric call timed out, scores 0) and `val_failures`. More
+    failures than `max_failure_rate` allows stop the run with `TooManyFailuresError`: an outage must not pass for a
+    bad library."""
+    knobs, metric, ckpt, library, demos = setup.knobs, setup.metric, setup.ckpt, start.library, start.demos
     if (saved := ckpt.get(Keys.epoch(epoch))) is not None:
         return {"val_score": saved["val_score"], "val_failures": saved.get("val_failures", 0)}
-    cand, _ = with_own_lms(with_learned(program, targets, library, demos))
+    cand, _ = with_own_lms(with_learned(start.program, start.targets, library, demos))
     logger.info("validation: %d call(s) on %d thread(s)", len(valset), knobs.num_threads)
     records = run_parallel(lambda example: run_and_score(cand, example, metric, knobs.metric_timeout_s), list(valset),
                            num_threads=knobs.num_threads, stage="validation", progress=knobs.progress)
-    errors = [r["error"] or r["timeout"] for r in records if r["error"] or r.get("timeout")]
+    errors = [r["error"] or r["timeout"] for r in records if r["error"] or r.get("timeout")]  # a timeout has "timeout"
     if len(errors) > knobs.max_failure_rate * len(records):
         raise TooManyFailuresError(f"validation after epoch {epoch}: the program failed on {len(errors)} of "
                                    f"{len(records)} examples (first: {errors[0]}); finished work is kept in "

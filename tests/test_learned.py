@@ -2,7 +2,6 @@
 that matches the saved results, `tfgrpo show NAME` prints it, and `tfgrpo evaluate NAME` scores it on its held-out
 split through the benchmark's own evaluation code, sampled as stated (here against the fake LM server)."""
 
-import json
 import re
 import subprocess
 import sys

@@ -102,7 +102,7 @@ def test_a_path_learns_from_groups_it_is_given_and_the_plan_applies_to_a_copy():
         for a, r in ((ex.answer, 1.0), ("-1", 0.0)))) for i, ex in enumerate(trainset)]
     start = ExperienceLibrary()
     lessons, usage = learn_from_groups(ContrastPath(), groups, settings=Knobs(constrained_decoding="off",
-                                       max_operations_per_group=1), reflection_lm=lm, library=start, trainset=trainset)
+                                       max_operations_per_group=1), reflection_lm=lm, library=start)
     assert [op.text for op in lessons.plan] == [LESSON] and usage["contrast"]["calls"] == 2
     library = start.copy()
     report = library.apply(lessons.plan, step=0)

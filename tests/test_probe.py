@@ -234,21 +234,34 @@ def _partial(example, pred, trace=None):
     return 1.0 if pred.answer == example.answer else 0.3 if pred.answer.lstrip("-").isdigit() else 0.0
 
 
-def _probe(programs, candidates, **kw):
-    """run_probe on 4 training queries, every attempt run in turn, nothing cached."""
-    from tfgrpo.optimizers.probe import run_probe
+def _probe(programs, candidates, keep_ties=False, alpha=1.0):
+    """A probe on 4 training queries, every attempt run in turn, nothing cached."""
+    from tfgrpo.optimizers.probe import Probe, ProbeRules
 
-    return run_probe(programs, candidates, queries=[0, 1, 2, 3], trainset=make_trainset(4), metric=_partial,
-                     unit_of=lambda p, q: f"{p}_{q}", cached=lambda unit: None,
-                     run_units=lambda fn, jobs: [fn(j) for j in jobs], **kw)
+    return Probe(programs, candidates, queries=[0, 1, 2, 3], trainset=make_trainset(4), metric=_partial,
+                 unit_of=lambda p, q: f"{p}_{q}", cached=lambda unit: None,
+                 run_units=lambda fn, jobs: [fn(j) for j in jobs],
+                 rules=ProbeRules(alpha=alpha, keep_ties=keep_ties)).run()
 
 
-def run_probe_fully(programs, candidates, **kw):
-    from tfgrpo.optimizers.probe import run_probe
+def full_verdicts(programs, candidates, keep_ties=False, alpha=1.0):
+    """The oracle: what a probe that ran every attempt keeps (each program's 4 rewards, the rules of `keeps`, then the
+    best of each kind), and each candidate's (successes, mean)."""
+    from tfgrpo.optimizers.probe import keeps
 
-    return run_probe(programs, candidates, queries=[0, 1, 2, 3], trainset=make_trainset(4), metric=_partial,
-                     unit_of=lambda p, q: f"{p}_{q}", cached=lambda unit: None,
-                     run_units=lambda fn, jobs: [fn(j) for j in jobs], stop_early=False, **kw)
+    rewards = [[_partial(ex, p(**ex.inputs())) for ex in make_trainset(4)] for p in programs]
+    scores = [(sum(r >= 1 for r in rs), statistics.fmean(rs)) for rs in rewards]
+    kept = []
+    for c, cand in enumerate(candidates):
+        wins = sum(a >= 1 > b for a, b in zip(rewards[1 + c], rewards[0]))
+        losses = sum(b >= 1 > a for a, b in zip(rewards[1 + c], rewards[0]))
+        kept.append(keeps(cand, scores[1 + c], scores[0], (wins, losses), keep_ties=keep_ties, alpha=alpha))
+    kinds = [lambda c: c.demo is not None, lambda c: c.demo is None and c.shows_code]
+    kinds += [lambda c, t=t: t in c.targets for t in sorted({t for c in candidates for t in c.targets})]
+    for kind in kinds:
+        best = max(((scores[1 + i], i) for i, c in enumerate(candidates) if kept[i] and kind(c)), default=(None, None))[1]
+        kept = [k and (not kind(c) or i == best) for i, (c, k) in enumerate(zip(candidates, kept))]
+    return kept, scores[1:]
 
 
 class _Table(dspy.Module):
@@ -281,11 +294,11 @@ def test_stopping_early_gives_the_verdicts_of_the_full_probe_with_fewer_attempts
         candidates = [rng.choice(kinds)() for _ in range(rng.randint(1, 4))]
         programs = [_Table([rng.choice([1.0, 1.0, 0.3, 0.0]) for _ in range(4)]) for _ in range(len(candidates) + 1)]
         keep_ties, alpha = rng.random() < 0.5, rng.choice([1.0, 0.5, 0.15, 0.07])
-        full = run_probe_fully(programs, candidates, keep_ties=keep_ties, alpha=alpha)
+        kept, scores = full_verdicts(programs, candidates, keep_ties=keep_ties, alpha=alpha)
         early = _probe(programs, candidates, keep_ties=keep_ties, alpha=alpha)
-        assert early.kept == full.kept, case
-        assert [s for s, k in zip(early.scores, early.kept) if k] == [s for s, k in zip(full.scores, full.kept) if k]
-        saved += sum(full.ran) - sum(early.ran)
+        assert early.kept == kept, case
+        assert [s for s, k in zip(early.scores, early.kept) if k] == [s for s, k in zip(scores, kept) if k]
+        saved += 4 * len(candidates) - sum(early.ran)
     assert saved > 0
 
 
@@ -302,8 +315,8 @@ def test_partial_credit_alone_does_not_buy_a_demo_its_place():
     assert result.kept == [False, True, False]  # A only earns partial credit; C loses a success
     # A stopped once B was sure to be kept and A could no longer outrank it (3 of 4 queries run, 1.6 reward)
     assert result.ran == [3, 4, 4] and result.scores[0] == (1, statistics.fmean([1.0, 0.3, 0.3]))
-    full = run_probe_fully(programs, candidates)
-    assert full.kept == result.kept and full.ran == [4, 4, 4] and full.scores[0] == (1, 0.475)
+    kept, scores = full_verdicts(programs, candidates)
+    assert kept == result.kept and scores[0] == (1, 0.475)
 
 
 def test_only_the_best_of_two_winning_demos_is_recorded_as_kept():
@@ -369,12 +382,7 @@ def test_keep_tied_demos_keeps_a_tie_only_above_zero():
     assert not keeps(demo, (3, 0.70), (3, 0.75), keep_ties=True)  # same successes, lower mean reward
     programs = [_Fixed(1, "none"), _Fixed(1, "none")]
     assert _probe(programs, [Candidate("A", demo={})]).kept == [False]
-    from tfgrpo.optimizers.probe import run_probe
-
-    tied = run_probe(programs, [Candidate("A", demo={})], queries=[0, 1, 2, 3], trainset=make_trainset(4),
-                     metric=_partial, unit_of=lambda p, q: f"{p}_{q}", cached=lambda unit: None,
-                     run_units=lambda fn, jobs: [fn(j) for j in jobs], keep_ties=True)
-    assert tied.kept == [True]
+    assert _probe(programs, [Candidate("A", demo={})], keep_ties=True).kept == [True]
 
 
 def test_a_whole_attempt_that_fits_is_the_excerpt_with_no_lm_call():
@@ -411,10 +419,10 @@ def test_a_demo_must_win_a_sign_test_not_one_lucky_hit():
     demo = Candidate("demo", demo={})
     assert sign_test_p(1, 0) == 0.5 and sign_test_p(3, 0) == 0.125 and sign_test_p(0, 0) == 1.0
     assert abs(sign_test_p(4, 1) - 6 / 32) < 1e-12
-    assert keeps(demo, (1, 0.3), (0, 0.2), wins=1, losses=0)  # alpha 1.0: any net gain, as before
-    assert not keeps(demo, (1, 0.3), (0, 0.2), wins=1, losses=0, alpha=0.15)
-    assert keeps(demo, (3, 0.5), (0, 0.2), wins=3, losses=0, alpha=0.15)
-    assert not keeps(demo, (4, 0.5), (1, 0.2), wins=4, losses=1, alpha=0.15)
+    assert keeps(demo, (1, 0.3), (0, 0.2), (1, 0))  # alpha 1.0: any net gain, as before
+    assert not keeps(demo, (1, 0.3), (0, 0.2), (1, 0), alpha=0.15)
+    assert keeps(demo, (3, 0.5), (0, 0.2), (3, 0), alpha=0.15)
+    assert not keeps(demo, (4, 0.5), (1, 0.2), (4, 1), alpha=0.15)
     # the probe: a demo that solves one more probe query than the program it would replace is dropped
     programs = [_Fixed(0, "none"), _Fixed(1, "none"), _Fixed(3, "none")]
     result = _probe(programs, [Candidate("lucky", demo={}), Candidate("real", demo={})], alpha=0.15)

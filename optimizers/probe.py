@@ -276,7 +276,7 @@ def probe_edits(setup: RunSetup, start: StepStart, learning: Learning, *, saved:
                                          keep_best(demos, knobs.max_demos - 1) + [c.demo]))
         else:
             trial = library.copy()
-            trial.apply(list(c.operations), step=start.index)
+            trial.apply(list(c.operations), step=start.index, quiet=True)  # said once, as it was proposed
             programs.append(with_learned(start.program, start.targets, trial, demos))
     rollout_id = int(digest([knobs.seed, start.index, "probe"]), 16) % 2**31
     lms, runnable = [], []

@@ -290,9 +290,11 @@ class Step:
 
     # -- 4: the new library -----------------------------------------------------------------------------------
     def apply(self, plan: list[Operation], learning: Learning) -> tuple[ExperienceLibrary, ApplyReport]:
-        """The plan validated and applied in code, all or nothing per operation, to a copy of the step's library."""
+        """The plan validated and applied in code, all or nothing per operation, to a copy of the step's library (a
+        probe said its refusals and warnings as it tried each operation)."""
         library = self.start.library.copy()
-        report = library.apply(plan, step=self.start.index, sources=sorted({q for q, _ in learning.lessons.proposals}))
+        report = library.apply(plan, step=self.start.index, sources=sorted({q for q, _ in learning.lessons.proposals}),
+                               quiet=bool(self.knobs.probe_size))
         return library, report
 
     def _record(self, learning: Learning, library: ExperienceLibrary, report: ApplyReport,

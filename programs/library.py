@@ -196,8 +196,10 @@ class ExperienceLibrary(Parameter):
         return "\n".join(f"[{e.id}] {e.text}" + (_fenced(e.excerpt) if e.excerpt else "") for e in self.active.values())
 
     # -- writing -------------------------------------------------------------------------------------------
-    def apply(self, operations: list[Operation], *, step: int, sources: list[str] | None = None) -> ApplyReport:
-        """Carry out a plan. Invalid operations are refused one by one (logged); the rest take effect at once.
+    def apply(self, operations: list[Operation], *, step: int, sources: list[str] | None = None,
+              quiet: bool = False) -> ApplyReport:
+        """Carry out a plan. Invalid operations are refused one by one (logged, unless `quiet`: a trial on a copy
+        that was logged before); the rest take effect at once.
 
         The work happens on a scratch copy that replaces this library's state only at the end, so an
         unexpected error leaves the library exactly as it was.
@@ -205,16 +207,17 @@ class ExperienceLibrary(Parameter):
         scratch = copy.deepcopy(self)
         report = ApplyReport()
         for op in operations:
-            reason = scratch._apply_one(op, step=step, sources=sources or [])
+            reason = scratch._apply_one(op, step=step, sources=sources or [], quiet=quiet)
             if reason is None:
                 report.applied[op.action] += 1
             else:
                 report.rejected.append((op, reason))
-                logger.warning("Refused %s %s %r: %s", op.action, op.ids, op.text[:80], reason)
+                if not quiet:
+                    logger.warning("Refused %s %s %r: %s", op.action, op.ids, op.text[:80], reason)
         self.__dict__.update(scratch.__dict__)
         return report
 
-    def _apply_one(self, op: Operation, *, step: int, sources: list[str]) -> str | None:
+    def _apply_one(self, op: Operation, *, step: int, sources: list[str], quiet: bool = False) -> str | None:
         """Apply one operation in place; return None on success, else why it was refused (nothing changed)."""
         needed = {"add": (0, 0), "modify": (1, 1), "delete": (1, 1), "merge": (2, None)}[op.action]
         if len(op.ids) < needed[0] or (needed[1] is not None and len(op.ids) > needed[1]):
@@ -252,7 +255,7 @@ class ExperienceLibrary(Parameter):
             for e in merged:
                 e.history.append(Edit(step=step, action="merged_into", text=e.text, related=[exp.id]))
                 self.retired[e.id] = e
-        if op.action != "delete" and (words := injection_like(text)):
+        if op.action != "delete" and (words := injection_like(text)) and not quiet:
             logger.warning("Experience %s reads like a prompt injection (%r) rather than a lesson: %r. It is not "
                            "refused; check it before you deploy the program (tfgrpo show marks it)", exp.id, words,
                            text[:200])

@@ -238,7 +238,11 @@ def test_an_injection_shaped_experience_is_kept_with_a_warning_and_marked_by_sho
         compiled = compile_with(ScriptedLM(adds(LESSON, injection)), dspy.Predict("question -> answer"))
     assert compiled.experience_library.texts() == [LESSON, injection]  # warned about, not refused
     warned = [r.getMessage() for r in caplog.records if "prompt injection" in r.getMessage()]
-    assert warned and all("E2" in w and injection in w for w in warned)
+    assert len(warned) == 1 and "E2" in warned[0] and injection in warned[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tfgrpo"):  # with a probe: said once, as the edit is first tried
+        compile_with(ScriptedLM(adds(LESSON, injection)), dspy.Predict("question -> answer"), probe_size=2)
+    assert sum("prompt injection" in r.getMessage() for r in caplog.records) == 1
     library = tmp_path / "library.json"
     library.write_text(json.dumps(compiled.experience_library.dump_state()))
     shown = runner.invoke(app, ["show", str(library)])

@@ -1,13 +1,15 @@
 """Small helpers every part of the package uses: cutting text to size, writing a file atomically, clearing the
 temporary files of atomic writes that a killed process left behind, and values as JSON (a stable hash of one, or
-a JSON-safe copy)."""
+a JSON-safe copy), and the bootstrap CI of a mean."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import random
 import re
+import statistics
 import uuid
 from pathlib import Path
 from typing import Any
@@ -79,3 +81,10 @@ def digest(value: Any) -> str:
 def jsonable(value: Any) -> Any:
     """`value` made JSON-safe (checkpoints, records): structures kept, anything else as text."""
     return json.loads(json.dumps(value, ensure_ascii=False, default=str))
+
+
+def bootstrap_ci(values: list[float], *, seed: int = 0, resamples: int = 10_000) -> tuple[float, float]:
+    """95% bootstrap CI of the mean of `values`."""
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]

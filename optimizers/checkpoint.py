@@ -14,6 +14,8 @@ Layout (every key is made by `Keys`, the learning paths' own under their step):
     probe-base/<program>/5.json     the probe: the current program's attempt on query 5, kept by what the program is
                                     (its library and demos), so that a later step probing the same program reuses it
     epochs/0.json                   validation score of the library after epoch 0
+    worth/<variant>/<example>.json  the attribution: a run of the program carrying some of the kept items
+    worth.json                      the attribution's result (`WorthResult`)
 
 Files are written atomically (`tfgrpo.base.util.write_atomic`), so a kill at any moment leaves either the old state or
 the new one, never a torn file (a kill mid-write leaves a hidden `.tmp` file, which the next start removes). One
@@ -56,7 +58,7 @@ class RunMismatchError(ValueError):
 
 
 TALLY = "spent"  # the key, inside a step, of its running tally of calls and tokens: saved beside its units, not one
-UNIT_FOLDERS = ("steps", "epochs", "probe-base")  # where units of work are saved (probe-base: the probe's attempts of
+UNIT_FOLDERS = ("steps", "epochs", "probe-base", "worth")  # where units of work are saved (probe-base: the probe's attempts of
 # the current program, shared by the steps that probe the same program)
 
 

@@ -31,14 +31,16 @@ class _StopAtStart:
         raise _Checked
 
 
-def check_run(optimizer, student, trainset: list, valset: list | None = None) -> None:
+def check_run(optimizer, student, trainset: list, valset: list | None = None,
+              attribution_set: list | None = None) -> None:
     """Make compile's own checks of these arguments, and stop where compile would start the run (its checkpoint's
     `start`, which comes after every check and before any LM call): what compile refuses (the program, the examples,
     a `max_cost` no price can measure, a learning path that cannot learn, ...) is refused here with the same error,
     and nothing is called or written. The LMs checked are dspy's configured one and `optimizer.reflection_lm`."""
     check_program(student)
     try:
-        optimizer._compile(student, trainset=trainset, valset=valset, trackers=(), ckpt=_StopAtStart())
+        optimizer._compile(student, trainset=trainset, valset=valset, trackers=(), ckpt=_StopAtStart(),
+                           attribution_set=attribution_set)
     except _Checked:
         return
 
@@ -89,3 +91,19 @@ def _paper_step(opt, rollout: dict, batch: int, sizes: tuple[int, int, int]) -> 
         "consolidation": {"calls": 1, "prompt_tokens": LEARNING_PROMPT_OVERHEAD + library
                           + batch * opt.max_operations_per_group * 60},
     }
+
+
+def attribution_runs(knobs, trainset_size: int, queries: int) -> dict:
+    """Upper bound of the attribution's program runs (`attribution`, worth.py) on `queries` held-out queries: the
+    items are at most every experience the steps can add (or max_experiences) and max_demos; leave-one-out runs each
+    query with all items, none, the control and each item left out; Shapley runs up to one subset per item and
+    sampled order; prune checks two programs on the other half."""
+    if not knobs.attribution or not queries:
+        return {"items": 0, "runs": 0, "method": None}
+    added = knobs.total_steps(trainset_size) * knobs.batch_size * knobs.max_operations_per_group
+    items = min(knobs.max_experiences if knobs.max_experiences is not None else added, added) + knobs.max_demos
+    choose = (queries + 1) // 2 if knobs.prune else queries
+    shapley = items > knobs.attribution_max_items
+    per_query = knobs.attribution_permutations * items + 2 if shapley else items + 3
+    return {"items": items, "runs": choose * per_query + 2 * (queries - choose),
+            "method": "shapley" if shapley else "leave-one-out"}

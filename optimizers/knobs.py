@@ -200,6 +200,23 @@ class Knobs:
         "End the run after a step in which no group had contrast (dynamic sampling included) or whose program "
         "solved every probe query: nothing is left to learn from these training queries; said in the log and in "
         "`stopped_early`."))
+    # what each learned item is worth (worth.py)
+    attribution: bool = knob(False, FLAG, doc=(
+        "After the compile, measure what each kept experience and demo is worth on held-out queries (the valset, or "
+        "compile's `attribution_set`): the compiled program against it with each item left out, paired per query "
+        "with a 95% CI, and two controls: nothing learned, and an irrelevant text of the same length in place of "
+        "what was learned. In `detailed_results.worth`, worth.json of log_dir, `tfgrpo report` and MLflow. Costs "
+        "(items + 3) program runs per query (the dry run counts them)."))
+    attribution_max_items: int = knob(8, integer(1), doc=(
+        "With attribution: up to this many items, leave-one-out; above it, Shapley values estimated by sampling "
+        "attribution_permutations orders of the items."))
+    attribution_permutations: int = knob(8, integer(1), doc=(
+        "With attribution over more than attribution_max_items items: random orders sampled for the Shapley values "
+        "(each costs up to one program run per item and query)."))
+    prune: bool = knob(False, FLAG, doc=(
+        "With attribution: drop the items whose removal does not lower the score (worth <= 0), measured on half of "
+        "the attribution queries; the pruned program is kept only if it scores at least as well as the unpruned "
+        "one on the other half, which chose nothing. What was dropped is in `detailed_results.worth.pruned`."))
     # execution
     num_threads: int = knob(8, integer(1), doc="Concurrent LM calls of a step (all stages share them).")
     max_failure_rate: float = knob(0.5, number(0, 1), doc=(
@@ -241,6 +258,8 @@ class Knobs:
     def __post_init__(self):
         for name in KNOBS:
             check_knob(name, getattr(self, name))
+        if self.prune and not self.attribution:
+            raise ValueError("prune drops items by their measured worth: it needs attribution=True")
         if self.num_explore_generations > self.num_generations:
             raise ValueError(f"num_explore_generations ({self.num_explore_generations}) cannot exceed num_generations "
                              f"({self.num_generations}): it is the share of each group's attempts that explore")

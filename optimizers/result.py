@@ -98,6 +98,68 @@ class EpochResult:
 
 
 @dataclass(frozen=True)
+class ItemWorth:
+    """What one kept item is worth on the attribution queries.
+
+    Attributes:
+        kind: "experience" or "demo".
+        id: The experience's ID (E3), or the demo's place among the kept demos (D1, D2, ...).
+        text: The experience's text, or the start of the demo's query.
+        worth: The mean score the program loses per query when the item is left out (leave-one-out), or the item's
+            Shapley value (above `attribution_max_items` items). Negative: the program does better without it.
+        ci95: 95% bootstrap CI of `worth` over the queries.
+    """
+
+    kind: str
+    id: str
+    text: str
+    worth: float
+    ci95: tuple[float, float]
+
+
+@dataclass(frozen=True)
+class WorthResult:
+    """The attribution after a compile (`attribution=True`): `detailed_results.worth`.
+
+    Attributes:
+        method: "leave-one-out" or "shapley".
+        queries: Attribution queries the worth was measured on (with `prune`, the half that chose what to drop).
+        score: The compiled program's mean score on them, with every item.
+        items: One `ItemWorth` per kept experience and demo.
+        library: The compiled program's score minus the program's with nothing learned (per query, then averaged).
+        library_ci95: 95% bootstrap CI of `library`.
+        control: The compiled program's score minus the program's with an irrelevant text of the same length in place
+            of what was learned: what the content is worth beyond its length.
+        control_ci95: 95% bootstrap CI of `control`.
+        pruned: IDs of the items the compiled program dropped (`prune`); empty when nothing was dropped.
+        prune_check: With `prune` and an item to drop: the pruned program minus the unpruned one on the other half of
+            the queries (`queries`, `dropped`, `difference`, `ci95`), and which of the two was `kept`; else None.
+        program_runs: Program runs the attribution made (its cost; a resume's reused runs included).
+    """
+
+    method: str
+    queries: int
+    score: float
+    items: list[ItemWorth]
+    library: float
+    library_ci95: tuple[float, float]
+    control: float
+    control_ci95: tuple[float, float]
+    pruned: list[str]
+    prune_check: dict[str, Any] | None
+    program_runs: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def line(self, task: str, seed: int) -> str:
+        """The one-line summary docs/measurements.md keeps per run."""
+        return (f"worth: task={task} seed={seed} items={len(self.items)} library={self.library:+.3f} "
+                f"ci_low={self.library_ci95[0]:+.3f} control={self.control:+.3f} "
+                f"ci_low_vs_control={self.control_ci95[0]:+.3f} pruned={len(self.pruned)}")
+
+
+@dataclass(frozen=True)
 class TrainingFreeGRPOResult:
     """A compile's record: `compiled.detailed_results`; `to_dict()` gives the whole record as plain JSON-ready data.
 
@@ -112,6 +174,7 @@ class TrainingFreeGRPOResult:
         run_usage: The same for the whole run, reused steps included: what the budgets count.
         reused_units: Units of work read back from `log_dir` instead of computed again.
         stopped_early: Why the run stopped before its last step (a budget ran out, say), or None.
+        worth: With `attribution`, what each kept item is worth on held-out queries (`WorthResult`); else None.
     """
 
     steps: list[StepResult]
@@ -122,6 +185,7 @@ class TrainingFreeGRPOResult:
     run_usage: dict[str, dict[str, float]]
     reused_units: int
     stopped_early: str | None
+    worth: WorthResult | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)

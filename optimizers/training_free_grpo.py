@@ -38,11 +38,12 @@ from tfgrpo.optimizers.knobs import AUTO_SMALL, KNOBS, PRESETS, Knobs, args_doc,
 from tfgrpo.optimizers.learning_paths import SMALL_REFLECTOR_B, LearningPath, model_size_b, path_name
 from tfgrpo.optimizers.paper_path import PaperPath
 from tfgrpo.optimizers.parallel import StageBar
-from tfgrpo.optimizers.result import EpochResult, StepResult, TrainingFreeGRPOResult
+from tfgrpo.optimizers.result import EpochResult, StepResult, TrainingFreeGRPOResult, WorthResult
 from tfgrpo.optimizers.rewards import metric_takes_trace
 from tfgrpo.optimizers.step import RunSetup, Step, StepStart
 from tfgrpo.optimizers.usage import add_usage, history_kept, over_budget
 from tfgrpo.optimizers.validate import validate
+from tfgrpo.optimizers.worth import Attribution, Learned, log_worth
 from tfgrpo.programs.inject import resolve_targets, with_learned
 from tfgrpo.programs.library import ExperienceLibrary
 
@@ -124,7 +125,8 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
         hooks.built(self)  # trackers learn of it (tfgrpo.base.hooks)
 
     # -- the outer loop -------------------------------------------------------------------------------------
-    def compile(self, student: dspy.Module, *, trainset: list, teacher=None, valset: list | None = None) -> dspy.Module:
+    def compile(self, student: dspy.Module, *, trainset: list, teacher=None, valset: list | None = None,
+                attribution_set: list | None = None) -> dspy.Module:
         """Learn a library (and, with `max_demos`, demos) for a copy of `student`; `student` itself is left as it is.
 
         Args:
@@ -136,6 +138,8 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
                 learning calls, pass `reflection_lm=` to the constructor.
             valset: `dspy.Example`s scored after each epoch; the compiled program carries the library (and demos)
                 of the epoch that scored best, the later one on a tie. None: those of the last epoch.
+            attribution_set: With `attribution`, the held-out `dspy.Example`s each kept item's worth is measured on;
+                None: the valset.
 
         Returns:
             The compiled copy. Its target predictors' instructions hold the library, so `save()` keeps it;
@@ -159,12 +163,14 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
         knobs = {name: getattr(self, name) for name in KNOBS}
         info = hooks.CompileInfo(knobs=knobs, params=lambda: self._params(student))
         with ckpt.locked(), hooks.tracked(info) as trackers:  # one compile per log_dir; trackers such as MLflow's
-            compiled = self._compile(student, trainset=trainset, valset=valset, trackers=trackers, ckpt=ckpt)
+            compiled = self._compile(student, trainset=trainset, valset=valset, trackers=trackers, ckpt=ckpt,
+                                     attribution_set=attribution_set)
             for tracker in trackers:
                 tracker.finish(compiled)
         return compiled
 
-    def _compile(self, student, *, trainset, valset, trackers, ckpt) -> dspy.Module:
+    def _compile(self, student, *, trainset, valset, trackers, ckpt, attribution_set=None) -> dspy.Module:
+        held_out = self._held_out(student, valset, attribution_set)
         setup, start = self._prepare(student, trainset, valset, ckpt)
         knobs = setup.knobs  # the knobs as the run uses them (the preset's, where `auto` set them)
         overall = self.progress or StageBar(resumed=True)  # the whole run: steps done of all, with its ETA
@@ -186,7 +192,27 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
                 self._validated(setup, start, run, epoch, valset)
         if isinstance(overall, StageBar):
             overall.close()  # a run stopped early ends its bar short
-        return self._finish(student, start.targets, run, ckpt)
+        learned, worth = _kept(run), None
+        if knobs.attribution:
+            worth, learned = Attribution(self.metric, knobs, ckpt).run(student, start.targets, learned, held_out)
+            log_worth(worth)
+            ckpt.put("worth", worth.to_dict())
+        return self._finish(student, start.targets, run, ckpt, learned, worth)
+
+    def _held_out(self, student, valset: list | None, attribution_set: list | None) -> list | None:
+        """The queries the attribution measures on (`attribution_set`, else the valset), checked before anything is
+        spent."""
+        held_out = attribution_set if attribution_set is not None else valset
+        if not self.attribution:
+            if attribution_set is not None:
+                raise ValueError("attribution_set is only read with attribution=True")
+            return None
+        if not held_out:
+            raise ValueError("attribution=True measures the kept items on held-out queries: pass valset= or "
+                             "attribution_set=")
+        check_examples("attribution_set", held_out)
+        check_inputs("attribution_set", held_out, student)
+        return held_out
 
     def _prepare(self, student, trainset, valset, ckpt) -> tuple[RunSetup, StepStart]:
         """Every check before anything is spent (a refusal writes no run.json); then the run's fingerprint."""
@@ -258,19 +284,15 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
         if run.best is None or record["val_score"] >= run.best[0]:  # ties go to the later library
             run.best = (record["val_score"], run.library.dump_state(), run.demos, epoch)
 
-    def _finish(self, student, targets: list[str], run: _Run, ckpt: Checkpoint) -> dspy.Module:
-        """The compiled copy of the student, with the best epoch's library and demos (else the last ones)."""
+    def _finish(self, student, targets: list[str], run: _Run, ckpt: Checkpoint, learned: Learned,
+                worth: WorthResult | None) -> dspy.Module:
+        """The compiled copy of the student, carrying `learned`, with the run's record."""
         best = run.best
-        if best:
-            logger.info("Keeping the library of epoch %d: validation score %.3f, the best of %d validated epoch(s) "
-                        "(ties go to the later epoch); %d experiences", best[3], best[0], len(run.epochs),
-                        len(best[1]["experiences"]))
-        final, final_demos = (ExperienceLibrary.from_state(best[1]), best[2]) if best else (run.library, run.demos)
-        compiled = with_learned(student, targets, final, final_demos)
+        compiled = with_learned(student, targets, *learned)
         compiled.detailed_results = TrainingFreeGRPOResult(
             steps=run.steps, epochs=run.epochs, best_val_score=best[0] if best else None,
             best_epoch=best[3] if best else None, usage=run.usage, run_usage=run.run_usage, reused_units=ckpt.reused,
-            stopped_early=run.stopped)
+            stopped_early=run.stopped, worth=worth)
         compiled._compiled = True
         return compiled
 
@@ -338,6 +360,16 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
                 "instructions": digest([p.signature.instructions for _, p in program.named_predictors()]),
                 "trainset": digest([dict(x) for x in trainset]), "valset": digest([dict(x) for x in valset or []]),
                 "initial_library": digest(library.dump_state()), **code_fingerprint(self.metric, program)}
+
+
+def _kept(run: _Run) -> Learned:
+    """What the compiled program carries: the best validated epoch's library and demos, else the last ones."""
+    if best := run.best:
+        logger.info("Keeping the library of epoch %d: validation score %.3f, the best of %d validated epoch(s) "
+                    "(ties go to the later epoch); %d experiences", best[3], best[0], len(run.epochs),
+                    len(best[1]["experiences"]))
+        return Learned(ExperienceLibrary.from_state(best[1]), best[2])
+    return Learned(run.library, run.demos)
 
 
 def _path(knobs: Knobs, reflection_model: str) -> tuple[LearningPath, str]:

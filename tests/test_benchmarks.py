@@ -26,7 +26,7 @@ from tfgrpo.testing import FakeLMServer
 ROOT = Path(__file__).resolve().parent.parent
 X = r"[+-]?\d+\.\d+"  # a figure as the benchmarks print them
 COVERED = {"faults.py", "learning_paths.py", "local_learning.py", "local_math.py", "local_throughput.py",
-           "local_web.py", "peers.py", "replay.py", "rule_ceiling.py", "step_latency.py"}  # each has a test below
+           "local_web.py", "peers.py", "replay.py", "rule_ceiling.py", "step_latency.py", "worth.py"}  # each has a test below
 NOT_BENCHMARKS = {"__init__.py", "ceiling.py", "common.py", "fault_child.py", "log_dir_checks.py", "stop_rows.py",
                   "trust_rows.py"}  # helpers of the benchmarks
 
@@ -312,3 +312,26 @@ def test_benchmarks_import_only_the_public_api():
     for name, deps in imports.items():
         for dep in deps:
             assert name not in imports.get(dep, set()), f"benchmarks.{name} and benchmarks.{dep} import each other"
+
+
+def test_worth(fake, tmp_path):
+    """A saved Game of 24 program with an experience and a demo: each item's worth and the controls, pruned, on the
+    smallest held-out set; a second run sends nothing (every run is checkpointed in the seed folder)."""
+    import dspy
+
+    from tfgrpo.programs import save_program
+    from tfgrpo.programs.inject import apply_library
+    from tfgrpo.programs.library import ExperienceLibrary
+    from tfgrpo.tasks.game24 import Game24Solver
+
+    program = Game24Solver()
+    apply_library(program, ExperienceLibrary.recovered([("E1", "Try every order of the four numbers.", "")]))
+    program.write_program.demos = [dspy.Example(numbers=[1, 2, 3, 4], code="print('(1 + 2 + 3) * 4')")]
+    save_program(program, tmp_path / "arm" / "seed0" / "program.json")
+    args = ["--runs", str(tmp_path / "arm"), "--queries", "4", "--prune", *endpoint(fake)]
+    lines = run("worth.py", *args)
+    assert re.fullmatch(rf"worth: task=game24 seed=0 items=2 library={X} ci_low={X} control={X} "
+                        rf"ci_low_vs_control={X} pruned=[0-2]", lines[-1]), lines[-1]
+    assert any(line.startswith("# | E1") for line in lines) and any(line.startswith("# | D1") for line in lines)
+    calls = fake.stats()["calls"]
+    assert run("worth.py", *args)[-1] == lines[-1] and fake.stats()["calls"] == calls

@@ -27,6 +27,7 @@ DEFERRED = {
                          "config answer at once",
     ("tfgrpo.task", "*"): "a task's modules and their optional dependencies load only when that task is picked",
     ("tfgrpo.tracking", "tfgrpo.plots"): "matplotlib, only for a compile that is tracked",
+    ("tfgrpo.tracking", "tfgrpo.report"): "report imports matplotlib (plots): only for a compile that is tracked",
     ("tfgrpo.learned", "tfgrpo.evaluate"): "dspy, only when a shipped program is scored: the CLI, which names the "
                                            "shipped programs in its help, and `tfgrpo show` answer at once",
     ("tfgrpo.learned", "tfgrpo.lms"): "dspy, as for tfgrpo.evaluate: only when a shipped program is scored",

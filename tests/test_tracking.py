@@ -219,11 +219,15 @@ valset = "{data}"
 val_limit = 2
 evalset = "{data}"
 eval_limit = 6
+attribution_set = "{data}"
+attribution_offset = 2
+attribution_limit = 4
 [optimizer]
 num_generations = 3
 num_train_epochs = 1
 batch_size = 2
 num_threads = 4
+attribution = true
 [evaluate]
 num_runs = 2
 num_threads = 4
@@ -260,7 +264,11 @@ def test_the_cli_logs_compile_and_evaluation_into_one_run_in_the_run_dir(tmp_pat
     assert history(client, run.info.run_id, "train/mean_reward") == [(s["step"], s["mean_reward"]) for s in steps]
     assert "val/score" in metrics and run.data.params["use_mlflow"] == "True"
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert OUR_ARTIFACTS | {"eval"} <= artifacts
+    assert OUR_ARTIFACTS | {"eval", "worth.json", "worth.md", "worth_table.json"} <= artifacts
+    worth = json.loads((run_dir / "worth.json").read_text())  # the attribution, on the 4 rows the config names
+    assert worth["queries"] == 4 and "worth/library" in metrics
+    shown = CliRunner().invoke(app, ["show", str(run_dir / "program.json")])
+    assert shown.exit_code == 0 and "What each learned item is worth" in shown.output, shown.output
     assert {a.path for a in client.list_artifacts(run.info.run_id, "eval")} >= {"eval/summary.json"}
     library = json.loads((run_dir / "library.json").read_text())
     text = Path(client.download_artifacts(run.info.run_id, "library.md", str(tmp_path))).read_text()

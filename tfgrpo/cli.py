@@ -99,6 +99,15 @@ def _load(load, name: str, **kwargs) -> list:
         raise typer.Exit(2) from None
 
 
+def _datasets(load, t) -> tuple[list, list | None, list | None]:
+    """The config's trainset, valset and attribution set (None where it names none)."""
+    trainset = _load(load, t.trainset, limit=t.train_limit, offset=t.train_offset)
+    valset = _load(load, t.valset, limit=t.val_limit) if t.valset else None
+    held_out = (_load(load, t.attribution_set, limit=t.attribution_limit, offset=t.attribution_offset)
+                if t.attribution_set else None)
+    return trainset, valset, held_out
+
+
 @contextlib.contextmanager
 def _session(cfg: Config):
     """(policy LM, reflection LM, task parts), with everything started for them stopped on exit."""
@@ -137,8 +146,7 @@ def _compile(config: Config, parts, policy, reflection) -> Path:
 
     make, load, reward = parts.make, parts.load, parts.reward
     t, o, run_dir = config.task, config.optimizer, Path(config.run_dir)
-    trainset = _load(load, t.trainset, limit=t.train_limit, offset=t.train_offset)
-    valset = _load(load, t.valset, limit=t.val_limit) if t.valset else None
+    trainset, valset, held_out = _datasets(load, t)
     dspy.configure(lm=policy)
     started = time.time()
     if o.method == "direct":
@@ -158,7 +166,7 @@ def _compile(config: Config, parts, policy, reflection) -> Path:
         try:
             with _progress() as progress:
                 optimizer.progress = _bars(progress, k.num_train_epochs)
-                compiled = optimizer.compile(make(), trainset=trainset, valset=valset)
+                compiled = optimizer.compile(make(), trainset=trainset, valset=valset, attribution_set=held_out)
         except RunMismatchError as exc:  # in the config's terms: run_dir, not log_dir
             if not exc.changes:
                 raise RunMismatchError(f"run_dir {run_dir}: {exc}") from exc
@@ -171,6 +179,10 @@ def _compile(config: Config, parts, policy, reflection) -> Path:
     write_atomic(run_dir / "steps.jsonl", "".join(json.dumps(s) + "\n" for s in steps))
     if steps:
         learning_curve({run_dir.name: steps}, run_dir / "learning_curve.png")
+    if worth := getattr(compiled.detailed_results, "worth", None):
+        write_atomic(run_dir / "worth.json", json.dumps(worth.to_dict(), indent=2, ensure_ascii=False))
+    else:  # an earlier compile's measurements do not describe this program
+        (run_dir / "worth.json").unlink(missing_ok=True)
     demos = sum(len(p.demos) for _, p in compiled.named_predictors())
     console.print(f"compiled in {time.time() - started:.0f} s: {len(compiled.experience_library)} experiences, "
                   f"{demos} demos")
@@ -185,7 +197,16 @@ def _compile(config: Config, parts, policy, reflection) -> Path:
     if results is not None and results["stopped_early"]:
         console.print(f"[yellow]stopped early: {results['stopped_early']}")
     _print_library(compiled.experience_library.dump_state())
+    _print_worth(run_dir)
     return run_dir / "program.json"
+
+
+def _print_worth(folder: Path) -> None:
+    """What each learned item is worth, when the folder holds the attribution's worth.json."""
+    from tfgrpo.report import worth_markdown
+
+    if (path := folder / "worth.json").exists():
+        console.print(worth_markdown(json.loads(path.read_text(encoding="utf-8"))), markup=False, highlight=False)
 
 
 def _cost_text(usage: dict) -> str:
@@ -276,10 +297,7 @@ def _dry_run(cfg: Config) -> None:
 
     with contextlib.ExitStack() as stack:
         parts = task_parts(cfg, stack)
-    t = cfg.task
-    trainset = _load(parts.load, t.trainset, limit=t.train_limit, offset=t.train_offset)
-    valset = _load(parts.load, t.valset, limit=t.val_limit) if t.valset else None
-    dry_run(cfg, parts, trainset, valset, cfg.optimizer_knobs(), console)
+    dry_run(cfg, parts, _datasets(parts.load, cfg.task), cfg.optimizer_knobs(), console)
 
 
 @contextlib.contextmanager
@@ -371,6 +389,7 @@ def show(path: Path = FILE_OR_NAME, debug: bool = DEBUG) -> None:
         raise typer.Exit(2)
     _print_library(state)
     print_demos(data, console)
+    _print_worth(path.parent)
 
 
 @app.command(cls=HelpCommand)

@@ -10,7 +10,7 @@ from rich.table import Table
 from tfgrpo.config import Config, LMConfig
 from tfgrpo.lms import local_dspy_lm
 from tfgrpo.optimizers import TrainingFreeGRPO
-from tfgrpo.optimizers.estimate import check_run, estimate_run
+from tfgrpo.optimizers.estimate import attribution_runs, check_run, estimate_run
 
 
 def unstarted_lm(cfg: LMConfig) -> dspy.LM:
@@ -21,15 +21,15 @@ def unstarted_lm(cfg: LMConfig) -> dspy.LM:
     return dspy.LM(cfg.model)
 
 
-def dry_run(cfg: Config, parts, trainset: list, valset: list | None, knobs: dict, console: Console) -> None:
+def dry_run(cfg: Config, parts, data: tuple[list, list | None, list | None], knobs: dict, console: Console) -> None:
     """Refuse what compile would refuse (the same error), else print the estimate (`optimizers/estimate.py`) and
-    what the budgets cap."""
-    t = cfg.task
+    what the budgets cap. `data`: the trainset, valset and attribution set (None where the config names none)."""
+    t, (trainset, valset, held_out) = cfg.task, data
     turns = t.max_iters + 1 if t.program == "react" or t.name == "web" else 1
     reflection = unstarted_lm(cfg.reflection_config())
     optimizer = TrainingFreeGRPO(parts.reward, reflection_lm=reflection, **knobs)
     with dspy.context(lm=unstarted_lm(cfg.policy)):
-        check_run(optimizer, parts.make(), trainset, valset)
+        check_run(optimizer, parts.make(), trainset, valset, held_out)
     path = optimizer.resolve_learning_path(reflection.model)
     knobs = optimizer.resolved(reflection.model)  # with the `auto` preset's values
     est = estimate_run(knobs, parts.make(), trainset, turns_per_rollout=turns, max_tokens=cfg.policy.max_tokens,
@@ -43,6 +43,10 @@ def dry_run(cfg: Config, parts, trainset: list, valset: list | None, knobs: dict
     table.add_row("[bold]run total", f"{total['calls']:,}", f"{total['prompt_tokens']:,}",
                   f"{total['completion_tokens']:,}")
     console.print(table)
+    held = held_out if held_out is not None else valset
+    if (worth := attribution_runs(knobs, len(trainset), len(held or []))).get("runs"):
+        console.print(f"attribution ({worth['method']}, up to {worth['items']} items): at most {worth['runs']:,} program "
+                      f"runs of {turns} call(s) on {len(held)} held-out queries, after the compile")
     _print_budgets(knobs, est, console)
 
 

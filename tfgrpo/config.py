@@ -95,6 +95,9 @@ class TaskConfig(_Strict):
     evalset: str = "gsm8k_test"
     eval_limit: int | None = None
     eval_offset: int = 0
+    attribution_set: str | None = None  # with optimizer.attribution: held-out rows each item is measured on (else valset)
+    attribution_limit: int | None = None
+    attribution_offset: int = 0
     max_iters: int = Field(4, ge=1)  # react and web: tool turns per problem
 
     @field_validator("program")

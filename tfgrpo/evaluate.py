@@ -16,7 +16,7 @@ from typing import Callable
 
 import dspy
 
-from tfgrpo.base.util import write_atomic
+from tfgrpo.base.util import bootstrap_ci, write_atomic
 from tfgrpo.optimizers.parallel import run_parallel
 from tfgrpo.optimizers.rewards import call_metric
 from tfgrpo.optimizers.rollout import run_program, with_own_lms
@@ -81,13 +81,6 @@ def per_problem(rows: list[dict], key: str = "score") -> dict[int, list[float]]:
     for row in rows:
         scores.setdefault(row["problem"], []).append(row["score"] if key == "score" else row["metrics"][key])
     return scores
-
-
-def bootstrap_ci(values: list[float], *, seed: int = 0, resamples: int = 10_000) -> tuple[float, float]:
-    """95% bootstrap CI of the mean of `values`."""
-    rng = random.Random(seed)
-    means = sorted(statistics.fmean(rng.choices(values, k=len(values))) for _ in range(resamples))
-    return means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
 
 
 def summarize(rows: list[dict]) -> dict:

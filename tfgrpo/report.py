@@ -1,7 +1,8 @@
 """`tfgrpo report`: the paper-shaped table and learning-dynamics plot, rebuilt from saved results alone.
 
-A run directory holds `eval/baseline.jsonl`, `eval/compiled.jsonl` (one row per problem and run) and
-`steps.jsonl` (per-step stats). Nothing here calls a model.
+A run directory holds `eval/baseline.jsonl`, `eval/compiled.jsonl` (one row per problem and run),
+`steps.jsonl` (per-step stats) and, after a compile with `attribution`, `worth.json` (what each learned item is worth).
+Nothing here calls a model.
 """
 
 from __future__ import annotations
@@ -38,7 +39,31 @@ def load_run(run_dir: Path) -> dict:
     steps = [json.loads(x) for x in steps_path.read_text().splitlines() if x.strip()] if steps_path.exists() else []
     library = run_dir / "library.json"
     size = len(json.loads(library.read_text())["experiences"]) if library.exists() else None
-    return {"name": run_dir.name, "evals": evals, "steps": steps, "library_size": size}
+    worth = run_dir / "worth.json"
+    return {"name": run_dir.name, "evals": evals, "steps": steps, "library_size": size,
+            "worth": json.loads(worth.read_text()) if worth.exists() else None}
+
+
+def worth_markdown(worth: dict) -> str:
+    """A `WorthResult` (as data) as a Markdown table: each item's worth with its CI, then the two controls."""
+    def ci(pair) -> str:
+        return f"[{pair[0]:+.3f}, {pair[1]:+.3f}]"
+
+    pruned = set(worth["pruned"])
+    lines = [f"What each learned item is worth ({worth['method']}, {worth['queries']} held-out queries, score "
+             f"{worth['score']:.3f} with every item; {worth['program_runs']} program runs):", "",
+             "| item | kind | worth [95% CI] | text |", "|---|---|---|---|"]
+    for item in worth["items"]:
+        text = item["text"].replace("|", "\\|").replace("\n", " ")
+        lines.append(f"| {item['id']}{' (pruned)' if item['id'] in pruned else ''} | {item['kind']} | "
+                     f"{item['worth']:+.3f} {ci(item['ci95'])} | {text} |")
+    lines += [f"| all items | vs nothing learned | {worth['library']:+.3f} {ci(worth['library_ci95'])} | |",
+              f"| all items | vs an irrelevant text of their length | {worth['control']:+.3f} "
+              f"{ci(worth['control_ci95'])} | |"]
+    if check := worth.get("prune_check"):
+        lines += ["", f"Pruning {', '.join(check['dropped'])}: {check['difference']:+.3f} {ci(check['ci95'])} against "
+                      f"the unpruned program on {check['queries']} other queries; the {check['kept']} program is kept."]
+    return "\n".join(lines) + "\n"
 
 
 def markdown(runs: list[dict]) -> str:
@@ -70,6 +95,9 @@ def build_report(run_dirs: list[Path], out: Path) -> tuple[Path, Path | None]:
     with_steps = {r["name"]: r["steps"] for r in runs if r["steps"]}
     plot = learning_curve(with_steps, out / "report.png", title="learning dynamics") if with_steps else None
     text = "# tfgrpo report\n\n" + markdown(runs)
+    for run in runs:
+        if run["worth"]:
+            text += f"\n## {run['name']}\n\n" + worth_markdown(run["worth"])
     if plot:
         text += f"\n![learning dynamics]({plot.name})\n"
     md.write_text(text)

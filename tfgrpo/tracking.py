@@ -203,6 +203,8 @@ class CompileTracker:
                 if steps:
                     (out / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
                     learning_curve({"compile": steps}, out / "learning_curve.png")
+                if results.worth:
+                    self._worth(results.worth.to_dict(), out)
                 self.client.log_artifacts(self.run_id, str(out))
             if results.best_val_score is not None:
                 self.client.log_metric(self.run_id, "val/best_score", results.best_val_score)
@@ -211,6 +213,22 @@ class CompileTracker:
                 self.client.set_tag(self.run_id, "tfgrpo.stopped_early", results.stopped_early)
         except Exception as exc:
             logger.warning("MLflow: the compile's artifacts were not logged (%s)", exc)
+
+    def _worth(self, worth: dict, out: Path) -> None:
+        """The attribution: worth.json, worth.md (the table `tfgrpo report` prints) and a table of the items that the
+        MLflow UI shows and compares across runs (worth_table.json)."""
+        from tfgrpo.report import worth_markdown
+
+        (out / "worth.json").write_text(json.dumps(worth, indent=2, ensure_ascii=False))
+        (out / "worth.md").write_text(worth_markdown(worth))
+        items = worth["items"]
+        self.client.log_table(self.run_id, {
+            "item": [i["id"] for i in items], "kind": [i["kind"] for i in items], "worth": [i["worth"] for i in items],
+            "ci95_low": [i["ci95"][0] for i in items], "ci95_high": [i["ci95"][1] for i in items],
+            "pruned": [i["id"] in worth["pruned"] for i in items], "text": [i["text"] for i in items]},
+            artifact_file="worth_table.json")
+        self.client.log_metric(self.run_id, "worth/library", worth["library"])
+        self.client.log_metric(self.run_id, "worth/control", worth["control"])
 
     def _metrics(self, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric

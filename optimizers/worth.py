@@ -1,0 +1,190 @@
+"""What each learned item is worth, measured on held-out queries after a compile (the `attribution` knob).
+
+An item is one kept experience or one kept demo. On the attribution queries, the program with everything learned is
+run against the same program with one item left out (leave-one-out; above `attribution_max_items` items, Shapley
+values estimated from `attribution_permutations` random orders), paired query by query, with a 95% bootstrap CI over
+the queries. Two controls put the whole library in context: the program with nothing learned, and the program with an
+irrelevant text of the same length in place of what was learned (does the content help, or only the length?).
+
+`prune` then drops the items whose leave-one-out worth is not above zero. The attribution queries are split in two for
+it: one half measures the worth and chooses what to drop, the other half, which chose nothing, checks the pruned
+program against the unpruned one; the pruned one is kept only if it scores at least as well there.
+
+Every program run is a checkpointed unit (`worth/<variant>/<example>` in log_dir), so a resumed compile runs none twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import statistics
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import dspy
+
+from tfgrpo.base.util import bootstrap_ci, clip, digest
+from tfgrpo.optimizers.checkpoint import Checkpoint
+from tfgrpo.optimizers.knobs import Knobs
+from tfgrpo.optimizers.render import as_text
+from tfgrpo.optimizers.result import ItemWorth, WorthResult
+from tfgrpo.optimizers.validate import scored_runs
+from tfgrpo.programs.inject import with_learned
+from tfgrpo.programs.library import ExperienceLibrary
+
+logger = logging.getLogger(__name__)
+
+# The control's text, written for this purpose: plainly about something else (bread), so that only its length is shared
+# with what was learned.
+FILLER = ("Bread dough rises because yeast eats the sugars in flour and breathes out carbon dioxide, which the gluten "
+          "holds in small pockets. A warm kitchen speeds this up and a cold one slows it, so many bakers leave the "
+          "dough in the refrigerator overnight for a slower rise and a deeper flavour. Salt tightens the gluten and "
+          "keeps the yeast from racing ahead. Before baking, the loaf is shaped, left to rise once more, and slashed "
+          "across the top so that steam can escape without tearing the crust. ")
+
+
+class Learned(NamedTuple):
+    """What a compile kept: the library and the demos (each a dict with the attempt's `trace`)."""
+
+    library: ExperienceLibrary
+    demos: list[dict]
+
+    def items(self) -> list[tuple[str, str, str]]:
+        """(kind, ID, text) of every item: the experiences by their IDs, then the demos as D1, D2, ..."""
+        demos = [("demo", f"D{j + 1}", _demo_text(d)) for j, d in enumerate(self.demos)]
+        return [("experience", e.id, e.text) for e in self.library] + demos
+
+    def only(self, ids: set[str]) -> "Learned":
+        """The items whose IDs are in `ids`, nothing else."""
+        state = self.library.dump_state()
+        state["experiences"] = [e for e in state["experiences"] if e["id"] in ids]
+        return Learned(ExperienceLibrary.from_state(state),
+                       [d for j, d in enumerate(self.demos) if f"D{j + 1}" in ids])
+
+
+@dataclass
+class Attribution:
+    """Measures a compile's items on `examples` with the run's own `metric`, knobs and checkpoint."""
+
+    metric: Callable
+    knobs: Knobs
+    ckpt: Checkpoint
+
+    def run(self, base: dspy.Module, targets: list[str], learned: Learned,
+            examples: list) -> tuple[WorthResult, Learned]:
+        """The items' worth, and what the compiled program keeps: `learned`, or its pruned part (with `prune`)."""
+        knobs, ids = self.knobs, [i for _, i, _ in learned.items()]
+        choose, check = _halves(examples, knobs.seed) if knobs.prune else (list(examples), [])
+        scores = _Scores(self, base, targets, learned, choose)
+        full, none = scores.of(set(ids)), scores.of(set())
+        control = scores.runs("control", _control(base, targets, learned), choose)
+        shapley = len(ids) > knobs.attribution_max_items
+        per_item = _shapley(scores, ids, knobs) if shapley else {i: _minus(full, scores.of(set(ids) - {i})) for i in ids}
+        items = [ItemWorth(kind=kind, id=i, text=text, worth=statistics.fmean(per_item[i]),
+                           ci95=_ci(per_item[i], knobs.seed)) for kind, i, text in learned.items()]
+        dropped = [it.id for it in items if it.worth <= 0] if knobs.prune else []
+        check_record, kept = None, learned
+        if dropped:
+            pruned = learned.only(set(ids) - set(dropped))
+            on_check = _Scores(self, base, targets, learned, check)
+            diffs = _minus(on_check.of(set(ids) - set(dropped)), on_check.of(set(ids)))
+            better = statistics.fmean(diffs) >= 0
+            check_record = {"queries": len(check), "dropped": dropped, "difference": statistics.fmean(diffs),
+                            "ci95": _ci(diffs, knobs.seed), "kept": "pruned" if better else "unpruned"}
+            kept = pruned if better else learned
+        result = WorthResult(
+            method="shapley" if shapley else "leave-one-out", queries=len(choose), score=statistics.fmean(full),
+            items=items, library=statistics.fmean(_minus(full, none)), library_ci95=_ci(_minus(full, none), knobs.seed),
+            control=statistics.fmean(_minus(full, control)), control_ci95=_ci(_minus(full, control), knobs.seed),
+            pruned=dropped if kept is not learned else [], prune_check=check_record, program_runs=scores.made)
+        return result, kept
+
+
+def log_worth(worth: WorthResult) -> None:
+    """Say in the log what the attribution measured."""
+    logger.info("Attribution on %d held-out queries (%s): score %.3f; the library adds %+.3f (95%% CI %+.3f..%+.3f), "
+                "%+.3f over an irrelevant text of its length (%+.3f..%+.3f)", worth.queries, worth.method, worth.score,
+                worth.library, *worth.library_ci95, worth.control, *worth.control_ci95)
+    for item in worth.items:
+        logger.info("  %s %s: worth %+.3f (95%% CI %+.3f..%+.3f) %s", item.kind, item.id, item.worth, *item.ci95,
+                    item.text[:80])
+    if worth.prune_check:
+        check = worth.prune_check
+        logger.info("Pruning %s: the pruned program scored %+.3f against the unpruned one on %d other queries; kept "
+                    "the %s one", ", ".join(check["dropped"]), check["difference"], check["queries"], check["kept"])
+
+
+class _Scores:
+    """Per-query rewards of the program carrying a subset of the learned items, each subset run once."""
+
+    def __init__(self, attribution: Attribution, base, targets: list[str], learned: Learned, examples: list):
+        self.a, self.base, self.targets, self.learned, self.examples = attribution, base, targets, learned, examples
+        self.made, self._seen = 0, {}
+
+    def of(self, ids: set[str]) -> list[float]:
+        key = digest(sorted(ids))
+        if key not in self._seen:
+            part = self.learned.only(ids)
+            self._seen[key] = self.runs(key, with_learned(self.base, self.targets, *part), self.examples)
+        return self._seen[key]
+
+    def runs(self, variant: str, program: dspy.Module, examples: list) -> list[float]:
+        self.made += len(examples)
+        records = scored_runs(program, examples, metric=self.a.metric, knobs=self.a.knobs, ckpt=self.a.ckpt,
+                              unit=lambda example: f"worth/{variant}/{digest(example.toDict())}")
+        return [r["reward"] for r in records]
+
+
+def _shapley(scores: _Scores, ids: list[str], knobs: Knobs) -> dict[str, list[float]]:
+    """Per item, its per-query Shapley value estimated from `attribution_permutations` random orders: the mean gain
+    of adding it to the items before it in each order."""
+    rng, total = random.Random(knobs.seed), {i: [0.0] * len(scores.examples) for i in ids}
+    for _ in range(knobs.attribution_permutations):
+        order, before = rng.sample(ids, len(ids)), set()
+        previous = scores.of(before)
+        for i in order:
+            before = before | {i}
+            current = scores.of(before)
+            total[i] = [t + d for t, d in zip(total[i], _minus(current, previous))]
+            previous = current
+    return {i: [t / knobs.attribution_permutations for t in v] for i, v in total.items()}
+
+
+def _control(base: dspy.Module, targets: list[str], learned: Learned) -> dspy.Module:
+    """The program with nothing learned and, at the end of each target's instructions, as many characters of
+    `FILLER` as the learned items take in its prompt (the experience block, and the demos' fields)."""
+    bare = with_learned(base, targets, learned.only(set()).library, [])
+    full = dict(with_learned(base, targets, learned.library, []).named_predictors())
+    control = bare.deepcopy()
+    for name, predictor in control.named_predictors():
+        if name not in targets:
+            continue
+        calls = [call for demo in learned.demos for call in demo["trace"] if call["predictor"] == name]
+        length = (len(full[name].signature.instructions) - len(predictor.signature.instructions)
+                  + sum(len(as_text(v)) for call in calls for v in [*call["inputs"].values(), *call["outputs"].values()]))
+        if length > 0:
+            text = (FILLER * (length // len(FILLER) + 1))[:length]
+            predictor.signature = predictor.signature.with_instructions(predictor.signature.instructions + "\n\n" + text)
+    return control
+
+
+def _halves(examples: list, seed: int) -> tuple[list, list]:
+    if len(examples) < 4:
+        raise ValueError(f"prune needs at least 4 attribution queries (half to choose, half to check), not {len(examples)}")
+    order = list(range(len(examples)))
+    random.Random(seed).shuffle(order)
+    half = (len(order) + 1) // 2
+    return [examples[i] for i in order[:half]], [examples[i] for i in order[half:]]
+
+
+def _minus(a: list[float], b: list[float]) -> list[float]:
+    return [x - y for x, y in zip(a, b)]
+
+
+def _ci(values: list[float], seed: int) -> tuple[float, float]:
+    return bootstrap_ci(values, seed=seed, resamples=2000)
+
+
+def _demo_text(demo: dict) -> str:
+    first = (demo.get("trace") or [{}])[0].get("inputs", {})
+    return clip(", ".join(f"{k}: {as_text(v)}" for k, v in first.items()), 120)

@@ -18,7 +18,8 @@ every arm is matched to N metric calls instead, as GEPA's max_metric_calls budge
 
 Everything lands in --out/<task>/<arm>/seed<s>/ as it finishes (program.json, compile.json, eval.jsonl; tfgrpo
 arms also checkpoint every unit), so an interrupted run resumes where it stopped. Last lines, one per arm:
-  peers: task=game24 optimizer=NAME seeds=N problems=M calls=C score=0.xxx lift=+0.xxx ci_low=+0.xxx vs_best_other=+0.xxx ci_low_vs_best=+0.xxx
+  peers: task=game24 optimizer=NAME seeds=N problems=M calls=C score=0.xxx min=0.xxx lift=+0.xxx ci_low=+0.xxx vs_best_other=+0.xxx ci_low_vs_best=+0.xxx
+(min: the worst seed's score)
 each after a `#` line placing the arm on the cost frontier (dominated or not by a cheaper arm that beats it by a
 paired CI; which of the arms spending no more calls it beats), and a plot, --out/<task>/peers.png: held-out score
 against compile calls, one point per arm with its 95% CI. With
@@ -341,8 +342,8 @@ def report(args) -> None:
                   f"student {solved}")
         print(f"# {arm}: {frontier(results, arm, spent)}")
         print(f"peers: task={args.task} optimizer={arm} seeds={len(seeds)} problems={lift['problems']} calls={calls:.0f} "
-              f"score={score[arm]:.3f} lift={lift['difference']:+.3f} ci_low={lift['ci95'][0]:+.3f} "
-              f"vs_best_other={vs['difference']:+.3f} ci_low_vs_best={vs['ci95'][0]:+.3f}", flush=True)
+              f"score={score[arm]:.3f} min={min(statistics.fmean(r['score'] for r in s['rows']) for s in seeds.values()):.3f} "
+              f"lift={lift['difference']:+.3f} ci_low={lift['ci95'][0]:+.3f} vs_best_other={vs['difference']:+.3f} ci_low_vs_best={vs['ci95'][0]:+.3f}", flush=True)
     path = Path(args.out) / args.task / "peers.png"
     print(f"plot: {score_against_cost(points, path, f'{args.task}: held-out score against compile cost')}")
 

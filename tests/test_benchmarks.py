@@ -123,7 +123,7 @@ def test_peers(fake, tmp_path):
     assert [re.search(r"optimizer=(\S+)", line).group(1) for line in lines] == sorted(
         PEER_ARMS, key=lambda a: (a != "baseline", a))
     for line in lines:
-        assert re.fullmatch(rf"peers: task=game24 optimizer=\S+ seeds=1 problems=2 calls=\d+ score={X} lift={X} "
+        assert re.fullmatch(rf"peers: task=game24 optimizer=\S+ seeds=1 problems=2 calls=\d+ score={X} min={X} lift={X} "
                             rf"ci_low={X} vs_best_other={X} ci_low_vs_best={X}", line), line
     assert (tmp_path / "game24" / "peers.png").stat().st_size > 0
     spent = {arm: json.loads((tmp_path / "game24" / arm / "seed0" / "compile.json").read_text())["metric_calls"]

@@ -54,6 +54,10 @@ class Learned(NamedTuple):
         demos = [("demo", f"D{j + 1}", _demo_text(d)) for j, d in enumerate(self.demos)]
         return [("experience", e.id, e.text) for e in self.library] + demos
 
+    def key(self) -> str:
+        """A digest of what these items are (their texts and demos, not only their IDs): the name of their runs."""
+        return digest({"experiences": [[e.id, e.text, e.excerpt] for e in self.library], "demos": self.demos})
+
     def only(self, ids: set[str]) -> "Learned":
         """The items whose IDs are in `ids`, nothing else."""
         state = self.library.dump_state()
@@ -74,10 +78,15 @@ class Attribution:
             examples: list) -> tuple[WorthResult, Learned]:
         """The items' worth, and what the compiled program keeps: `learned`, or its pruned part (with `prune`)."""
         knobs, ids = self.knobs, [i for _, i, _ in learned.items()]
+        if not ids:
+            logger.info("Attribution: nothing was learned, so there is nothing to measure")
+            return WorthResult(method="leave-one-out", queries=0, score=0.0, items=[], library=0.0,
+                               library_ci95=(0.0, 0.0), control=0.0, control_ci95=(0.0, 0.0), pruned=[],
+                               prune_check=None, program_runs=0), learned
         choose, check = _halves(examples, knobs.seed) if knobs.prune else (list(examples), [])
         scores = _Scores(self, base, targets, learned, choose)
         full, none = scores.of(set(ids)), scores.of(set())
-        control = scores.runs("control", _control(base, targets, learned), choose)
+        control = scores.runs(f"control-{learned.key()}", _control(base, targets, learned), choose)
         shapley = len(ids) > knobs.attribution_max_items
         per_item = _shapley(scores, ids, knobs) if shapley else {i: _minus(full, scores.of(set(ids) - {i})) for i in ids}
         items = [ItemWorth(kind=kind, id=i, text=text, worth=statistics.fmean(per_item[i]),
@@ -122,9 +131,9 @@ class _Scores:
         self.made, self._seen = 0, {}
 
     def of(self, ids: set[str]) -> list[float]:
-        key = digest(sorted(ids))
+        part = self.learned.only(ids)
+        key = part.key()
         if key not in self._seen:
-            part = self.learned.only(ids)
             self._seen[key] = self.runs(key, with_learned(self.base, self.targets, *part), self.examples)
         return self._seen[key]
 

@@ -177,3 +177,23 @@ def test_the_report_shows_each_item_with_its_worth(tmp_path):
     text = md.read_text()
     assert "| E3 (pruned) | experience | -0.250 [-0.250, -0.250] | Apply the gamma rule here. |" in text
     assert "vs an irrelevant text of their length | +0.500" in text and "the pruned program is kept" in text
+
+
+def test_runs_are_named_by_what_the_items_say_so_a_changed_library_is_measured_again(tmp_path):
+    (first, _), _ = attribute(tmp_path)
+    changed = learned()
+    state = changed.library.dump_state()
+    state["experiences"][2]["text"] = "Apply the alpha rule twice."  # E3 now says what E1 says: no longer harmful
+    lm = ScriptedLM(student)
+    dspy.configure(lm=lm)
+    worth, _ = Attribution(reward, Knobs(attribution=True, num_threads=2), Checkpoint(tmp_path)).run(
+        dspy.Predict("question -> answer"), ["self"], Learned(ExperienceLibrary.from_state(state), changed.demos),
+        queries())
+    assert lm.calls and {it.id: round(it.worth, 6) for it in worth.items}["E3"] == 0.0 != first.items[2].worth
+
+
+def test_nothing_learned_costs_nothing():
+    dspy.configure(lm=(lm := ScriptedLM(student)))
+    worth, kept = Attribution(reward, Knobs(attribution=True), Checkpoint(None)).run(
+        dspy.Predict("question -> answer"), ["self"], Learned(ExperienceLibrary(), []), queries())
+    assert worth.items == [] and worth.program_runs == 0 and lm.calls == []

@@ -71,7 +71,8 @@ TFGRPO_ARMS = {  # arm -> knobs on top of the shared ones; every arm that keeps 
     "tfgrpo-compound+demos": {"max_demos": 2, "probe_size": 8, "probe_alpha": 0.15, "num_explore_generations": 2,
                               "stop_when_nothing_to_learn": True, "max_metric_calls": 120},
     # TrainingFreeGRPO(metric) as a user makes it, given only a seed, threads and the server's JSON form: its `auto`
-    # preset picks every other knob for the 1.5B (configs/local.toml); the same values as tfgrpo-compound+demos
+    # preset picks every other knob for the 1.5B (configs/local.toml); the same run as tfgrpo-probed-wide+demos (the
+    # "light" preset measured as tfgrpo-compound+demos was worse on held-out puzzles and was withdrawn)
     "tfgrpo-default": None,
 }
 # arms made for one task; elsewhere they are not in the menu. knn-bootstrapped: KNN over the student's own solved

@@ -59,18 +59,22 @@ def test_the_run_uses_the_preset_and_says_which(caplog):
 
 
 def test_the_default_construction_on_the_embedded_model_is_the_main_arm():
-    """configs/local.toml's arm of benchmarks/peers.py (tfgrpo-compound+demos with its shared knobs) and the default
-    construction (tfgrpo-default) resolve to the same knobs for the embedded 1.5B."""
+    """configs/local.toml's arm of benchmarks/peers.py (tfgrpo-probed-wide+demos with its shared knobs) and the
+    default construction (tfgrpo-default) make the same run for the embedded 1.5B: every knob that changes what a run
+    computes is equal, and the preset's budget (max_metric_calls, which the arm measured before presets existed did not
+    have) never stops a run of three steps of 4 x 4 attempts and their probes before its last step."""
     from benchmarks.peers import TFGRPO_ARMS
+    from tfgrpo.optimizers.knobs import fingerprinted_knobs
 
     shared = dict(num_generations=4, num_train_epochs=1, batch_size=4, seed=0, learning_path="contrast",
                   constrained_decoding="json_object", max_operations_per_group=1, num_threads=2)
-    arm = TrainingFreeGRPO(metric, **shared, **TFGRPO_ARMS["tfgrpo-compound+demos"]).resolved("qwen2.5-coder-1.5b")
+    arm = TrainingFreeGRPO(metric, **shared, **TFGRPO_ARMS["tfgrpo-probed-wide+demos"]).resolved("qwen2.5-coder-1.5b")
     default = TrainingFreeGRPO(metric, seed=0, num_threads=2, constrained_decoding="json_object")
     resolved = default.resolved("qwen2.5-coder-1.5b")
-    differ = {k: (getattr(arm, k), getattr(resolved, k)) for k in vars(arm) if k not in ("auto", "learning_path")
-              and not k.startswith("_") and getattr(arm, k) != getattr(resolved, k)}
-    assert differ == {}
+    a, b = fingerprinted_knobs(arm), fingerprinted_knobs(resolved)
+    assert {k: (a[k], b[k]) for k in a if k != "learning_path" and a[k] != b[k]} == {}
+    two_steps = 2 * (4 * 4 + (1 + resolved.max_probed_edits) * 8)  # rollouts and probe attempts, at most
+    assert two_steps < resolved.max_metric_calls == arm.max_metric_calls  # the budget never cuts the third step
     assert default.resolve_learning_path("openai/qwen2.5-coder-1.5b") == "contrast"
     local = Config.load("configs/local.toml")
     from_config = TrainingFreeGRPO(metric, **local.optimizer_knobs()).resolved(local.policy.model)

@@ -97,7 +97,7 @@ def attribution_runs(knobs, trainset_size: int, queries: int) -> dict:
     """Upper bound of the attribution's program runs (`attribution`, worth.py) on `queries` held-out queries: the
     items are at most every experience the steps can add (or max_experiences) and max_demos; leave-one-out runs each
     query with all items, none, the control and each item left out; Shapley runs up to one subset per item and
-    sampled order; prune checks two programs on the other half."""
+    sampled order; prune tries up to one more subset per item, then checks two programs on the other half."""
     if not knobs.attribution or not queries:
         return {"items": 0, "runs": 0, "method": None}
     added = knobs.total_steps(trainset_size) * knobs.batch_size * knobs.max_operations_per_group
@@ -105,5 +105,6 @@ def attribution_runs(knobs, trainset_size: int, queries: int) -> dict:
     choose = (queries + 1) // 2 if knobs.prune else queries
     shapley = items > knobs.attribution_max_items
     per_query = knobs.attribution_permutations * items + 2 if shapley else items + 3
+    per_query += items if knobs.prune else 0
     return {"items": items, "runs": choose * per_query + 2 * (queries - choose),
             "method": "shapley" if shapley else "leave-one-out"}

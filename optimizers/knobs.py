@@ -216,9 +216,10 @@ class Knobs:
         "With attribution over more than attribution_max_items items: random orders sampled for the Shapley values "
         "(each costs up to one program run per item and query)."))
     prune: bool = knob(False, FLAG, doc=(
-        "With attribution: drop the items whose removal does not lower the score (worth <= 0), measured on half of "
-        "the attribution queries; the pruned program is kept only if it scores at least as well as the unpruned "
-        "one on the other half, which chose nothing. What was dropped is in `detailed_results.worth.pruned`."))
+        "With attribution: drop items one at a time, the least worth first, while an item is worth <= 0 and the "
+        "program without it (and without those dropped before it) scores no lower, measured on half of the "
+        "attribution queries; the pruned program is kept only if it scores at least as well as the unpruned one on "
+        "the other half, which chose nothing. What was dropped is in `detailed_results.worth.pruned`."))
     # execution
     num_threads: int = knob(8, integer(1), doc="Concurrent LM calls of a step (all stages share them).")
     max_failure_rate: float = knob(0.5, number(0, 1), doc=(

@@ -81,7 +81,7 @@ def test_leave_one_out_runs_each_variant_once_and_the_control_has_the_learned_le
 def test_prune_drops_what_does_not_help_and_checks_it_on_the_other_half(tmp_path):
     (worth, kept), _ = attribute(tmp_path, prune=True)
     assert worth.queries == 4 and worth.prune_check["queries"] == 4
-    assert worth.pruned == ["E2", "E3"] and worth.prune_check["kept"] == "pruned"
+    assert worth.pruned == ["E3", "E2"] and worth.prune_check["kept"] == "pruned"  # the least worth first
     assert worth.prune_check["difference"] == pytest.approx(0.25)  # without E3, on queries that chose nothing
     assert [e.id for e in kept.library] == ["E1"] and len(kept.demos) == 1
     # every run is a checkpointed unit: measuring again runs nothing
@@ -99,7 +99,7 @@ def test_a_prune_that_scores_worse_on_the_check_half_is_not_kept():
     dspy.configure(lm=ScriptedLM(student))
     worth, kept = Attribution(noisy, Knobs(attribution=True, prune=True, num_threads=2), Checkpoint(None)).run(
         dspy.Predict("question -> answer"), ["self"], learned(), queries())
-    assert worth.prune_check["dropped"] == ["E2", "E3"] and worth.prune_check["kept"] == "unpruned"
+    assert worth.prune_check["dropped"] == ["E3", "E2"] and worth.prune_check["kept"] == "unpruned"
     assert worth.prune_check["difference"] == pytest.approx(-0.25)  # E3's 0.25 back, E2's 0.5 lost
     assert worth.pruned == [] and kept.items() == learned().items()
 
@@ -197,3 +197,17 @@ def test_nothing_learned_costs_nothing():
     worth, kept = Attribution(reward, Knobs(attribution=True), Checkpoint(None)).run(
         dspy.Predict("question -> answer"), ["self"], Learned(ExperienceLibrary(), []), queries())
     assert worth.items == [] and worth.program_runs == 0 and lm.calls == []
+
+
+def test_of_two_items_that_stand_in_for_each_other_prune_drops_one():
+    """E1 and the demo each give the same gain and together no more: each is worth 0 left out alone, and dropping both
+    (what a prune by leave-one-out alone does) loses the gain; one at a time, the second stays."""
+    def either(example, pred, trace=None):
+        return 0.25 + 0.5 * ("E1" in pred.answer or "D1" in pred.answer) - 0.25 * ("E3" in pred.answer)
+
+    dspy.configure(lm=ScriptedLM(student))
+    worth, kept = Attribution(either, Knobs(attribution=True, prune=True, num_threads=2), Checkpoint(None)).run(
+        dspy.Predict("question -> answer"), ["self"], learned(), queries())
+    assert {it.id: it.worth for it in worth.items} == {"E1": 0.0, "E2": 0.0, "E3": -0.25, "D1": 0.0}
+    assert worth.pruned == ["E3", "E1", "E2"] and [i for _, i, _ in kept.items()] == ["D1"]
+    assert worth.prune_check["difference"] == pytest.approx(0.25) and worth.prune_check["kept"] == "pruned"

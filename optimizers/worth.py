@@ -94,7 +94,7 @@ class Attribution:
         items = [ItemWorth(kind=kind, id=i, text=text, worth=statistics.fmean(per_item[i]),
                            ci95=_ci(per_item[i], knobs.seed)) for kind, i, text in learned.items()]
         dropped = _backward(scores, items) if knobs.prune else []
-        check_record, kept = None, learned
+        check_record, kept, checked = None, learned, 0
         if dropped:
             pruned = learned.only(set(ids) - set(dropped))
             on_check = _Scores(self, base, targets, learned, check)
@@ -102,12 +102,13 @@ class Attribution:
             better = statistics.fmean(diffs) >= 0
             check_record = {"queries": len(check), "dropped": dropped, "difference": statistics.fmean(diffs),
                             "ci95": _ci(diffs, knobs.seed), "kept": "pruned" if better else "unpruned"}
-            kept = pruned if better else learned
+            kept, checked = (pruned if better else learned), on_check.made
         result = WorthResult(
             method="shapley" if shapley else "leave-one-out", queries=len(choose), score=statistics.fmean(full),
             items=items, library=statistics.fmean(_minus(full, none)), library_ci95=_ci(_minus(full, none), knobs.seed),
             control=statistics.fmean(_minus(full, control)), control_ci95=_ci(_minus(full, control), knobs.seed),
-            pruned=dropped if kept is not learned else [], prune_check=check_record, program_runs=scores.made)
+            pruned=dropped if kept is not learned else [], prune_check=check_record,
+            program_runs=scores.made + checked)
         return result, kept
 
 

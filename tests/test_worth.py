@@ -84,6 +84,9 @@ def test_prune_drops_what_does_not_help_and_checks_it_on_the_other_half(tmp_path
     assert worth.pruned == ["E3", "E2"] and worth.prune_check["kept"] == "pruned"  # the least worth first
     assert worth.prune_check["difference"] == pytest.approx(0.25)  # without E3, on queries that chose nothing
     assert [e.id for e in kept.library] == ["E1"] and len(kept.demos) == 1
+    # the half that measures (all, none, the control, 4 left out; then E1 and D1 alone as the prune tries it), then the
+    # two programs on the other half
+    assert worth.program_runs == 4 * (3 + 4) + 4 + 2 * 4
     # every run is a checkpointed unit: measuring again runs nothing
     (again, _), lm = attribute(tmp_path, prune=True)
     assert again == worth and lm.calls == []

@@ -227,3 +227,18 @@ def test_a_hanging_check_is_cut_off_from_a_worker_thread(monkeypatch):
     while any(t.name == "tfgrpo-math-verify" for t in threading.enumerate()):
         assert time.monotonic() < deadline, "the abandoned helper thread kept running"
         time.sleep(0.05)
+
+
+def test_a_first_check_abandoned_at_its_deadline_breaks_no_later_check():
+    """math_verify builds its parsers on first use; a helper abandoned while building them (a first check slower than
+    its deadline on a busy CPU) left them broken for the whole process, and every later check answered "no" (seen in
+    CI after the real-model tests). In a fresh process: the first check times out at once, the next ones still work."""
+    import subprocess
+    import sys
+
+    code = ("import time\nfrom tfgrpo.tasks.math.metric import _check, is_equivalent\n"
+            "print(_check('x=3', '3', timeout=0.05))\ntime.sleep(2)\n"
+            "print(is_equivalent('x=3', '3'), is_equivalent('9', '3^2'), _check(r'2^{2^{100}}', '204')[1])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout.splitlines()
+    assert out[0] in ("(False, 'check timed out after 0.05s')", "(True, None)")  # 0.05 s: mid-build, before the fix
+    assert out[1] == "True True value too large to check"

@@ -266,6 +266,25 @@ def _with_deadline(func, args: tuple, seconds: float) -> Any:
     return "timeout"
 
 
+_WARMING = threading.Lock()
+_warm = False
+
+
+def _warm_up() -> None:
+    """Build math_verify's parsers once per process in the calling thread, before any helper runs. A helper that is
+    abandoned while they are first built (a first check slower than its deadline, on a busy CPU) leaves them broken,
+    and every later check of the process then reads nothing and answers "no"."""
+    global _warm
+    with _WARMING:
+        if not _warm:
+            for pair in (("18 dollars", "18"), (r"\frac{1}{3}", r"x=\sqrt{9}")):  # both readings, verify, a fraction
+                try:
+                    _sympy_verdict(*pair)
+                except Exception:  # noqa: BLE001 - the checks report their own failures
+                    pass
+            _warm = True
+
+
 def _check(predicted: Any, gold: Any, timeout: float | None = None) -> tuple[bool, str | None]:
     """(equivalent, reason the check could not be completed or None)."""
     predicted, gold = ("" if x is None else str(x).strip() for x in (predicted, gold))
@@ -283,6 +302,7 @@ def _check(predicted: Any, gold: Any, timeout: float | None = None) -> tuple[boo
     if len(predicted) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
         return False, "answer too long to check"
     seconds = DEFAULT_TIMEOUT_S if timeout is None else timeout
+    _warm_up()
     verdict = _with_deadline(_sympy_verdict, (predicted, gold), seconds)
     why = {"timeout": f"check timed out after {seconds:g}s", "too_big": "value too large to check"}
     return verdict == "yes", why.get(verdict, "the checker failed" if verdict == "error" else None)

@@ -1,13 +1,13 @@
 """What each item a compile kept is worth: the attribution of `attribution=True` (optimizers/worth.py), run on programs
 a benchmark saved, on held-out problems that neither their compile nor any evaluation of this project uses.
 
-    .venv/bin/python -m benchmarks.worth --task game24 --runs benchmarks/results/peers/game24/tfgrpo-compound+demos
-    .venv/bin/python -m benchmarks.worth --task gsm8k --runs benchmarks/results/peers/gsm8k/tfgrpo-default --seeds 0
+    .venv/bin/python -m benchmarks.worth --task game24 --runs benchmarks/results/peers/game24/tfgrpo-probed-wide+demos --prune
+    .venv/bin/python -m benchmarks.worth --task gsm8k --runs benchmarks/results/peers/gsm8k/tfgrpo-probed-wide+demos --seeds 2
 
 Each seed folder's program.json is loaded into a fresh student; its items are the experiences in its instructions and
 its demos. Each is left out in turn (Shapley above 8 items), paired per problem with a 95% bootstrap CI, beside two
-controls: nothing learned, and an irrelevant text of the same length. --prune also drops the items worth <= 0, chosen
-on half the problems and checked on the other half. The held-out problems: Game of 24 test ranks 925-948 (the main
+controls: nothing learned, and an irrelevant text of the same length. --prune also drops items worth <= 0, one at a
+time, chosen on half the problems and checked on the other half. The held-out problems: Game of 24 test ranks 925-948 (the main
 job evaluates on 901-924, the peers benchmark on 953-1000); GSM8K the --queries test problems before the peers
 benchmark's last 48. Every run is saved in the seed folder (worth-checkpoint/), so an interrupted measurement goes
 on where it stopped; the result is the seed folder's worth.json. The LM samples at temperature 0.3, with the seed as

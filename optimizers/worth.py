@@ -103,10 +103,11 @@ class Attribution:
             check_record = {"queries": len(check), "dropped": dropped, "difference": statistics.fmean(diffs),
                             "ci95": _ci(diffs, knobs.seed), "kept": "pruned" if better else "unpruned"}
             kept, checked = (pruned if better else learned), on_check.made
+        gain, over_control = _minus(full, none), _minus(full, control)
         result = WorthResult(
             method="shapley" if shapley else "leave-one-out", queries=len(choose), score=statistics.fmean(full),
-            items=items, library=statistics.fmean(_minus(full, none)), library_ci95=_ci(_minus(full, none), knobs.seed),
-            control=statistics.fmean(_minus(full, control)), control_ci95=_ci(_minus(full, control), knobs.seed),
+            items=items, library=statistics.fmean(gain), library_ci95=_ci(gain, knobs.seed),
+            control=statistics.fmean(over_control), control_ci95=_ci(over_control, knobs.seed),
             pruned=dropped if kept is not learned else [], prune_check=check_record,
             program_runs=scores.made + checked)
         return result, kept

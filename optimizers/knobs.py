@@ -80,10 +80,10 @@ def knob(default: Any, check: Check, doc: str, *, fingerprinted: bool = False) -
 
 # The presets of `auto`, each a budget and the settings measured best for it; a knob passed explicitly wins. "light" is
 # the configuration confirmed on held-out puzzles for the embedded 1.5B (benchmarks/peers.py's tfgrpo-probed-wide+demos:
-# 34, 31, 34 of 48 over three seeds, and as tfgrpo-default 37, 2, 25 when run again; configs/local.toml); "medium" and "heavy" are the same settings with larger budgets
-# (not measured apart); "paper" is the paper's setting for capable models. Issue 54's mechanisms (probe_alpha,
-# num_explore_generations, stop_when_nothing_to_learn) stay off here: as part of "light" they scored 21, 10, 24 of the
-# same 48 (docs/measurements.md).
+# 34, 31, 34 of 48 over three seeds; run again as tfgrpo-default, 37, 2, 25; configs/local.toml); "medium" and "heavy"
+# are the same settings with larger budgets (not measured apart); "paper" is the paper's setting for capable models.
+# Issue 54's mechanisms (probe_alpha, num_explore_generations, stop_when_nothing_to_learn) stay off here: as part of
+# "light" they scored 21, 10, 24 of the same 48 (docs/measurements.md).
 SMALL_MODEL = dict(num_generations=4, batch_size=4, max_operations_per_group=1, max_demos=2, probe_size=8)
 PRESETS = {
     "light": dict(SMALL_MODEL, num_train_epochs=1, max_metric_calls=120),

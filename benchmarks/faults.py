@@ -137,11 +137,12 @@ def calls_per_bad_reply(root: Path, opts: dict) -> str:
 
 
 def budget_without_history(root: Path, opts: dict) -> str:
-    """max_total_tokens=1 under dspy.configure(disable_history=True): the run must stop after its first step."""
+    """max_total_tokens=1 under dspy.configure(disable_history=True): the run must stop inside its first step (each unit
+    is charged before it starts)."""
     with server() as srv:
         _, result, _, _ = run_child(srv, root / "log", {**opts, "disable_history": True, "max_total_tokens": 1})
     result = result or {}
-    stopped = len(result.get("steps", [])) == 1 and "max_total_tokens" in (result.get("stopped_early") or "")
+    stopped = result.get("steps") == [] and "max_total_tokens" in (result.get("stopped_early") or "")
     return "stopped" if stopped else "ignored"
 
 

@@ -27,11 +27,11 @@ import dspy
 from tfgrpo.config import Config
 from tfgrpo.lms import open_lms
 from tfgrpo.task import task_parts
-from tfgrpo.optimizers import TrainingFreeGRPO
-from tfgrpo.optimizers.attempts import Attempt, Group, Scored
+from tfgrpo.optimizers.result import Attempt, Group, Scored
 from tfgrpo.optimizers.knobs import Knobs
-from tfgrpo.optimizers.learning_paths import learn_from_groups
-from tfgrpo.optimizers.render import query_key
+from tfgrpo.optimizers.learning_paths import ContrastPath, PaperPath
+from tfgrpo.optimizers.step import learn_from_groups
+from tfgrpo.programs.render import query_key
 from tfgrpo.programs import ExperienceLibrary
 from tfgrpo.programs.generality import parroted_phrases, specific_terms
 
@@ -82,11 +82,10 @@ def main() -> None:
         dspy.configure(lm=policy)
         for path in args.paths.split(","):
             knobs = {**cfg.optimizer_knobs(), "learning_path": path}
-            opt = TrainingFreeGRPO(reward, reflection_lm=reflection, **knobs)
             t0 = time.time()
             allowed = " ".join(p.signature.instructions for _, p in program.named_predictors())
             lessons, usage = learn_from_groups(  # the learning path alone, on the groups scored by the compile
-                opt.resolve_path(reflection)[0], kept, settings=Knobs(**knobs), reflection_lm=reflection,
+                ContrastPath() if path == "contrast" else PaperPath(), kept, settings=Knobs(**knobs), reflection_lm=reflection,
                 library=start, instructions=allowed)
             plan, proposals = lessons.plan, lessons.proposals
             seconds = time.time() - t0

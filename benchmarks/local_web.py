@@ -22,7 +22,7 @@ import dspy
 
 from benchmarks.common import add_endpoint_args, endpoint
 from tfgrpo.lms import local_dspy_lm
-from tfgrpo.optimizers.render import FAILED_TOOL
+from tfgrpo.programs.render import FAILED_TOOL
 from tfgrpo.tasks.web import PageFetcher, StepAgent, WebTools, load_web, react_agent, token_f1
 from tfgrpo.tasks.web.search import make_backend
 from tfgrpo.tasks.web.site import running_site

@@ -45,7 +45,7 @@ from benchmarks.common import add_endpoint_args, endpoint
 from tfgrpo.evaluate import bootstrap_ci, heldout_rows, paired_difference, per_problem, read_rows, write_rows
 from tfgrpo.lms import local_dspy_lm
 from tfgrpo.optimizers import TrainingFreeGRPO
-from tfgrpo.optimizers.usage import metered, stage_usage
+from tfgrpo.optimizers.parallel import metered
 from tfgrpo.plots import score_against_cost
 from tfgrpo.programs import save_program
 
@@ -267,7 +267,7 @@ def _run_arm(arm: str, seed: int, args, lm: dspy.LM, where: Path) -> None:
             train_metric = Counted(metric if arm.endswith("-solved") else reward)
             with metered() as used:
                 compiled = compile_arm(arm, make_student(), train_metric, trainset, lm, seed, args, where)
-            usage, spent = stage_usage(used, []), {"metric_calls": train_metric.calls}
+            usage, spent = used.totals(), {"metric_calls": train_metric.calls}
             run = getattr(getattr(compiled, "detailed_results", None), "run_usage", None)
             if run and sum(u.get("calls", 0) for u in run.values()) > usage["calls"]:  # tfgrpo resumed from its log
                 usage = {k: sum(u.get(k, 0) for u in run.values()) for k in usage}  # what the whole run spent

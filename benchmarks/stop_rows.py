@@ -39,7 +39,7 @@ def hang_once(example, pred, trace=None):
 
 def child(argv) -> int:
     """fault_child.py's compile, with the hanging metric and a `locked` status for a refused compile."""
-    from tfgrpo.optimizers.lock import RunLockedError
+    from tfgrpo.optimizers.checkpoint import RunLockedError
 
     F.METRICS["hang_once"] = hang_once
     try:

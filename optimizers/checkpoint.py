@@ -18,8 +18,14 @@ Layout (every key is made by `Keys`, the learning paths' own under their step):
     worth.json                      the attribution's result (`WorthResult`)
 
 Files are written atomically (`tfgrpo.base.util.write_atomic`), so a kill at any moment leaves either the old state or
-the new one, never a torn file (a kill mid-write leaves a hidden `.tmp` file, which the next start removes). One
-compile at a time writes into a log_dir: `locked()` holds its lock (`lock.py`) for the compile's lifetime.
+the new one, never a torn file (a kill mid-write leaves a hidden `.tmp` file, which the next start removes).
+
+One compile at a time writes into a log_dir: two compiles writing into one folder would mix their units, and a later
+resume would reuse that mixture without a word. `locked()` holds an exclusive `flock` on `<log_dir>/.lock` (`RunLock`)
+for the compile's lifetime and writes who holds it (pid, host, command, since) into that file; a second compile is
+refused at once with a `RunLockedError` naming the holder. The kernel drops a flock when its process dies, however it
+dies, so a lock left by a killed run is simply taken over. The lock is re-entrant within one thread (the CLI holds it
+around the whole command, the optimizer again around its compile); where `fcntl` is missing (Windows) nothing is locked.
 A unit file that does not parse (written by something else) is treated as
 absent and computed again. run.json is different: without it nothing says which settings the saved units
 were made with, so a log_dir that holds units but no readable run.json is refused, never reused.
@@ -38,12 +44,20 @@ import contextlib
 import inspect
 import json
 import logging
+import os
+import socket
+import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 from tfgrpo.base.util import digest, remove_stale_tmp, write_atomic
-from tfgrpo.optimizers.lock import RunLock
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None
 
 logger = logging.getLogger(__name__)
 
@@ -65,37 +79,14 @@ UNIT_FOLDERS = ("steps", "epochs", "probe-base", "worth")  # where units of work
 class Keys:
     """The key of every unit of work (its path under log_dir, without `.json`): the layout above, in one place."""
 
-    @staticmethod
-    def step(step: int) -> str:
-        return f"steps/{step:04d}"
-
-    @staticmethod
-    def rollout(step: int, query: int, g: int) -> str:
-        return f"steps/{step:04d}/rollouts/{query}_{g}"
-
-    @staticmethod
-    def reward(step: int, query: int, g: int) -> str:
-        return f"steps/{step:04d}/rewards/{query}_{g}"
-
-    @staticmethod
-    def probe(step: int, candidate: int, query: int) -> str:
-        return f"steps/{step:04d}/probes/{candidate}_{query}"
-
-    @staticmethod
-    def probe_base(program: str, query: int) -> str:
-        return f"probe-base/{program}/{query}"
-
-    @staticmethod
-    def usage(step: int) -> str:
-        return f"steps/{step:04d}/{TALLY}"
-
-    @staticmethod
-    def done(step: int) -> str:
-        return f"steps/{step:04d}/done"
-
-    @staticmethod
-    def epoch(epoch: int) -> str:
-        return f"epochs/{epoch}"
+    step = "steps/{:04d}".format  # (step)
+    rollout = "steps/{:04d}/rollouts/{}_{}".format  # (step, query, g)
+    reward = "steps/{:04d}/rewards/{}_{}".format  # (step, query, g)
+    probe = "steps/{:04d}/probes/{}_{}".format  # (step, candidate, query)
+    probe_base = "probe-base/{}/{}".format  # (program, query)
+    usage = ("steps/{:04d}/" + TALLY).format  # (step)
+    done = "steps/{:04d}/done".format  # (step)
+    epoch = "epochs/{}".format  # (epoch)
 
 
 class Checkpoint:
@@ -104,10 +95,6 @@ class Checkpoint:
         self._lock = threading.Lock()
         self.reused = 0  # units found on disk instead of recomputed (for reports and tests)
         self.closed = False  # set when the compile ends: a worker still running (a hung call) writes nothing more
-
-    @property
-    def enabled(self) -> bool:
-        return self.root is not None
 
     @contextlib.contextmanager
     def locked(self):
@@ -119,52 +106,55 @@ class Checkpoint:
         finally:
             self.closed = True
 
-    def start(self, fingerprint: dict[str, Any]) -> None:
-        """Record the run's fingerprint, or check it against the one already there.
+    def check(self, fingerprint: dict[str, Any]) -> int:
+        """The saved units a run of this fingerprint would reuse, read without writing anything (the plan's check).
 
-        Raises `RunMismatchError` naming each setting that differs (old -> new), and when the folder holds
-        saved units but its run.json is missing or unreadable (their settings are then unknown)."""
-        if not self.enabled:
-            return
-        self.root.mkdir(parents=True, exist_ok=True)
-        remove_stale_tmp(self.root)  # left by a run killed mid-write; safe under the lock, which a start holds
-        path = self.root / "run.json"
+        Raises `RunMismatchError` naming each setting that differs (old -> new), and when the folder holds saved units
+        but its run.json is missing or unreadable (their settings are then unknown)."""
+        if not self.root is not None or not self.root.exists():
+            return 0
+        path, units = self.root / "run.json", self.saved_units()
         old = self._read(path)
         if not isinstance(old, dict) or "knobs" not in old:
-            units = self.saved_units()
             if units:
                 state = "missing" if not path.exists() else "unreadable"
                 raise RunMismatchError(
                     f"{self.root} holds {units} saved unit(s) of work but its run.json is {state}, so nothing says "
                     "which settings they were made with and they cannot be reused safely; use a new log_dir, or "
                     f"delete {self.root} to start over")
-            self._write(path, fingerprint)
-            return
+            return 0
         changes = fingerprint_changes(old, fingerprint)
-        if changes and not self.saved_units():
-            logger.info("%s: the run recorded there saved no work; started again with these settings (%s)", self.root,
-                        "; ".join(changes))
-            self._write(path, fingerprint)
-        elif changes:
+        if changes and units:
             raise RunMismatchError(
                 f"{self.root} holds a run started with different settings or data:\n  " + "\n  ".join(changes) +
                 "\nresume with the same settings and data, or use a new log_dir (or delete this one to start over)",
                 changes)
+        if changes:
+            logger.info("%s: the run recorded there saved no work; started again with these settings (%s)", self.root,
+                        "; ".join(changes))
+        return units
+
+    def start(self, fingerprint: dict[str, Any]) -> int:
+        """Check the run's fingerprint against the one already there (`check`), then record it; the saved units."""
+        if not self.root is not None:
+            return 0
+        self.root.mkdir(parents=True, exist_ok=True)
+        remove_stale_tmp(self.root)  # left by a run killed mid-write; safe under the lock, which a start holds
+        units, path = self.check(fingerprint), self.root / "run.json"
+        if self._read(path) != fingerprint:  # a new run, or one that had saved nothing (or an older run.json's fields)
+            self._write(path, fingerprint)
+        return units
 
     def saved_units(self) -> int:
         """How many units of work (files under `UNIT_FOLDERS`) the folder holds."""
-        if not self.enabled:
+        if not self.root is not None:
             return 0
         return sum(1 for folder in UNIT_FOLDERS for p in (self.root / folder).rglob("*.json")
                    if not p.name.startswith(".") and p.stem != TALLY)
 
-    def has(self, key: str) -> bool:
-        """Whether a readable unit is saved under `key` (not counted as reused)."""
-        return self.enabled and self._read(self.root / f"{key}.json") is not None
-
     def get(self, key: str, *, unit: bool = True) -> Any | None:
         """The value saved under `key`, or None; a found unit counts as reused (`unit=False`: a tally, not work)."""
-        if not self.enabled:
+        if not self.root is not None:
             return None
         value = self._read(self.root / f"{key}.json")
         if value is not None and unit:
@@ -173,7 +163,7 @@ class Checkpoint:
         return value
 
     def put(self, key: str, value: Any) -> None:
-        if self.enabled and not self.closed:
+        if self.root is not None and not self.closed:
             self._write(self.root / f"{key}.json", value)
 
     def unit(self, key: str, fn: Callable[[], Any], *, keep: Callable[[Any], bool] = lambda _: True,
@@ -244,3 +234,67 @@ def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         else:
             changes.append(f"{key}: {old[key]!r} -> {new[key]!r}")
     return changes
+
+
+LOCK_FILE = ".lock"
+_held: dict[str, list] = {}  # resolved lock path -> [owning thread id, depth, open file]
+_held_lock = threading.Lock()
+
+
+class RunLockedError(RuntimeError):
+    """The run directory is in use by another compile (`holder`: what its lock file says of it)."""
+
+    def __init__(self, message: str, holder: str = ""):
+        super().__init__(message)
+        self.holder = holder
+
+
+class RunLock:
+    """`with RunLock(log_dir):` holds the run directory's lock, or raises `RunLockedError` naming the holder.
+    `log_dir=None` locks nothing."""
+
+    def __init__(self, log_dir: str | Path | None):
+        self.path = Path(log_dir) / LOCK_FILE if log_dir is not None else None
+
+    def __enter__(self) -> "RunLock":
+        if self.path is None or fcntl is None:
+            return self
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        key = str(self.path.resolve())
+        with _held_lock:
+            if key in _held and _held[key][0] == threading.get_ident():
+                _held[key][1] += 1
+                return self
+            f = open(self.path, "a+", encoding="utf-8")
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                f.seek(0)
+                holder = f.read().strip() or "another process (it has not written its name yet)"
+                f.close()
+                raise RunLockedError(
+                    f"{self.path.parent} is in use by another compile ({holder}); two runs in one folder would mix "
+                    "their work. Wait for it to end (or stop it), or use another log_dir/run_dir", holder) from None
+            f.seek(0)
+            f.truncate()
+            f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}: "
+                    f"{' '.join(sys.argv) or sys.executable}\n")
+            f.flush()
+            _held[key] = [threading.get_ident(), 1, f]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.path is None or fcntl is None:
+            return
+        key = str(self.path.resolve())
+        with _held_lock:
+            entry = _held.get(key)
+            if entry is None or entry[0] != threading.get_ident():
+                return
+            entry[1] -= 1
+            if entry[1] == 0:
+                del _held[key]
+                f = entry[2]
+                f.truncate(0)  # the file stays (removing it would race a process about to lock it); it says nobody
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+                f.close()

@@ -12,7 +12,7 @@ import dspy
 from dspy.teleprompt.teleprompt import Teleprompter
 
 from tfgrpo.base import hooks
-from tfgrpo.optimizers.render import format_fields
+from tfgrpo.programs.render import format_fields
 from tfgrpo.programs.inject import apply_library, resolve_targets
 from tfgrpo.programs.library import ExperienceLibrary
 from tfgrpo.signatures.learning import GenerateExperiences

@@ -10,15 +10,15 @@ computes: a resume must keep their values.
 
 from __future__ import annotations
 
+import inspect
+import logging
 import os
+import re
 import textwrap
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
-if TYPE_CHECKING:  # a leaf: importing the knobs loads neither DSPy nor the optimizer
-    import dspy
-
-    from tfgrpo.optimizers.learning_paths import LearningPath
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,12 @@ def optional(check: Check) -> Check:
     return Check(lambda v: v is None or check.valid(v), f"None or {check.expected}")
 
 
+def _valid_prices(v: Any) -> bool:
+    return isinstance(v, dict) and all(isinstance(m, str) and isinstance(p, dict) and {"input", "output"} <= set(p)
+                                       and set(p) <= {"input", "output", "cached_input"}
+                                       and all(_is_number(x) and x >= 0 for x in p.values()) for m, p in v.items())
+
+
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v  # NaN is no number here
 
@@ -81,18 +87,22 @@ def knob(default: Any, check: Check, doc: str, *, fingerprinted: bool = False) -
 # The presets of `auto`, each a budget and the settings measured best for it; a knob passed explicitly wins. "light" is
 # the configuration confirmed on held-out puzzles for the embedded 1.5B (benchmarks/peers.py's tfgrpo-probed-wide+demos:
 # 34, 31, 34 of 48 over three seeds; run again as tfgrpo-default, 37, 2, 25; configs/local.toml); "medium" and "heavy"
-# are the same settings with larger budgets (not measured apart); "paper" is the paper's setting for capable models.
-# Issue 54's mechanisms (probe_alpha, num_explore_generations, stop_when_nothing_to_learn) stay off here: as part of
-# "light" they scored 21, 10, 24 of the same 48 (docs/measurements.md).
+# are the same settings with larger budgets (not measured apart); "paper" is the paper's setting for capable models
+# (measured by the paper on DeepSeek-V3.1; here only against a simulated provider), its budget the paper's run: 3 epochs
+# of 100 queries x 5 attempts, and a valset. Issue 54's mechanisms (probe_alpha, num_explore_generations,
+# stop_when_nothing_to_learn) stay off here: as part of "light" they scored 21, 10, 24 of the same 48.
 SMALL_MODEL = dict(num_generations=4, batch_size=4, max_operations_per_group=1, max_demos=2, probe_size=8)
 PRESETS = {
-    "light": dict(SMALL_MODEL, num_train_epochs=1, max_metric_calls=120),
+    "light": dict(SMALL_MODEL, num_train_epochs=1, max_metric_calls=150),
     "medium": dict(SMALL_MODEL, num_train_epochs=3, max_metric_calls=300),
     "heavy": dict(SMALL_MODEL, num_train_epochs=5, max_metric_calls=800),
     "paper": dict(num_generations=5, batch_size=50, num_train_epochs=3, max_operations_per_group=2, max_demos=0,
-                  probe_size=0, probe_alpha=1.0, num_explore_generations=0, stop_when_nothing_to_learn=False),
+                  probe_size=0, probe_alpha=1.0, num_explore_generations=0, stop_when_nothing_to_learn=False,
+                  max_metric_calls=2000),
 }
-AUTO_SMALL = "light"  # what auto="auto" takes for a small reflection model (learning_paths.SMALL_REFLECTOR_B)
+MEASURED = {"light": "Qwen2.5-Coder-1.5B (Q4, llama.cpp)", "paper": "DeepSeek-V3.1 (by the paper)"}
+SMALL_PRESET_B = 2  # auto="auto" takes "light" for reflection models of at most this size: the size it was measured at
+SMALL_REFLECTOR_B = 8  # learning_path="auto" picks "contrast" for reflection LMs of at most this many billion parameters
 
 
 @dataclass(kw_only=True, eq=False)
@@ -103,8 +113,9 @@ class Knobs:
         "A preset, as DSPy's MIPROv2 and GEPA take one: \"light\", \"medium\" or \"heavy\" (a budget of "
         "max_metric_calls and the settings measured best on a 1.5B model: groups of 4, batches of 4, up to 2 of "
         "its own winning attempts kept as demos, each edit probed on 8 other training queries), \"paper\" (the "
-        "paper's settings, for capable models), \"auto\" (\"light\" when the reflection model's name gives at most 8B parameters, else "
-        "\"paper\"; the choice is logged as the run starts) or None (\"off\" in a config file: every knob as "
+        "paper's settings and a budget of 2,000 metric calls, for capable models), \"auto\" (\"light\" when the reflection "
+        "model's name gives at most 2B parameters, the size it was measured at, else \"paper\"; the choice and the budget "
+        "are said as the run starts) or None (\"off\" in a config file: every knob as "
         "declared). A knob you pass yourself always wins over the preset."))
 
     # group rollouts
@@ -122,7 +133,7 @@ class Knobs:
     seed: int = knob(0, integer(), fingerprinted=True, doc=(
         "Seeds the order of the trainset and the attempts' rollout IDs."))
     # learning calls
-    reflection_lm: dspy.BaseLM | None = knob(None, optional(lazy_instance("dspy", "BaseLM", "a dspy.BaseLM")), doc=(
+    reflection_lm: Any = knob(None, optional(lazy_instance("dspy", "BaseLM", "a dspy.BaseLM")), doc=(
         "LM of the learning calls (summaries, group advantages, consolidation). None: `dspy.settings.lm`, else the "
         "student's LM. A stronger model than the student learns better."))
     max_operations_per_group: int = knob(2, integer(1), fingerprinted=True, doc=(
@@ -130,7 +141,7 @@ class Knobs:
     use_ground_truth: bool = knob(True, FLAG, fingerprinted=True, doc=(
         "False scores each attempt against the majority answer of its group and shows the learning calls no "
         "answer key."))
-    learning_path: str | LearningPath = knob(
+    learning_path: str | Any = knob(
         "auto", Check(lambda v: (isinstance(v, str) and v in PATHS) or PATH_INSTANCE.valid(v),
                       "'auto', 'paper', 'contrast' or a LearningPath instance"), fingerprinted=True, doc=(
             "\"paper\" (summaries, group advantages, one consolidation call), \"contrast\" (one short call per "
@@ -233,14 +244,22 @@ class Knobs:
         "`max_failure_rate` of a step's attempts timing out stops the run, as an outage does. None waits for ever. "
         "Ctrl-C stops a run at once either way."))
     max_cost: float | None = knob(None, optional(positive("a number > 0 (USD)")), doc=(
-        "USD: stop after the step that reaches it, keeping the library so far. Refused when DSPy knows no price "
-        "for the policy or reflection model (LiteLLM's price map has no entry: the cost would stay $0), and under "
-        "`disable_history=True` (the price is only kept in DSPy's LM history)."))
+        "USD for every LM call of the run (rollouts, learning calls, probes, validation, attribution), priced from "
+        "tokens by LiteLLM's price map or `prices`. Each unit of work is charged before it starts: when the next one "
+        "would not fit beside those in flight, the run stops there, keeps the library so far and says so "
+        "(`stopped_early`); a resume with a larger budget goes on without redoing finished work. Refused when no "
+        "price is known for the policy or reflection model."))
     max_total_tokens: int | None = knob(None, optional(integer(1)), doc=(
-        "Prompt plus completion tokens of all calls: stop after the step that reaches it."))
+        "Prompt plus completion tokens of all calls, charged before each unit of work as `max_cost` is."))
     max_metric_calls: int | None = knob(None, optional(integer(1)), doc=(
-        "Attempts scored by the metric, GEPA's budget: a step's rollouts and probe attempts, and each validation "
-        "example. Stop after the step (or validation) that reaches it."))
+        "Attempts scored by the metric, GEPA's budget: rollouts, probe attempts, validation and attribution runs, "
+        "charged before each attempt starts (an attempt whose LM call failed is not scored and does not count)."))
+    prices: dict | None = knob(None, optional(Check(_valid_prices, "a dict of model -> {\"input\": USD, \"output\": "
+                                                                 "USD[, \"cached_input\": USD]} per million tokens")),
+                               doc=(
+        "Prices per million tokens by model string, for a model LiteLLM's price map does not know (a self-hosted "
+        "one) or to override it: {\"openai/my-model\": {\"input\": 0.2, \"output\": 0.6, \"cached_input\": 0.05}}. "
+        "Dollars in the plan, the budget and the results are tokens times these prices."))
     log_dir: str | os.PathLike | None = knob(None, optional(instance((str, os.PathLike), "a folder path")), doc=(
         "Folder where every finished unit of work is saved and resumed from; None keeps nothing. A resume must use "
         "the same fingerprinted knobs, data, program, target predictors and LM models (the refusal names what "
@@ -285,11 +304,58 @@ def check_knob(name: str, value: Any) -> Any:
     return value
 
 
-def with_preset(knobs: Knobs, preset: str | None, explicit: set[str]) -> Knobs:
-    """A copy of `knobs` with `preset`'s values for every knob not in `explicit` (None: an unchanged copy)."""
+def model_size_b(model: str) -> float:
+    """Parameter count in billions read from a model name ("qwen2.5-coder-1.5b" -> 1.5); inf if none is given."""
+    sizes = [float(x) for x in re.findall(r"(?<![\d.])(\d+(?:\.\d+)?)b(?![a-z])", model.lower())]
+    return max(sizes) if sizes else float("inf")
+
+
+def resolve(knobs: Knobs, explicit: set[str], reflection_model: str, *, say: bool = False) -> tuple[Knobs, str | None,
+                                                                                                   str]:
+    """What a run with a reflection LM of this name uses: the knobs with the `auto` preset's values for every knob not
+    in `explicit`, the preset's name (None: off), and the learning path's name ("contrast" or "paper" for "auto", by
+    the model's size; a path instance's class name). `say`: log the choice at WARNING level, with its budget."""
+    preset, size = (None if knobs.auto == "off" else knobs.auto), model_size_b(reflection_model)
+    if preset == "auto":
+        preset = "light" if size <= SMALL_PRESET_B else "paper"
+    explicit = set(explicit) | ({"probe_size"} if not knobs.use_ground_truth else set())  # a probe needs the truth
+    if "num_generations" in explicit:  # exploring attempts never outnumber a group
+        explicit.add("num_explore_generations")
     values = {name: getattr(knobs, name) for name in KNOBS}
     values.update({k: v for k, v in PRESETS.get(preset, {}).items() if k not in explicit})
-    return Knobs(**values)
+    resolved, path = Knobs(**values), knobs.learning_path
+    name = path if isinstance(path, str) and path != "auto" else type(path).__name__ if not isinstance(path, str) \
+        else "contrast" if size <= SMALL_REFLECTOR_B else "paper"
+    if say:
+        _say(knobs, preset, name, reflection_model, {k: v for k, v in PRESETS.get(preset, {}).items() if k not in explicit})
+    return resolved, preset, name
+
+
+def _say(knobs: Knobs, preset: str | None, path: str, model: str, changed: dict) -> None:
+    """Log the preset `auto` took (at WARNING level, so that a Python user sees it) and the learning path and why."""
+    size = model_size_b(model)
+    if knobs.learning_path == "auto":
+        why = f"its name gives {size:g}B parameters" if size != float("inf") else \
+            "its name gives no parameter count, so it is taken as a large model"
+        logger.info("learning_path='auto' picked %r for the reflection model %r: %s (contrast up to %gB). Set "
+                    "learning_path='paper' or 'contrast' to choose.", path, model, why, SMALL_REFLECTOR_B)
+    else:
+        logger.info("Learning path %r (set by learning_path)", path)
+    if preset is None:
+        return
+    unmeasured = "" if preset != "paper" or size == float("inf") or size > 30 else (
+        f"; no preset was measured on a model of {size:g}B ({', '.join(f'{k}: {v}' for k, v in MEASURED.items())}): "
+        "pass auto=\"light\" for a small local model, or set the knobs yourself")
+    logger.warning("auto=%r: preset %r for the reflection model %r (%s)%s; auto=None uses the knobs as declared",
+                   knobs.auto, preset, model,
+                   ", ".join(f"{k}={v}" for k, v in changed.items()) or "every knob passed explicitly", unmeasured)
+
+
+def signature(first: str = "metric") -> inspect.Signature:
+    """The signature of `TrainingFreeGRPO(metric, *, <every knob>)`, as its dataclass `__init__` declares it."""
+    params = [inspect.Parameter(first, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=f.default) for name, f in KNOBS.items()]
+    return inspect.Signature(params)
 
 
 def fingerprinted_knobs(knobs: Knobs) -> dict[str, Any]:

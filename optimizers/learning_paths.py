@@ -1,66 +1,49 @@
-"""Learning paths: how one step's informative groups become a plan of library operations.
+"""Learning paths: how one step's informative groups become a plan of library operations; and the paper's path.
 
 A path is a plug-in with a small contract, so that a new way of learning needs nothing of the optimizer's insides:
 
     class MyPath(LearningPath):
-        stages = ("lesson",)                       # the stages its LM calls are metered and checked under
+        stages = ("lesson",)                          # the stages its LM calls are metered and checked under
 
-        def learn(self, ctx, group):               # one group's calls, in order (groups run side by side)
-            (reply,) = ctx.map("lesson", lambda _: ctx.call(f"lessons/{group.index}", ask), [None])
-            return reply                           # the group's result, handed to finish()
+        def learn(self, run, library, group):         # one group's calls (groups run side by side)
+            with_lm = lambda: dspy.Predict("attempts -> lesson")(attempts=...)   # under run.reflection_lm
+            return run.executor.call("lesson", f"lessons/{group.index}", with_lm)
 
-        def finish(self, ctx, results):            # once every group is done: [(group, its result)] -> the plan
+        def finish(self, run, library, results):      # once every group is done: [(group, its result)] -> the plan
             return Lessons(plan=[...], proposals=[(group.key, op), ...])
 
-`ctx.map(stage, fn, items)` runs a stage's units on the step's bounded pool and returns their results in order;
-`ctx.call` makes a checkpointed LM call that returns a `Failed` instead of raising; `ctx.count_failures` reports a
-stage's failures, and `ctx.wait(stage)` holds the group until every group has reached that stage and the stage's
-failure check has passed (the step stops there when more than `max_failure_rate` of its units failed). The paper's
-path is `paper_path.PaperPath` (summaries -> group advantage -> one consolidation call); `contrast.ContrastPath` is
-the path for small reflection models. Pass an instance as `learning_path=` to plug in your own; `learn_from_groups`
-runs a path on groups scored elsewhere (saved rollouts, say).
+`run` is the run (`step.Run`): its knobs (`run.knobs`), the reflection LM (`run.reflection_lm`), the program's
+instructions and the execution layer (`run.executor`). `library` is the library as the step started: read it, never
+edit it. `run.executor.call(stage, name, fn)` (or `calls` for several at once) makes a learning call on the step's
+bounded pool: checkpointed under the step as `name`, charged to the budget, metered under `stage`; one that raises
+comes back as a `Failed` and is counted, and when more than `max_failure_rate` of a stage's calls failed the step
+stops. `run.executor.settle(stage, group.index, failed)` holds a group that saw failures until every group has reached
+the stage and its failure check has passed. The paper's path is `PaperPath` (below); `contrast.ContrastPath` is the path
+for small reflection models. Pass an instance as `learning_path=` to plug in your own; `step.learn_from_groups` runs a
+path on groups scored elsewhere (saved rollouts, say).
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any
 
 import dspy
 
-from tfgrpo.optimizers.attempts import Group
-from tfgrpo.optimizers.checkpoint import Checkpoint
-from tfgrpo.optimizers.parallel import Failed, Gates, StageBars, TooManyFailuresError, Workers
-from tfgrpo.optimizers.usage import metered_stages, stage_usage
+from tfgrpo.base.util import clip
+from tfgrpo.optimizers.parallel import Failed
+from tfgrpo.optimizers.result import Group, Scored
+from tfgrpo.programs.contrast_learner import ContrastLearner
+from tfgrpo.programs.learning import AdvantageExtractor, Consolidator, Summarizer
 from tfgrpo.programs.library import ExperienceLibrary
-from tfgrpo.signatures.operations import Operation
-
-if TYPE_CHECKING:
-    from tfgrpo.optimizers.knobs import Knobs
+from tfgrpo.programs.render import format_fields, outcome, tool_actions, tool_observations
+from tfgrpo.signatures.operations import ExcerptOperation, Operation
 
 logger = logging.getLogger(__name__)
 
 EMPTY_LIBRARY = "(no experiences yet: only 'add' is possible)"
-SMALL_REFLECTOR_B = 8  # learning_path="auto" picks "contrast" for reflection LMs of at most this many billion parameters
-
-
-def model_size_b(model: str) -> float:
-    """Parameter count in billions read from a model name ("qwen2.5-coder-1.5b" -> 1.5); inf if none is given."""
-    sizes = [float(x) for x in re.findall(r"(?<![\d.])(\d+(?:\.\d+)?)b(?![a-z])", model.lower())]
-    return max(sizes) if sizes else float("inf")
-
-
-def path_name(setting: str | LearningPath, reflection_model: str) -> str:
-    """The name of the learning path the `learning_path` knob picks for a reflection LM of this name ("auto":
-    contrast for models of at most SMALL_REFLECTOR_B billion parameters, the paper's path otherwise)."""
-    if isinstance(setting, LearningPath):
-        return type(setting).__name__
-    if setting != "auto":
-        return setting
-    return "contrast" if model_size_b(reflection_model) <= SMALL_REFLECTOR_B else "paper"
 
 
 @dataclass
@@ -74,105 +57,224 @@ class Lessons:
     consolidation: str = ""
 
 
-class StepContext:
-    """What a learning path may use during one step: its settings (the knobs), the library as the step started (read
-    it, never edit it), the trainset, the program's instructions, the reflection LM and one private copy of it per
-    stage (`lm(stage)`, so each stage's usage is priced apart), the step's pool (`map`), checkpointed calls and the
-    failure guard (`count_failures`, `wait`)."""
-
-    def __init__(self, *, step: int, settings: Knobs, reflection_lm: dspy.BaseLM, library: ExperienceLibrary,
-                 trainset: list, instructions: str, ckpt: Checkpoint, key: str, work: Workers, gates: Gates,
-                 saved: Callable[[], None] | None = None):
-        self.step, self.settings, self.reflection_lm, self.library = step, settings, reflection_lm, library
-        self.trainset, self.instructions = trainset, instructions
-        self._ckpt, self._key, self._work, self._gates = ckpt, key, work, gates
-        self._saved = saved or (lambda: None)  # told after each saved call (the step keeps what it has spent)
-        self._lms: dict[str, dspy.BaseLM] = {}
-        self._failures: dict[str, tuple[list[str], int]] = {}
-
-    def lm(self, stage: str) -> dspy.BaseLM:
-        """The stage's own copy of the reflection LM (the same one for every call of the stage)."""
-        if stage not in self._lms:
-            self._lms[stage] = self.reflection_lm.copy()
-        return self._lms[stage]
-
-    def stage_lms(self, stage: str) -> list[dspy.BaseLM]:
-        return [self._lms[stage]] if stage in self._lms else []
-
-    def map(self, stage: str, fn: Callable, items: list) -> list:
-        """`[fn(item) for item in items]` on the step's pool, metered and shown as `stage`."""
-        return self._work.map(stage, fn, items)
-
-    def call(self, unit: str, fn: Callable[[], Any]) -> Any:
-        """A checkpointed learning call: the saved result, or `fn()` saved; a call that raises is a `Failed`."""
-        try:
-            return self._ckpt.unit(f"{self._key}/{unit}", fn, then=self._saved)
-        except Exception as exc:  # a failed learning call is counted, not fatal
-            return Failed(exc)
-
-    def count_failures(self, stage: str, errors: list[str], total: int) -> None:
-        """Report `total` more units of `stage`, of which `errors` failed."""
-        seen, n = self._failures.get(stage, ([], 0))
-        self._failures[stage] = (seen + list(errors), n + total)
-
-    def arrive(self, stage: str, group: int) -> None:
-        self._gates.arrive(stage, group)
-
-    def wait(self, stage: str) -> None:
-        """Hold until every group of the step has reached `stage` and its failure check (`check`) has passed."""
-        self._gates.wait(stage)
-
-    def check(self, stage: str) -> None:
-        """Stop the step, unfinished, when more than `max_failure_rate` of the stage's units failed: an outage must
-        not pass for "nothing to learn". A resume redoes the failed units."""
-        errors, total = self._failures.get(stage, ([], 0))
-        if total and len(errors) > self.settings.max_failure_rate * total:
-            units = "attempts" if stage == "rollout" else f"{stage} calls"
-            log_dir = str(self._ckpt.root) if self._ckpt.root is not None else None
-            raise TooManyFailuresError(f"step {self.step}: {len(errors)} of {total} {units} failed "
-                                       f"(first: {errors[0]}); finished work is kept in log_dir={log_dir!r}")
-
-    @contextmanager
-    def metered(self, stage: str):
-        """Run calls outside the pool (a batch-wide call such as a consolidation) under their stage's meter."""
-        with dspy.context(usage_tracker=self._work.meters[stage]):
-            yield
-
-
 class LearningPath:
     """The contract of a learning path (see the module docstring). Instances hold settings only; everything of one
-    step lives in the `StepContext` and in the values `learn` returns, so one instance serves every step."""
+    step comes in the arguments and goes out in the values `learn` returns, so one instance serves every step."""
 
     stages: tuple[str, ...] = ()
 
-    def learn(self, ctx: StepContext, group: Group) -> Any:
+    def learn(self, run, library: ExperienceLibrary, group: Group) -> Any:
         raise NotImplementedError
 
-    def finish(self, ctx: StepContext, results: list[tuple[Group, Any]]) -> Lessons:
+    def finish(self, run, library: ExperienceLibrary, results: list[tuple[Group, Any]]) -> Lessons:
         raise NotImplementedError
 
 
-def learn_from_groups(path: LearningPath, groups: list[Group], *, settings: Knobs, reflection_lm: dspy.BaseLM,
-                      library: ExperienceLibrary, instructions: str = "") -> tuple[Lessons, dict[str, dict]]:
-    """Run `path` on groups scored elsewhere (saved rollouts, say), as a step would, with nothing saved: its lessons
-    and the usage of each of its stages. The library is not changed (apply the plan to a copy); `ctx.trainset` holds
-    the groups' examples, by query index; `instructions`, the program's (what a rule may repeat)."""
-    with metered_stages(path.stages) as meters, Workers(settings.num_threads, meters=meters,
-                                                        progress=StageBars()) as work:
-        informative = [g for g in groups if g.informative]
-        gates = Gates([g.index for g in informative], check=lambda stage: ctx.check(stage))
-        ctx = StepContext(step=0, settings=settings, reflection_lm=reflection_lm, library=library,
-                          trainset={g.index: g.example for g in groups}, instructions=instructions,
-                          ckpt=Checkpoint(None), key="steps/0000", work=work, gates=gates)
+class PaperPath(LearningPath):
+    """The paper's path, for a capable reflection LM: summarize every attempt of a group, extract the group's advantage
+    as operations, and consolidate the batch's operations in one call."""
 
-        def one(group):
-            try:
-                return path.learn(ctx, group)
-            finally:
-                gates.finish(group.index)
+    stages = ("summary", "advantage", "consolidation")
 
-        results = work.each(one, informative)
-        for stage in path.stages:
-            ctx.check(stage)
-        lessons = path.finish(ctx, list(zip(informative, results)))
-    return lessons, {stage: stage_usage(meters[stage], ctx.stage_lms(stage)) for stage in path.stages}
+    @staticmethod
+    def _answer_key(run, group: Group) -> str:
+        """The ground truth shown to learning calls: the labels the program also outputs (else all labels)."""
+        if not run.knobs.use_ground_truth:
+            return ""
+        labels = dict(group.example.labels())
+        produced = {k for a in group.attempts for k in (a.outputs or {})}
+        return clip(format_fields({k: v for k, v in labels.items() if k in produced} or labels), 2000)
+
+    def learn(self, run, library, group):
+        knobs, ex = run.knobs, run.executor
+        rendered, answer_key = library.render() or EMPTY_LIBRARY, self._answer_key(run, group)
+        task = format_fields(group.example.inputs())
+        summarizer, extractor = Summarizer(knobs.use_ground_truth), AdvantageExtractor(knobs.use_ground_truth)
+        summarizer.set_lm(run.reflection_lm)
+        extractor.set_lm(run.reflection_lm)
+
+        def summarize(a):  # 1. one summary per attempt
+            return lambda: summarizer(task_input=task, attempt=a.text, outcome=outcome(a), reference_answer=answer_key,
+                                      experiences=rendered)
+
+        summaries = ex.calls("summary", [(f"summaries/{group.index}_{a.g}", summarize(a)) for a in group.attempts])
+        failed = [s.error for s in summaries if isinstance(s, Failed)]
+        ex.settle("summary", group.index, bool(failed))  # an outage stops the step before it costs advantage calls
+        shown = []
+        for a, summary in zip(group.attempts, summaries):
+            if isinstance(summary, Failed):  # fall back to the raw attempt, cut short
+                logger.warning("Summary of query %s attempt %d failed (%s); using the raw attempt", group.index, a.g,
+                               summary.error)
+                summary = clip(a.text, 1500)
+            shown.append(f"Attempt {a.g + 1} (reward {a.reward:.2f}):\n{summary}")
+
+        def extract():  # 2. the group's advantage, as operations
+            return [o.model_dump() for o in extractor(
+                task_input=task, reference_answer=answer_key, attempts="\n\n".join(shown), experiences=rendered,
+                max_operations=knobs.max_operations_per_group, max_words=knobs.max_words_per_experience)]
+
+        return {"ops": ex.call("advantage", f"advantages/{group.index}", extract), "failed_summaries": len(failed)}
+
+    def finish(self, run, library, results):
+        proposals, failures = [], 0
+        for group, res in results:
+            failures += res["failed_summaries"]
+            if isinstance(res["ops"], Failed):
+                failures += 1
+                logger.warning("Group advantage of query %s failed (%s); the group proposes nothing", group.index,
+                               res["ops"].error)
+                continue
+            proposals += [(group.key, Operation.model_validate(o)) for o in res["ops"]]
+        plan, status = self._consolidate(run, library, proposals)  # 3. one call for the batch
+        return Lessons(plan=plan, proposals=proposals, consolidation=status,
+                       counts={"learning_failures": failures, "operations_proposed": len(proposals)})
+
+    @staticmethod
+    def _consolidate(run, library: ExperienceLibrary, proposals) -> tuple[list[Operation], str]:
+        """One call turns the batch's proposals into the plan; if it fails, the (validated) proposals are the plan."""
+        if not proposals:
+            return [], "nothing proposed"
+        consolidator = Consolidator()
+        consolidator.set_lm(run.reflection_lm)
+
+        def consolidate():
+            plan = consolidator(experiences=library.render() or EMPTY_LIBRARY, proposals=proposals,
+                                max_words=run.knobs.max_words_per_experience)
+            return {"plan": [o.model_dump() for o in plan], "status": "ok"}
+
+        saved = run.executor.call("consolidation", "plan", consolidate)
+        if isinstance(saved, Failed):  # the proposals were validated one by one already: apply them as they are
+            logger.warning("Consolidation failed (%s); applying the %d proposals directly", saved.error, len(proposals))
+            saved = {"plan": [op.model_dump() for _, op in proposals], "status": "fallback: proposals applied directly"}
+            run.executor.ckpt.put(f"{run.executor.prefix}/plan", saved)
+        return [Operation.model_validate(o) for o in saved["plan"]], saved["status"]
+
+
+# -- the contrast path ------------------------------------------------------------------------------------------------
+# The small reflectors' learning path ("contrast").
+#
+# Per group with reward contrast, the best attempts are paired with the worst ones (at most
+# `max_operations_per_group` pairs); each pair is one `ContrastLearner` call that proposes at most one
+# operation. The batch's proposals are folded in code instead of by a consolidation call: a proposal that
+# says what an existing experience (or an earlier proposal) already says is dropped as redundant. Attempts that
+# used tools are shown as their actions, without what the tools returned, and a rule may not repeat the names in
+# those returns either: a 1.5B reflector otherwise writes the facts it was shown as "rules".
+
+REDUNDANT_OVERLAP = 0.5  # Jaccard overlap of content words above which two experiences say the same thing
+_STOP = {"a", "an", "the", "to", "of", "and", "or", "in", "on", "for", "with", "by", "is", "are", "be", "it", "its",
+         "each", "every", "all", "any", "that", "this", "when", "then", "as", "at", "from", "into", "if", "use"}
+
+
+def contrast_pairs(rewards: list[float], max_pairs: int) -> list[tuple[int, int]]:
+    """(better, worse) attempt indices: the k-th best against the k-th worst while the first scored higher."""
+    best = sorted(range(len(rewards)), key=lambda g: (-rewards[g], g))
+    worst = sorted(range(len(rewards)), key=lambda g: (rewards[g], g))
+    pairs = []
+    for b, w in zip(best, worst):
+        if len(pairs) >= max_pairs or rewards[b] <= rewards[w]:
+            break
+        pairs.append((b, w))
+    return pairs
+
+
+def overlap(a: str, b: str) -> float:
+    """Jaccard overlap of the content words of two texts."""
+    wa, wb = ({w for w in re.findall(r"[a-z0-9]+", t.lower()) if w not in _STOP} for t in (a, b))
+    return len(wa & wb) / len(wa | wb) if wa | wb else 1.0
+
+
+def fold(existing: list[str], proposals: list[Operation]) -> tuple[list[Operation], int]:
+    """The plan from one batch's proposals, and how many were dropped as redundant.
+
+    An "add" close to an existing experience or to an earlier add of the plan is dropped; only the first
+    "modify" of each experience is kept (the others came from the same batch and could not see it)."""
+    plan, seen_texts, modified, redundant = [], list(existing), set(), 0
+    for op in proposals:
+        if op.action == "add" and any(overlap(op.text, t) >= REDUNDANT_OVERLAP for t in seen_texts):
+            redundant += 1
+            continue
+        if op.action == "modify" and op.ids and op.ids[0] in modified:
+            redundant += 1
+            continue
+        modified.update(op.ids if op.action == "modify" else [])
+        seen_texts.append(op.text)
+        plan.append(op)
+    return plan, redundant
+
+
+def constrained_mode(setting: str, reflection_lm) -> str | None:
+    """The response format of the contrast calls for the `constrained_decoding` knob ("auto": json_schema
+    where LiteLLM says the model supports it, else none)."""
+    if setting == "off":
+        return None
+    if setting != "auto":
+        return setting
+    try:
+        return "json_schema" if reflection_lm.supports_response_schema else None
+    except Exception:  # an LM whose capabilities cannot be looked up: parse and validate only
+        return None
+
+
+class ContrastPath(LearningPath):
+    """Per group, up to `max_operations_per_group` (better, worse) pairs, one `ContrastLearner` call each; the batch's
+    proposals folded in code (no consolidation call)."""
+
+    stages = ("contrast",)
+
+    @staticmethod
+    def _shown(attempt: Scored) -> str:
+        """A tool-using attempt is shown as its actions (a small model copies the facts its tools returned into
+        its "rules"); any other attempt as recorded."""
+        actions = tool_actions(attempt.outputs)
+        return f"{clip(chr(10).join(actions) if actions else attempt.text, 2000)}\nresult: {outcome(attempt)}"
+
+    @staticmethod
+    def _code(attempt: Scored) -> str:
+        """Where an excerpt is copied from: the output that holds fenced code (a program's code field) when there is
+        one, so a fence the model never closed ends with that field, not with the rendered fields after it
+        (`output:`, `answer:`); otherwise the whole attempt as recorded."""
+        fenced = [v for v in (attempt.outputs or {}).values() if isinstance(v, str) and "```" in v]
+        return max(fenced, key=len) if fenced else attempt.text
+
+    def learn(self, run, library, group):
+        knobs = run.knobs
+        learner = ContrastLearner(max_words=knobs.max_words_per_experience,
+                                  constrained=constrained_mode(knobs.constrained_decoding, run.reflection_lm),
+                                  max_excerpt_lines=knobs.max_excerpt_lines, whole_attempt=knobs.excerpt_whole_attempt)
+        task, attempts = format_fields(group.example.inputs()), group.attempts
+
+        def contrast(better: Scored, worse: Scored):
+            seen = "\n".join(o for a in (better, worse) for o in tool_observations(a.outputs))
+
+            def call():
+                with dspy.context(lm=run.reflection_lm):
+                    return learner(task=task, better_attempt=self._shown(better), worse_attempt=self._shown(worse),
+                                   library=library, allowed=run.instructions, seen=seen, better_code=self._code(better))
+            return f"contrasts/{group.index}_{better.g}_{worse.g}", call
+
+        pairs = contrast_pairs(group.rewards, knobs.max_operations_per_group)
+        return run.executor.calls("contrast", [contrast(attempts[b], attempts[w]) for b, w in pairs])
+
+    def finish(self, run, library, results):
+        proposals, counts = [], {"learning_failures": 0, "operations_proposed": 0, "refused_specific": 0,
+                                 "rewritten_specific": 0, "redundant": 0, "said_none": 0, "excerpts": 0,
+                                 "excerpts_refused": 0}
+        for group, replies in results:
+            for rec in replies:
+                if isinstance(rec, Failed):
+                    counts["learning_failures"] += 1
+                    logger.warning("Contrast call on query %s failed (%s); it proposes nothing", group.index, rec.error)
+                    continue
+                counts["said_none"] += rec["action"] == "none"
+                counts["operations_proposed"] += rec["action"] != "none"
+                counts["rewritten_specific"] += rec["rewritten"] and rec["refused"] is None
+                counts["refused_specific"] += bool(rec["refused"])
+                counts["excerpts"] += bool(rec.get("excerpt"))
+                counts["excerpts_refused"] += bool(rec.get("excerpt_refused"))
+                if rec["refused"]:
+                    logger.warning("Refused a rule from query %s: %s (%r)", group.index, rec["refused"], rec["rule"][:80])
+                if rec["operation"]:
+                    proposals.append((group.key, ExcerptOperation.model_validate(rec["operation"])))
+        plan, counts["redundant"] = fold(library.texts(), [op for _, op in proposals])
+        return Lessons(plan=plan, proposals=proposals, counts=counts,
+                       consolidation=f"folded in code: {len(plan)} of {len(proposals)} kept")

@@ -1,14 +1,24 @@
-"""Running a stage's units of work on threads, with DSPy's settings, progress, and no swallowed error."""
+"""The machinery under the execution layer: a stage's units of work on threads (with DSPy's settings, progress, and no
+swallowed error), their meters (calls, tokens and dollars) and the budget they are charged to."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
+import statistics
 import sys
 import threading
 from concurrent.futures import FIRST_EXCEPTION, CancelledError, Future, wait
-from typing import Callable
+from typing import Any, Callable, Iterator
 
+import dspy
+import pydantic
 import tqdm
+from dspy.utils.usage_tracker import UsageTracker
+
+from tfgrpo.optimizers.knobs import Knobs
+
+POLICY_STAGES = ("rollout", "probe", "validation", "attribution")  # the program's own calls; the rest are learning calls
 
 
 class Failed:
@@ -17,67 +27,34 @@ class Failed:
     def __init__(self, error: BaseException):
         self.error = f"{type(error).__name__}: {error}"
 
-    def __repr__(self) -> str:
-        return f"Failed({self.error!r})"
-
 
 class TooManyFailuresError(RuntimeError):
     """More of a stage's units failed than `max_failure_rate` allows: the step stops, unfinished."""
 
 
-class StageBar:
-    """A tqdm bar for one stage on stderr, as DSPy draws its own: the progress callback when the caller gives none.
-    Drawn only when stderr is a terminal: in a log file or CI a redrawn bar is a stream of escape codes. Its total
-    may grow (a pipelined step learns of a stage's units as groups reach it); `close_when_done=False` leaves closing
-    to the caller; `resumed=True` takes the first report for work done before (a resume's), not for progress, so
-    that the rate and ETA count from it."""
-
-    def __init__(self, close_when_done: bool = True, resumed: bool = False):
-        self.bar: tqdm.tqdm | None = None
-        self.close_when_done, self.resumed = close_when_done, resumed
-
-    def __call__(self, stage: str, done: int, total: int) -> None:
-        if self.bar is None:
-            self.bar = tqdm.tqdm(total=total, desc=stage, dynamic_ncols=True, file=sys.stderr,
-                                 disable=not sys.stderr.isatty(), initial=done if self.resumed else 0)
-        if total != self.bar.total:
-            self.bar.total = total
-        self.bar.update(done - self.bar.n)
-        if done >= total and self.close_when_done:
-            self.close()
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 class StageBars:
-    """One `StageBar` per stage, for the overlapping stages of a pipelined step; `close()` them when it is over."""
+    """A tqdm bar per stage on stderr, as DSPy draws its own: the progress callback when the caller gives none, for the
+    overlapping stages of a pipelined step (a stage's total may grow as groups reach it); `close()` them when it is
+    over. Drawn only when stderr is a terminal: in a log file or CI a redrawn bar is a stream of escape codes.
+    `resumed=True` takes a stage's first report for work done before (a resume's), not for progress, so that the rate
+    and ETA count from it (the whole run's bar)."""
 
-    def __init__(self):
-        self.bars: dict[str, StageBar] = {}
+    def __init__(self, resumed: bool = False):
+        self.bars: dict[str, tqdm.tqdm] = {}
+        self.resumed = resumed
 
     def __call__(self, stage: str, done: int, total: int) -> None:
-        self.bars.setdefault(stage, StageBar(close_when_done=False))(stage, done, total)
+        if stage not in self.bars:
+            self.bars[stage] = tqdm.tqdm(total=total, desc=stage, dynamic_ncols=True, file=sys.stderr,
+                                         disable=not sys.stderr.isatty(), initial=done if self.resumed else 0)
+        bar = self.bars[stage]
+        if total != bar.total:
+            bar.total = total
+        bar.update(done - bar.n)
 
     def close(self) -> None:
         for bar in self.bars.values():
             bar.close()
-
-
-def run_parallel(fn: Callable, items: list, *, num_threads: int, stage: str,
-                 progress: Callable[[str, int, int], None] | None = None) -> list:
-    """Map `fn` over `items` on `num_threads` threads with DSPy settings propagated; order is kept.
-
-    Nothing is swallowed: the first item that raises stops the map (items not yet started are skipped, those
-    running finish) and its exception is raised again here. A failure that is a result, such as an LM call
-    that may fail, must be caught inside `fn` (and returned as a `Failed`). `progress(stage, done, total)` is
-    called after every finished item; None draws a tqdm bar. Ctrl-C stops it at once, as `Workers` does.
-    """
-    if not items:
-        return []
-    with Workers(num_threads, progress=progress or StageBar()) as work:
-        return work.map(stage, fn, items)
 
 
 class DaemonPool:
@@ -215,44 +192,161 @@ class Cancelled(Exception):
     """A unit of work was cancelled because another one failed: the failure that caused it is raised instead."""
 
 
-class Gates:
-    """Stage-wide checks for the groups of a step, each running on its own thread: a group that saw failures in a stage
-    `wait`s until every group has `arrive`d at that stage (or finished), so that the stage's failure check (`check(
-    stage)`, raising TooManyFailuresError) sees all of its units before the group spends more on its query. Groups
-    without failures go on at once; the check runs once per stage, and its verdict is every waiter's."""
+# -- meters and prices -------------------------------------------------------------------------------------------------
+def model_price(model: str, prices: dict | None = None) -> dict[str, float] | None:
+    """USD per token of `model` (a dspy.LM model string): {"input", "output", "cached_input"}, from `prices` (per million
+    tokens, by model string) or DSPy's copy of LiteLLM's price map; None when neither knows it."""
+    if prices and model in prices:
+        given = prices[model]
+        return {k: given.get(k, given["input"] if k == "cached_input" else 0.0) / 1e6 for k in ("input", "output",
+                                                                                                 "cached_input")}
+    try:
+        from dspy.clients.capabilities import resolve
+        from dspy.clients.model_metadata import model_info, rate
 
-    def __init__(self, groups: list, check: Callable[[str], None]):
-        self._check, self._cond = check, threading.Condition()
-        self.expect(groups)
+        route = resolve(dspy.LM(model))
+        info = model_info(route.provider, route.model)
+    except Exception:  # a model DSPy cannot route (a custom BaseLM, a name without a provider)
+        return None
+    found = {k: rate(info, key) for k, key in (("input", "input_cost_per_token"), ("output", "output_cost_per_token"),
+                                              ("cached_input", "cache_read_input_token_cost"))}
+    if found["input"] is None or found["output"] is None:
+        return None
+    return {**found, "cached_input": found["cached_input"] if found["cached_input"] is not None else found["input"]}
 
-    def expect(self, groups: list) -> None:
-        """The groups to wait for from now on (a step's next round of queries: dynamic sampling); the checks run
-        again, on every unit so far."""
-        with self._cond:
-            self._groups = set(groups)
-            self._arrived: dict[str, set] = {}  # stage -> the groups that reached it
-            self._finished: set = set()
-            self._verdicts: dict[str, BaseException | None] = {}
 
-    def arrive(self, stage: str, group) -> None:
-        with self._cond:
-            self._arrived.setdefault(stage, set()).add(group)
-            self._cond.notify_all()
+class UsageMeter(UsageTracker):
+    """A usage tracker that the threads of a stage share: calls, tokens (cached ones apart) and, where the model's price
+    is known, dollars. It also counts the calls made outside any predictor (`direct`), which get no library."""
 
-    def finish(self, group) -> None:
-        """`group` is done, or failed: it counts as arrived at every stage."""
-        with self._cond:
-            self._finished.add(group)
-            self._cond.notify_all()
+    def __init__(self, prices: dict[str, dict | None] | None = None, custom: dict | None = None):
+        super().__init__()
+        self._lock, self.prices, self.custom = threading.Lock(), prices if prices is not None else {}, custom
 
-    def wait(self, stage: str) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: self._groups <= self._arrived.get(stage, set()) | self._finished)
-            if stage not in self._verdicts:
-                try:
-                    self._check(stage)
-                    self._verdicts[stage] = None
-                except TooManyFailuresError as exc:
-                    self._verdicts[stage] = exc
-            if self._verdicts[stage] is not None:
-                raise self._verdicts[stage]
+    def __deepcopy__(self, memo) -> UsageMeter:
+        return self  # DSPy's parallel executor gives each thread a copy of the tracker, which would lose the counts
+
+    def add_usage(self, lm: str, usage_entry: dict[str, Any]) -> None:
+        entry = {k: v.model_dump() if isinstance(v, pydantic.BaseModel) else v for k, v in (usage_entry or {}).items()}
+        entry["direct"] = not any(isinstance(m, dspy.Predict) for m in dspy.settings.caller_modules or [])
+        with self._lock:
+            if lm not in self.prices:
+                self.prices[lm] = model_price(lm, self.custom)
+            entry["cost"] = _cost(entry, self.prices[lm])
+            self.usage_data[lm].append(entry)
+
+    def totals(self) -> dict[str, float]:
+        """Calls, tokens, cached tokens and cost so far (cost left out when no call had a known price); safe to read
+        while threads still report."""
+        with self._lock:
+            entries = [e for lm_entries in list(self.usage_data.values()) for e in lm_entries]
+        total = {"calls": len(entries), "prompt_tokens": sum(int(e.get("prompt_tokens") or 0) for e in entries),
+                 "completion_tokens": sum(int(e.get("completion_tokens") or 0) for e in entries),
+                 "cached_tokens": sum(_cached(e) for e in entries)}
+        costs = [e["cost"] for e in entries if e.get("cost") is not None]
+        return {**total, "cost": sum(costs)} if costs else total
+
+    def direct_calls(self) -> int:
+        with self._lock:
+            return sum(e.get("direct", False) for entries in self.usage_data.values() for e in entries)
+
+
+def _cached(entry: dict) -> int:
+    return int((entry.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+def _cost(entry: dict, price: dict | None) -> float | None:
+    if price is None:
+        return None
+    cached, prompt = _cached(entry), int(entry.get("prompt_tokens") or 0)
+    return ((prompt - cached) * price["input"] + cached * price["cached_input"]
+            + int(entry.get("completion_tokens") or 0) * price["output"])
+
+
+@contextlib.contextmanager
+def metered(prices: dict | None = None) -> Iterator[UsageMeter]:
+    """Meter the LM calls made inside the block, in this thread and in those DSPy starts from it (`meter.totals()`);
+    an enclosing `dspy.track_usage()` still receives them."""
+    meter, outer = UsageMeter(custom=prices), dspy.settings.usage_tracker
+    try:
+        with dspy.context(usage_tracker=meter):
+            yield meter
+    finally:
+        if outer is not None:
+            for lm, entries in meter.usage_data.items():
+                outer.usage_data[lm].extend(entries)
+
+
+def add_usage(total: dict[str, float], more: dict[str, float]) -> dict[str, float]:
+    for k, v in more.items():
+        total[k] = total.get(k, 0) + v
+    return total
+
+
+def role_of(stage: str) -> str:
+    return "policy" if stage in POLICY_STAGES else "reflection"
+
+
+# -- the budget -------------------------------------------------------------------------------------------------------
+class BudgetExhausted(RuntimeError):
+    """The next unit of work would pass `max_cost`, `max_total_tokens` or `max_metric_calls`: the run stops there, with
+    every finished unit saved, and a resume with a larger budget goes on from it."""
+
+
+class Budget:
+    """`max_cost`, `max_total_tokens` and `max_metric_calls`, charged before each unit starts: what was spent, plus what
+    the units in flight are expected to spend, plus this unit's expected share (the mean of the stage's finished units,
+    else of all finished units) must stay within each limit. So a run overshoots a budget by at most what its units in
+    flight spend beyond their expected share."""
+
+    def __init__(self, knobs: Knobs):
+        self.limits = {"cost": knobs.max_cost, "tokens": knobs.max_total_tokens, "metric_calls": knobs.max_metric_calls}
+        self.spent = {"cost": 0.0, "tokens": 0, "metric_calls": 0}
+        self.in_flight = {"cost": 0.0, "tokens": 0, "metric_calls": 0}
+        self.done: dict[str, list[tuple[float, int]]] = {}  # stage -> (cost, tokens) of each finished unit
+        self._lock = threading.Lock()
+
+    def add(self, usage: dict, metric_calls: int = 0) -> None:
+        """Count what reused work had spent (a resumed run's finished steps and units)."""
+        with self._lock:
+            self.spent["cost"] += usage.get("cost", 0.0)
+            self.spent["tokens"] += usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)
+            self.spent["metric_calls"] += metric_calls
+
+    def reserve(self, stage: str, metric_calls: int = 0) -> dict[str, float]:
+        """This unit's expected share, now counted as in flight; `BudgetExhausted` if it does not fit."""
+        with self._lock:  # nothing measured yet: the first units of a run are the measurement
+            done = self.done.get(stage) or [x for units in self.done.values() for x in units] or [(0.0, 0)]
+            share = {"cost": statistics.fmean(c for c, _ in done), "tokens": statistics.fmean(t for _, t in done),
+                     "metric_calls": metric_calls}
+            for name, limit in self.limits.items():
+                if limit is not None and self.spent[name] + self.in_flight[name] + share[name] > limit - (
+                        1e-12 if name == "cost" else 0) and (share[name] or self.spent[name] >= limit):
+                    raise BudgetExhausted(self._why(name, stage, share[name]))
+            for name in self.in_flight:
+                self.in_flight[name] += share[name]
+            return share
+
+    def release(self, stage: str, share: dict, used: dict, metric_calls: int = 0) -> None:
+        """The unit has ended: its share leaves the flight, what it `used` (meter totals) is spent."""
+        with self._lock:
+            cost, tokens = used.get("cost", 0.0), used.get("prompt_tokens", 0) + used.get("completion_tokens", 0)
+            for name, value in (("cost", cost), ("tokens", tokens), ("metric_calls", metric_calls)):
+                self.in_flight[name] -= share[name]
+                self.spent[name] += value
+            if used.get("calls"):
+                self.done.setdefault(stage, []).append((cost, tokens))
+
+    def reached(self) -> str | None:
+        """Why no more work fits, when a budget is spent; else None (checked between steps)."""
+        for name, limit in self.limits.items():
+            if limit is not None and self.spent[name] >= limit:
+                return self._why(name, "", 0)
+        return None
+
+    def _why(self, name: str, stage: str, share: float) -> str:
+        knob = {"cost": "max_cost", "tokens": "max_total_tokens", "metric_calls": "max_metric_calls"}[name]
+        show = (lambda v: f"${v:.4f}") if name == "cost" else (lambda v: f"{v:,.0f}")
+        what = {"cost": "spent", "tokens": "tokens used", "metric_calls": "metric calls made"}[name]
+        nxt = f"; the next {stage} unit (~{show(share)}) would pass it" if stage else ""
+        return f"budget {knob}={self.limits[name]:g} reached: {show(self.spent[name])} {what}{nxt}"

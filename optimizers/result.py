@@ -1,17 +1,110 @@
-"""The typed record of a run: `compiled.detailed_results` is a `TrainingFreeGRPOResult`.
+"""The typed records of a run: the attempts a step passes forward, and `compiled.detailed_results`.
 
-Every step has the same fields whatever the learning path; what only one path counts (the contrast path's refused
-or redundant rules, say) is under `details`. `to_dict()` gives plain JSON-ready data (what `steps.jsonl` holds).
+A rollout makes an `Attempt`, the reward stage a `Scored` attempt, and a query's scored attempts make a `Group`, which
+the learning paths read; each stage makes new values and never writes into the ones before it. Checkpoints store the
+plain records (`to_record`) and rebuild the values from them.
+
+`compiled.detailed_results` is a `TrainingFreeGRPOResult`. Every step has the same fields whatever the learning path;
+what only one path counts (the contrast path's refused or redundant rules, say) is under `details`. `to_dict()` gives
+plain JSON-ready data (what `steps.jsonl` holds).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import dspy
+
 
 @dataclass(frozen=True)
-class StepResult:
+class Attempt:
+    """One run of the program on a query: its outputs (None when it raised), the error, DSPy's trace of every
+    predictor call, the tool calls it made, and the attempt as the learning calls read it. `failed`: an LM call of the
+    attempt failed (a rate limit, a timeout, a lost connection, a refused prompt): the attempt has no answer, so it is
+    left out of its group and of the probe, and never scored."""
+
+    outputs: dict | None
+    error: str | None
+    trace: list
+    tool_calls: int
+    text: str
+    failed: bool = False
+
+    def to_record(self) -> dict:
+        return {"outputs": self.outputs, "error": self.error, "trace": self.trace, "tool_calls": self.tool_calls,
+                "attempt": self.text, "failed": self.failed}
+
+    @classmethod
+    def from_record(cls, rec: dict) -> Attempt:
+        return cls(outputs=rec["outputs"], error=rec["error"], trace=rec["trace"], tool_calls=rec["tool_calls"],
+                   text=rec.get("attempt", ""), failed=rec.get("failed", False))
+
+
+@dataclass(frozen=True)
+class Scored:
+    """An attempt with its reward in [0, 1], what the metric said of it, and which of its query's G attempts it is
+    (`g`; None: its place among the group's attempts)."""
+
+    attempt: Attempt
+    reward: float
+    feedback: str = ""
+    g: int | None = None
+
+    # the attempt's fields, read through the scored attempt
+    outputs = property(lambda self: self.attempt.outputs)
+    error = property(lambda self: self.attempt.error)
+    trace = property(lambda self: self.attempt.trace)
+    text = property(lambda self: self.attempt.text)
+
+
+@dataclass(frozen=True)
+class Group:
+    """The scored attempts of one training query in one step: those that answered (an attempt whose LM call failed is
+    not among them), out of `size` made."""
+
+    index: int  # the query's position in the trainset
+    key: str  # how provenance and logs name the query (`render.query_key`)
+    example: dspy.Example
+    attempts: tuple[Scored, ...]
+    size: int = 0  # attempts made (G); 0: as many as answered
+
+    def __post_init__(self):  # an attempt without its `g` is the one at its place
+        object.__setattr__(self, "attempts", tuple(a if a.g is not None else dataclasses.replace(a, g=i)
+                                                   for i, a in enumerate(self.attempts)))
+
+    @property
+    def rewards(self) -> list[float]:
+        return [a.reward for a in self.attempts]
+
+    @property
+    def informative(self) -> bool:
+        """Whether the group carries a direction: its rewards differ, or it is a single attempt of a single one made
+        (G = 1, judged against the ground truth alone)."""
+        return len(set(self.rewards)) > 1 or (len(self.attempts) == 1 and (self.size or 1) == 1)
+
+
+def solved_by(groups: list[Group], attempts: int, known: dict[int, bool]) -> dict[int, bool]:
+    """What a step's groups say of the queries its program solves (query -> solved: most of the group's answered
+    attempts among its first `attempts`, those that ran the program itself, fully succeeded), beside what was `known`."""
+    evidence = dict(known)
+    for group in groups:
+        own = [a.reward for a in group.attempts if a.g < attempts]
+        if own:
+            evidence[group.index] = statistics.fmean(r >= 1 for r in own) >= 0.5
+    return evidence
+
+
+class _Record:
+    def to_dict(self) -> dict:
+        """The record as plain JSON-ready data."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class StepResult(_Record):
     """One optimization step's record (a row of `steps.jsonl`).
 
     Attributes:
@@ -23,7 +116,8 @@ class StepResult:
         groups: Groups rolled out, one per query.
         groups_kept: Groups with reward contrast, the ones learned from (every group when G = 1).
         frac_skipped_zero_std: Share of the groups skipped because all their attempts scored the same.
-        rollout_failures: Attempts that raised (scored 0).
+        rollout_failures: Attempts that raised: those whose LM call failed (`failed_calls`) and those that raised
+            anything else (scored 0).
         tool_calls_mean: Mean tool calls per attempt (0 for a program without tools).
         learning_failures: Learning calls (summaries, group advantages, contrasts) that failed after their retry.
         operations_proposed: Library edits the learning calls proposed.
@@ -46,7 +140,9 @@ class StepResult:
         evidence: Training query (as a string) -> whether the program after the step is known to solve it, as its
             rollouts or probe attempts showed; what `focus_on_failures` reads.
         usage_before_resume: Of `usage`, what a run stopped in this step had spent on the units a resume then
-            reused (calls and tokens; their cost is not known).
+            reused.
+        failed_calls: Attempts whose LM call failed after its retries (a rate limit, a timeout, a lost connection):
+            they have no answer, so they were left out of their groups and not scored.
     """
 
     step: int
@@ -75,9 +171,7 @@ class StepResult:
     queries: list[int] = field(default_factory=list)
     evidence: dict[str, bool] = field(default_factory=dict)
     usage_before_resume: dict[str, dict[str, float]] = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+    failed_calls: int = 0
 
 
 @dataclass(frozen=True)
@@ -118,7 +212,7 @@ class ItemWorth:
 
 
 @dataclass(frozen=True)
-class WorthResult:
+class WorthResult(_Record):
     """The attribution after a compile (`attribution=True`): `detailed_results.worth`.
 
     Attributes:
@@ -149,9 +243,6 @@ class WorthResult:
     prune_check: dict[str, Any] | None
     program_runs: int
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
     def line(self, task: str, seed: int) -> str:
         """The one-line summary docs/measurements.md keeps per run."""
         return (f"worth: task={task} seed={seed} items={len(self.items)} library={self.library:+.3f} "
@@ -160,7 +251,7 @@ class WorthResult:
 
 
 @dataclass(frozen=True)
-class TrainingFreeGRPOResult:
+class TrainingFreeGRPOResult(_Record):
     """A compile's record: `compiled.detailed_results`; `to_dict()` gives the whole record as plain JSON-ready data.
 
     Attributes:
@@ -186,6 +277,3 @@ class TrainingFreeGRPOResult:
     reused_units: int
     stopped_early: str | None
     worth: WorthResult | None = None
-
-    def to_dict(self) -> dict:
-        return asdict(self)

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import dspy
 
 from tfgrpo.base.util import clip
-from tfgrpo.optimizers.render import format_fields
+from tfgrpo.programs.render import format_fields
 
 logger = logging.getLogger(__name__)
 
@@ -48,16 +48,6 @@ def metric_takes_trace(metric: Callable) -> bool:
     return len(positional) >= 3
 
 
-def metric_result(result: Any) -> tuple[float, str]:
-    """(score, feedback) from what a metric returned: a number or bool, or a dspy.Prediction(score=..., feedback=...).
-    Anything else (a string such as "1", None, a list) is a TypeError: it is never read as a number."""
-    score, feedback = (result.score, str(getattr(result, "feedback", "") or "")) if hasattr(result, "score") \
-        else (result, "")
-    if not isinstance(score, numbers.Real) and type(score).__name__ != "bool_":  # numpy's bool is no numbers.Real
-        raise TypeError(f"returned {score!r} ({type(score).__name__}); a metric must return {METRIC_RETURNS}")
-    return float(score), feedback
-
-
 def call_metric(metric: Callable, example: dspy.Example, prediction: dspy.Prediction,
                 timeout_s: float | None = None) -> tuple[float, str]:
     """(score, feedback) of `metric` on one prediction; a metric that fails raises a `MetricError` naming the
@@ -72,10 +62,13 @@ def call_metric(metric: Callable, example: dspy.Example, prediction: dspy.Predic
         raise
     except Exception as exc:
         raise MetricError(f"{where} raised {type(exc).__name__}: {exc}") from exc
-    try:
-        score, feedback = metric_result(result)
-    except TypeError as exc:
-        raise MetricError(f"{where} {exc}") from None
+    # a number or bool, or a dspy.Prediction(score=..., feedback=...); anything else (the string "1", None, a list) is
+    # refused: it is never read as a number
+    score, feedback = (result.score, str(getattr(result, "feedback", "") or "")) if hasattr(result, "score") \
+        else (result, "")
+    if not isinstance(score, numbers.Real) and type(score).__name__ != "bool_":  # numpy's bool is no numbers.Real
+        raise MetricError(f"{where} returned {score!r} ({type(score).__name__}); a metric must return {METRIC_RETURNS}")
+    score = float(score)
     if not 0.0 <= score <= 1.0:
         raise MetricError(f"{where} returned {score}; rewards must lie in [0, 1]")
     return score, feedback

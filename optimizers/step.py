@@ -1,320 +1,246 @@
-"""One optimization step of `TrainingFreeGRPO`, in the order the data flows:
+"""One optimization step of `TrainingFreeGRPO`, over two types: the `Run` (fixed while it lasts) and the `State` (what a
+step changes). `step(run, state, epoch, batch, reserve)` reads top to bottom:
 
-    1. groups   per query: G rollouts (Attempt) -> rewards (Scored) -> a Group -> the learning path's calls
-    2. lessons  the path folds every group's result into a plan of library operations (Lessons)
-    3. probe    the plan's operations and the demo candidates, tried on other training queries (probe.py)
-    4. apply    the kept plan, validated and applied in code to a copy of the library
+    groups, results = each query of the batch on its own thread: G attempts -> rewards -> a Group -> the path's calls
+    lessons = run.path.finish(run, state.library, results)      # the plan of library operations (learning_paths.py)
+    verdict = judge(run, state, index, groups, lessons)         # no probe, or the probe: kept edits, demos (judge.py)
+    state   = state.apply(verdict)                              # validated and applied in code, to a copy
 
-What a step starts from (`StepStart`) is fixed when it is made, and each stage returns new values without writing into
-what an earlier stage made. The queries' groups run side by side, each straight through its stages on its own thread,
-their units on one bounded pool (`parallel.Workers`): a group's learning calls start as soon as its own attempts are
-scored, while other groups still roll out. Every finished unit is checkpointed (`checkpoint.Keys`), so a crashed
-step resumes without resending it.
+A group goes through its stages at its own pace: its learning calls start as soon as its own attempts are scored,
+while other groups still roll out; every unit runs through the run's `Executor` (execution.py), which checkpoints,
+meters, charges the budget and counts failures. An attempt whose LM call failed is left out of its group. Each stage
+makes new values and never writes into what an earlier one made.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import statistics
-import threading
 import time
-from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
 
 import dspy
 
-from tfgrpo.base.util import digest
-from tfgrpo.optimizers.attempts import Attempt, Group, Scored, solved_by
 from tfgrpo.optimizers.checkpoint import Checkpoint, Keys
+from tfgrpo.optimizers.execution import CONTEXT_REFUSALS, Executor, add_usage, rollout_id, with_own_lms
+from tfgrpo.optimizers.judge import Verdict, judge
 from tfgrpo.optimizers.knobs import Knobs
-from tfgrpo.optimizers.learning_paths import LearningPath, Lessons, StepContext
-from tfgrpo.optimizers.parallel import Gates, StageBars, TooManyFailuresError, Workers
-from tfgrpo.optimizers.probe import ProbeOutcome, probe_edits
-from tfgrpo.optimizers.render import format_attempt, query_key
-from tfgrpo.optimizers.result import StepResult
-from tfgrpo.optimizers.rewards import reference_example, score_attempt
-from tfgrpo.optimizers.rollout import run_program, warn_context_refusals, with_own_lms
-from tfgrpo.optimizers.usage import add_usage, meter_totals, metered, metered_stages, stage_usage
+from tfgrpo.optimizers.learning_paths import LearningPath, Lessons
+from tfgrpo.optimizers.parallel import TooManyFailuresError
+from tfgrpo.optimizers.result import Attempt, Group, Scored, StepResult
+from tfgrpo.optimizers.rewards import reference_example
 from tfgrpo.programs.inject import with_learned
 from tfgrpo.programs.library import ApplyReport, ExperienceLibrary
-from tfgrpo.optimizers.demos import demo_candidates, select_demos
-from tfgrpo.signatures.operations import Operation
+from tfgrpo.programs.render import query_key
 
 logger = logging.getLogger(__name__)
 
 
-def mean_reward(attempts: list[Scored]) -> float:
-    return statistics.fmean(a.reward for a in attempts) if attempts else 0.0
-
-
 @dataclass(frozen=True)
-class RunSetup:
-    """What every step of a run shares: the knobs (a plain `Knobs`), the metric, the learning path and its name, the
-    reflection LM and the checkpoint."""
+class Run:
+    """What every step of a run shares: the knobs (as the run uses them), the metric, the learning path and its name,
+    the reflection LM, the program and its target predictors, the trainset and the execution layer."""
 
     knobs: Knobs
     metric: Callable
     path: LearningPath
     path_name: str
     reflection_lm: dspy.BaseLM
-    ckpt: Checkpoint
+    executor: Executor
+    program: dspy.Module | None = None
+    targets: list[str] = field(default_factory=list)
+    trainset: list = field(default_factory=list)
+    instructions: str = ""  # the program's own instructions (what a rule may repeat)
+
+    @property
+    def ckpt(self) -> Checkpoint:
+        return self.executor.ckpt
 
 
 @dataclass(frozen=True)
-class StepStart:
-    """What one step starts from: the program, its target predictors, the library and demos it carries, the trainset,
-    the queries of the batch (`reserve`: those dynamic sampling may add, in order) and what is known of the queries
-    the program solves (`evidence`: query -> solved)."""
+class State:
+    """What a step changes: the library and demos the program carries, what is known of the training queries it solves
+    (`evidence`: query -> solved), the demo candidates found for the next step (`pending`) and the steps done."""
 
-    index: int
-    epoch: int
-    program: dspy.Module
-    targets: list[str]
     library: ExperienceLibrary
-    demos: list[dict]
-    trainset: list
-    batch: list[int]
-    reserve: list[int] = field(default_factory=list)
+    demos: list[dict] = field(default_factory=list)
     evidence: dict[int, bool] = field(default_factory=dict)
     pending: list[dict] = field(default_factory=list)
+    step: int = 0
+
+    def apply(self, verdict: Verdict, sources: list[str], *, quiet: bool = False) -> tuple[State, ApplyReport]:
+        """The state after a step: the verdict's operations validated and applied in code, all or nothing per operation,
+        to a copy of the library (`sources`: the queries they came from; `quiet`: a probe said its refusals already)."""
+        library = self.library.copy()
+        report = library.apply(verdict.plan, step=self.step, sources=sources, quiet=quiet)
+        return State(library=library, demos=verdict.demos, evidence=verdict.evidence, pending=verdict.found,
+                     step=self.step + 1), report
+
+    def to_record(self) -> dict:
+        return {"library": self.library.dump_state(), "demos": self.demos, "found": self.pending,
+                "evidence": sorted([q, ok] for q, ok in self.evidence.items())}
+
+    @classmethod
+    def from_record(cls, rec: dict, step: int) -> State:
+        evidence = rec["evidence"] if "evidence" in rec else [[int(q), ok] for q, ok in rec["stats"]["evidence"].items()]
+        return cls(library=ExperienceLibrary.from_state(rec["library"]), demos=rec.get("demos", []),
+                   evidence={q: ok for q, ok in evidence}, pending=rec.get("found", []), step=step)
 
 
-class StepEnd(NamedTuple):
-    """What a step hands on: the new library and demos, the step's record, and the demo candidates it found."""
+def step(run: Run, state: State, epoch: int, batch: list[int], reserve: list[int] = ()) -> tuple[State, StepResult]:
+    """Step `state.step` of the run on `batch` (dynamic sampling adds queries of `reserve`, in order): the new state and
+    the step's record. A step finished in the checkpoint is reused."""
+    index, ckpt, ex = state.step, run.ckpt, run.executor
+    if (done := ckpt.get(Keys.done(index))) is not None:
+        logger.info("Step %d: complete in the checkpoint, reused", index)
+        stats = StepResult(**done["stats"])
+        ex.budget.add(_summed(stats.usage), stats.metric_calls)
+        return State.from_record(done, index + 1), stats
+    t0, before = time.time(), ckpt.get(Keys.usage(index), unit=False) or {}  # what a stopped run had spent in it
+    ex.budget.add(_summed(before))
+    logger.info("Step %d: %d queries x %d attempts on %d thread(s), %s path", index, len(batch),
+                run.knobs.num_generations, run.knobs.num_threads, run.path_name)
+    tally = lambda usage: ckpt.put(Keys.usage(index), {**before, **{  # noqa: E731
+        s: add_usage(dict(before.get(s, {})), u) for s, u in usage.items()}})
+    with ex.scope(f"step {index}", batch, prefix=Keys.step(index), tally=tally):
+        groups, results, timeouts = _groups(run, state, batch, list(reserve))
+        seconds = {"learning": time.time() - t0}
+        lessons = run.path.finish(run, state.library, [(g, r) for g, r in zip(groups, results) if g.informative])
+        verdict = judge(run, state, index, groups, lessons)
+        usage = {s: ex.meter(s).totals() for s in ("rollout", *run.path.stages, *(("probe",) if verdict.record else ()))}
+    sources = sorted({q for q, _ in lessons.proposals})
+    new, report = state.apply(verdict, sources, quiet=bool(run.knobs.probe_size))
+    stats = _record(run, new, epoch, (groups, lessons, verdict, report), (usage, before, timeouts, seconds, t0))
+    logger.info("Step %d: %d operations proposed, applied %s, %d refused by the library; library has %d experiences",
+                index, stats.operations_proposed, report.applied, len(report.rejected), len(new.library))
+    ckpt.put(Keys.done(index), {**new.to_record(), "stats": stats.to_dict()})
+    return new, stats
 
-    library: ExperienceLibrary
-    demos: list[dict]
-    stats: StepResult
-    found: list[dict]
+
+def _groups(run: Run, state: State, batch: list[int], reserve: list[int]) -> tuple[list[Group], list, list[str]]:
+    """Every query's group, each straight through its stages on its own thread; while fewer groups than the batch have
+    contrast, the reserve's queries next (dynamic sampling). Then the checks over all of them."""
+    ex, programs = run.executor, _rollout_programs(run, state)
+    done, queries = [], batch
+    while queries:
+        ex.expect(queries)
+        done += ex.each(lambda qi: _group(run, state, programs, qi), queries)
+        missing = max(len(batch) - sum(g.informative for g, _, _ in done), 0)
+        queries, reserve = reserve[:missing], reserve[missing:]
+    groups, timeouts = [g for g, _, _ in done], [t for _, _, ts in done for t in ts]
+    ex.check("rollout")
+    _check_attempts(run, state.step, groups, timeouts)
+    for stage in run.path.stages:  # every unit of every stage has run
+        ex.check(stage)
+    return groups, [r for _, r, _ in done], timeouts
 
 
-@dataclass(frozen=True)
-class Learning:
-    """What the step's groups made: each query's group (in the order rolled out), the path's lessons, the usage of
-    each stage, the metric calls that timed out, and when each stage's latest unit finished (seconds into the step)."""
+def _group(run: Run, state: State, programs: list, qi: int) -> tuple[Group, Any, list[str]]:
+    """One query, straight through: its G attempts, the rewards of those that answered, and what the path learns from
+    the group (None without contrast); and the metric calls that timed out."""
+    ex, knobs, index, example = run.executor, run.knobs, state.step, run.trainset[qi]
+    try:
+        G = knobs.num_generations
+        attempts = ex.map("rollout", lambda g: Attempt.from_record(
+            ex.attempt("rollout", Keys.rollout(index, qi, g), programs[g], example)), list(range(G)))
+        failed = [g for g, a in enumerate(attempts) if a.error]
+        ex.settle("rollout", qi, bool(failed))
+        for g in failed:  # the stage's failure check passed: they stand, and a resume replays the same group (had it
+            if not run.ckpt.get(Keys.rollout(index, qi, g), unit=False):  # failed, a resume would retry them: the outage may be over)
+                run.ckpt.put(Keys.rollout(index, qi, g), attempts[g].to_record())
+        answered = [g for g, a in enumerate(attempts) if not a.failed]  # a failed LM call is no answer
+        reference = reference_example(example, [attempts[g].to_record() for g in answered], knobs.use_ground_truth)
+        scores = ex.map("reward", lambda g: ex.score(Keys.reward(index, qi, g), attempts[g], reference), answered)
+        group = Group(index=qi, key=query_key(example, qi), example=example, size=G, attempts=tuple(
+            Scored(attempts[g], s["reward"], s["feedback"], g) for g, s in zip(answered, scores)))
+        result = run.path.learn(run, state.library, group) if group.informative else None
+        return group, result, [s["timeout"] for s in scores if "timeout" in s]
+    finally:
+        ex.leave(qi)
 
-    groups: list[Group]
-    lessons: Lessons
-    usage: dict[str, dict]
-    timeouts: list[str]
-    seconds: dict[str, float]
 
-    @property
-    def informative(self) -> list[Group]:
-        """The groups with reward contrast: the ones the path learned from."""
-        return [g for g in self.groups if g.informative]
-
-    @property
-    def attempts(self) -> list[Scored]:
-        return [a for g in self.groups for a in g.attempts]
+def _rollout_programs(run: Run, state: State) -> list[dspy.Module]:
+    """G copies of the program with the library (and demos), each with private, distinct LM copies; the last
+    `num_explore_generations` of them without the demos."""
+    knobs, programs = run.knobs, []
+    for g in range(knobs.num_generations):
+        demos = [] if g >= knobs.num_generations - knobs.num_explore_generations else state.demos
+        learned = with_learned(run.program, run.targets, state.library, demos)
+        programs.append(with_own_lms(learned, rollout_id=rollout_id(knobs.seed, state.step, g),
+                                     temperature=knobs.temperature)[0])
+    return programs
 
 
-class Step:
-    """One step of a run (`RunSetup`) from a start (`StepStart`): `run()` runs the stages and saves the step's
-    record."""
+def _check_attempts(run: Run, index: int, groups: list[Group], timeouts: list[str]) -> None:
+    """Say what the step's attempts met: metric calls that timed out (each scored 0; more than `max_failure_rate` of
+    them stop the step, as an outage does), LM calls that failed (left out) and prompts refused for their length."""
+    scored = sum(len(g.attempts) for g in groups)
+    if timeouts and len(timeouts) > run.knobs.max_failure_rate * scored:
+        raise TooManyFailuresError(f"step {index}: the metric timed out on {len(timeouts)} of {scored} attempts (first: "
+                                   f"{timeouts[0]}); finished work is kept in log_dir={run.knobs.log_dir!r}")
+    if timeouts:
+        logger.warning("Step %d: the metric timed out on %d of %d attempts, each scored 0 (first: %s)", index,
+                       len(timeouts), scored, timeouts[0])
+    made = sum(g.size for g in groups)
+    if left := made - scored:
+        logger.warning("Step %d: %d of %d attempts got no answer (their LM call failed after its retries): left out of "
+                       "their groups, not scored", index, left, made)
+    errors = [e for e in run.executor.failures.get("rollout", ([], 0))[0] if e]
+    refused = [e for e in errors if any(s in e.lower() for s in CONTEXT_REFUSALS)]
+    if refused:
+        logger.warning("Step %d: %d attempt(s) refused by the LM for context length: the prompt did not fit the model's "
+                       "context window (give the model a larger context, or a shorter prompt or library). First: %s",
+                       index, len(refused), refused[0][:300])
 
-    def __init__(self, setup: RunSetup, start: StepStart):
-        self.setup, self.start, self.knobs, self.ckpt = setup, start, setup.knobs, setup.ckpt
-        self.key = Keys.step(start.index)
-        self.instructions = " ".join(p.signature.instructions for _, p in start.program.named_predictors())
-        self.usage_before_resume = self.ckpt.get(Keys.usage(start.index), unit=False) or {}  # a stopped run's
-        self._meters: dict = {}  # stage -> its usage meter, as each stage starts: what `_save_usage` reads
-        self._usage_lock = threading.Lock()  # units save from their threads: the latest totals win
-        self._t0 = time.time()
 
-    @property
-    def explore_from(self) -> int:
-        """The first attempt index that runs without the demos (`num_explore_generations`)."""
-        return self.knobs.num_generations - self.knobs.num_explore_generations
+def _summed(usage: dict[str, dict]) -> dict[str, float]:
+    return {k: sum(u.get(k, 0) for u in usage.values()) for k in ("prompt_tokens", "completion_tokens", "cost")}
 
-    # -- the whole step ------------------------------------------------------------------------------------------
-    def run(self) -> StepEnd:
-        """The step's new library, its demos, its `StepResult` and the demo candidates it found for the next step; a
-        step finished in the checkpoint is reused."""
-        start, knobs = self.start, self.knobs
-        if (done := self.ckpt.get(Keys.done(start.index))) is not None:
-            logger.info("Step %d: complete in the checkpoint, reused", start.index)
-            return StepEnd(ExperienceLibrary.from_state(done["library"]), done.get("demos", []),
-                           StepResult(**done["stats"]), done.get("found", []))
-        learning = self.learn()  # 1-2. the groups and the path's lessons
-        probe = ProbeOutcome(plan=learning.lessons.plan, demos=start.demos,
-                             evidence=solved_by(learning.groups, self.explore_from, start.evidence))
-        if knobs.probe_size:  # 3. each edit tried on other training queries first
-            with metered() as meter:
-                self._meters["probe"] = meter
-                probe = probe_edits(self.setup, start, learning, saved=self._save_usage)
-            probe = dataclasses.replace(probe, usage=stage_usage(meter, probe.lms))
-        elif knobs.max_demos:  # winning attempts as demos, by group advantage
-            demos = select_demos(start.demos, demo_candidates(learning.informative, start.index), knobs.max_demos)
-            probe = ProbeOutcome(plan=probe.plan, demos=demos, evidence={} if demos != start.demos else probe.evidence)
-        library, report = self.apply(probe.plan, learning)  # 4. the new library
-        stats = self._record(learning, library, report, probe)
-        logger.info("Step %d: %d operations proposed, applied %s, %d refused by the library; library has %d "
-                    "experiences", start.index, stats.operations_proposed, report.applied, len(report.rejected),
-                    len(library))
-        self.ckpt.put(Keys.done(start.index), {"library": library.dump_state(), "demos": probe.demos,
-                                               "stats": stats.to_dict(), "found": probe.found})
-        return StepEnd(library, probe.demos, stats, probe.found)
 
-    # -- 1-2: the groups, each straight through its stages; then the path's lessons ------------------------------
-    def learn(self) -> Learning:
-        """Roll out G attempts per query of the batch, score them, and learn from each group with contrast; while
-        fewer groups than the batch have contrast, the reserve's queries next (dynamic sampling)."""
-        knobs, start, path = self.knobs, self.start, self.setup.path
-        seconds, bars = {}, StageBars()
+def _record(run: Run, new: State, epoch: int, made: tuple, spent: tuple) -> StepResult:
+    """The record of the step that made `new`: what it `made` (groups, lessons, verdict, the library's report) and
+    `spent` (usage by stage, the usage before a resume, the metric timeouts, when the learning ended, when it began)."""
+    (groups, lessons, verdict, report), (usage, before, timeouts, seconds, t0) = made, spent
+    attempts, informative, counts = [a for g in groups for a in g.attempts], [g for g in groups if g.informative], \
+        lessons.counts
+    made_attempts = sum(g.size for g in groups)
+    return StepResult(
+        step=new.step - 1, epoch=epoch, batch_size=len(groups), learning_path=run.path_name,
+        mean_reward=statistics.fmean(a.reward for a in attempts) if attempts else 0.0, groups=len(groups),
+        groups_kept=len(informative), frac_skipped_zero_std=1 - len(informative) / len(groups),
+        rollout_failures=sum(bool(a.error) for a in attempts) + made_attempts - len(attempts),
+        failed_calls=made_attempts - len(attempts),
+        tool_calls_mean=statistics.fmean(a.attempt.tool_calls for a in attempts) if attempts else 0.0,
+        learning_failures=counts.get("learning_failures", 0),
+        operations_proposed=counts.get("operations_proposed", len(lessons.proposals)),
+        operations_applied=report.applied, operations_rejected=len(report.rejected),
+        library_size=len(new.library), consolidation=lessons.consolidation,
+        usage={stage: add_usage(dict(before.get(stage, {})), u) for stage, u in usage.items()},
+        seconds=seconds, wall_s=time.time() - t0, metric_calls=len(attempts) + (verdict.record or {}).get("attempts_run", 0),
+        demos=[d["query"] for d in verdict.demos], probe=verdict.record, queries=[g.index for g in groups],
+        evidence={str(q): ok for q, ok in sorted(verdict.evidence.items())}, usage_before_resume=before,
+        details={**{k: v for k, v in counts.items() if k not in ("learning_failures", "operations_proposed")},
+                 **({"metric_timeouts": len(timeouts)} if timeouts else {})})
 
-        def progress(stage, n, total):
-            seconds[stage] = time.time() - self._t0  # stages overlap: when each one's latest unit finished
-            (knobs.progress or bars)(stage, n, total)
 
-        logger.info("Step %d: %d queries x %d attempts on %d thread(s), %s path", start.index, len(start.batch),
-                    knobs.num_generations, knobs.num_threads, self.setup.path_name)
-        with metered_stages(("rollout", *path.stages)) as meters, \
-                Workers(knobs.num_threads, progress=progress, meters=meters) as work:
-            self._meters.update(meters)
-            programs, rollout_lms = self._rollout_programs()
-            gates = Gates(start.batch, check=lambda stage: ctx.check(stage))
-            ctx = StepContext(step=start.index, settings=knobs, reflection_lm=self.setup.reflection_lm,
-                              library=start.library, trainset=start.trainset, instructions=self.instructions,
-                              ckpt=self.ckpt, key=self.key, work=work, gates=gates, saved=self._save_usage)
-            done, queries, reserve = [], start.batch, list(start.reserve)
+def learn_from_groups(path: LearningPath, groups: list[Group], *, settings: Knobs, reflection_lm: dspy.BaseLM,
+                      library: ExperienceLibrary, instructions: str = "") -> tuple[Lessons, dict[str, dict]]:
+    """Run `path` on groups scored elsewhere (saved rollouts, say), as a step would, with nothing saved: its lessons and
+    the usage of each of its stages. The library is not changed (apply the plan to a copy); `instructions`, the
+    program's (what a rule may repeat)."""
+    run = Run(knobs=settings, metric=lambda *_: 0.0, path=path, path_name=type(path).__name__,
+              reflection_lm=reflection_lm, executor=Executor(settings, lambda *_: 0.0), instructions=instructions)
+    informative = [g for g in groups if g.informative]
+    with run.executor.scope("learning", [g.index for g in informative]) as ex:
+        def one(group):
             try:
-                while queries:
-                    gates.expect(queries)
-                    done += work.each(lambda qi: self._group(ctx, gates, programs, qi), queries)
-                    missing = max(len(start.batch) - sum(g.informative for g, _, _ in done), 0)
-                    queries, reserve = reserve[:missing], reserve[missing:]
-                lessons, timeouts = self._lessons(ctx, done, seconds)
+                return path.learn(run, library, group)
             finally:
-                bars.close()
-        usage = {"rollout": stage_usage(meters["rollout"], rollout_lms)}
-        usage.update({stage: stage_usage(meters[stage], ctx.stage_lms(stage)) for stage in path.stages})
-        return Learning(groups=[g for g, _, _ in done], lessons=lessons, usage=usage, timeouts=timeouts,
-                        seconds=seconds)
+                ex.leave(group.index)
 
-    def _lessons(self, ctx: StepContext, done: list, seconds: dict) -> tuple[Lessons, list[str]]:
-        """The stage-wide checks once every group is done, then the path's lessons from the informative groups."""
-        ctx.check("rollout")
-        attempts = [a for g, _, _ in done for a in g.attempts]
-        timeouts = [t for _, _, ts in done for t in ts]
-        self._check_metric_timeouts(timeouts, len(attempts))
-        warn_context_refusals(self.start.index, [a.error for a in attempts if a.error])
-        logger.info("Step %d: mean reward %.3f, %d/%d groups with contrast", self.start.index, mean_reward(attempts),
-                    sum(g.informative for g, _, _ in done), len(done))
-        for stage in self.setup.path.stages:  # every unit of every stage has run
-            ctx.check(stage)
-        lessons = self.setup.path.finish(ctx, [(g, result) for g, result, _ in done if g.informative])
-        seconds["learning"] = time.time() - self._t0
-        return lessons, timeouts
-
-    def _group(self, ctx: StepContext, gates: Gates, programs: list, qi: int) -> tuple[Group, object, list[str]]:
-        """One query, straight through: its G attempts, their rewards, and what the path learns from the group (None
-        without contrast); and the metric calls that timed out."""
-        try:
-            G, example = self.knobs.num_generations, self.start.trainset[qi]
-            attempts = ctx.map("rollout", lambda g: self._rollout(programs, qi, g), list(range(G)))
-            failed = [g for g, a in enumerate(attempts) if a.error]
-            ctx.count_failures("rollout", [attempts[g].error for g in failed], G)
-            gates.arrive("rollout", qi)
-            if failed:
-                gates.wait("rollout")  # the stage's failure check passed: these count (scored 0) and a resume replays
-                for g in failed:  # them; had it failed, a resume would retry them: the outage may be over
-                    if not self.ckpt.has(Keys.rollout(self.start.index, qi, g)):
-                        self.ckpt.put(Keys.rollout(self.start.index, qi, g), attempts[g].to_record())
-            reference = reference_example(example, [a.to_record() for a in attempts], self.knobs.use_ground_truth)
-            scored = ctx.map("reward", lambda g: self._reward(qi, g, attempts[g], reference), list(range(G)))
-            group = Group(index=qi, key=query_key(example, qi), example=example, attempts=tuple(s for s, _ in scored))
-            result = self.setup.path.learn(ctx, group) if group.informative else None
-            return group, result, [timeout for _, timeout in scored if timeout]
-        finally:
-            gates.finish(qi)
-
-    def _rollout_programs(self) -> tuple[list, list]:
-        """G copies of the program with the library (and demos), each with private, distinct LM copies; the last
-        `num_explore_generations` of them without the demos."""
-        start, programs, lms = self.start, [], []
-        for g in range(self.knobs.num_generations):
-            rollout_id = int(digest([self.knobs.seed, start.index, g]), 16) % 2**31
-            demos = [] if g >= self.explore_from else start.demos
-            cand, copies = with_own_lms(with_learned(start.program, start.targets, start.library, demos),
-                                        rollout_id=rollout_id, temperature=self.knobs.temperature)
-            programs.append(cand)
-            lms += copies
-        return programs, lms
-
-    def _rollout(self, programs: list, qi: int, g: int) -> Attempt:
-        """Attempt g on query qi (G distinct samples per query: each has its own LM copies); a failed one is saved
-        by its group once the stage's failure check has passed."""
-        example = self.start.trainset[qi]
-
-        def attempt() -> dict:
-            _, rec = run_program(programs[g], example)  # a failed attempt is recorded and scored 0
-            text = format_attempt(dict(example.inputs().items()), rec["outputs"], rec["trace"], rec["error"])
-            return Attempt(outputs=rec["outputs"], error=rec["error"], trace=rec["trace"], tool_calls=rec["tool_calls"],
-                           text=text).to_record()
-
-        rec = self.ckpt.unit(Keys.rollout(self.start.index, qi, g), attempt, keep=lambda r: not r["error"],
-                             then=self._save_usage)
-        return Attempt.from_record(rec)
-
-    def _reward(self, qi: int, g: int, attempt: Attempt, reference: dspy.Example) -> tuple[Scored, str | None]:
-        """An attempt scored against the ground truth or the group's majority answer, and the metric's timeout if
-        it had one (scored 0, counted, and not saved: a resume asks the metric again)."""
-        rec = self.ckpt.unit(Keys.reward(self.start.index, qi, g),
-                             lambda: score_attempt(self.setup.metric, reference, attempt.to_record(),
-                                                   self.knobs.metric_timeout_s),
-                             keep=lambda r: "timeout" not in r, then=self._save_usage)
-        return Scored(attempt=attempt, reward=rec["reward"], feedback=rec["feedback"]), rec.get("timeout")
-
-    def _check_metric_timeouts(self, timed_out: list[str], total: int) -> None:
-        """Say how many of the step's metric calls timed out (each scored 0); more than `max_failure_rate` of them stop
-        the step, unfinished, as an outage of the LM does (a resume asks the metric again)."""
-        if not timed_out:
-            return
-        if len(timed_out) > self.knobs.max_failure_rate * total:
-            raise TooManyFailuresError(
-                f"step {self.start.index}: the metric timed out on {len(timed_out)} of {total} attempts (first: "
-                f"{timed_out[0]}); finished work is kept in log_dir={self.knobs.log_dir!r}")
-        logger.warning("Step %d: the metric timed out on %d of %d attempts, each scored 0 (first: %s)",
-                       self.start.index, len(timed_out), total, timed_out[0])
-
-    def _save_usage(self) -> None:
-        """Save the calls and tokens of the step's finished units so far (plus what a stopped run had spent in this
-        step); cost is left out: it is read from the LMs' history at the end."""
-        before = self.usage_before_resume
-        with self._usage_lock:
-            totals = {stage: meter_totals(meter) for stage, meter in self._meters.items()}
-            self.ckpt.put(Keys.usage(self.start.index), {**before, **{s: add_usage(dict(before.get(s, {})), u)
-                                                                     for s, u in totals.items()}})
-
-    # -- 4: the new library -----------------------------------------------------------------------------------
-    def apply(self, plan: list[Operation], learning: Learning) -> tuple[ExperienceLibrary, ApplyReport]:
-        """The plan validated and applied in code, all or nothing per operation, to a copy of the step's library (a
-        probe said its refusals and warnings as it tried each operation)."""
-        library = self.start.library.copy()
-        report = library.apply(plan, step=self.start.index, sources=sorted({q for q, _ in learning.lessons.proposals}),
-                               quiet=bool(self.knobs.probe_size))
-        return library, report
-
-    def _record(self, learning: Learning, library: ExperienceLibrary, report: ApplyReport,
-                probe: ProbeOutcome) -> StepResult:
-        before, lessons, attempts, start = self.usage_before_resume, learning.lessons, learning.attempts, self.start
-        counts, usage = lessons.counts, {**learning.usage, **({"probe": probe.usage} if probe.record else {})}
-        return StepResult(
-            step=start.index, epoch=start.epoch, batch_size=len(start.batch), learning_path=self.setup.path_name,
-            mean_reward=mean_reward(attempts), groups=len(learning.groups),
-            groups_kept=len(learning.informative), frac_skipped_zero_std=1 - len(learning.informative) / len(
-                learning.groups), rollout_failures=sum(bool(a.error) for a in attempts),
-            tool_calls_mean=statistics.fmean(a.attempt.tool_calls for a in attempts),
-            learning_failures=counts.get("learning_failures", 0),
-            operations_proposed=counts.get("operations_proposed", len(lessons.proposals)),
-            operations_applied=report.applied, operations_rejected=len(report.rejected), library_size=len(library),
-            consolidation=lessons.consolidation,
-            usage={stage: add_usage(dict(before.get(stage, {})), u) for stage, u in usage.items()},
-            seconds=learning.seconds, wall_s=time.time() - self._t0,
-            metric_calls=len(attempts) + (probe.record or {}).get("attempts_run", 0),
-            demos=[d["query"] for d in probe.demos], probe=probe.record, queries=[g.index for g in learning.groups],
-            evidence={str(q): ok for q, ok in sorted(probe.evidence.items())}, usage_before_resume=before,
-            details={**{k: v for k, v in counts.items() if k not in ("learning_failures", "operations_proposed")},
-                     **({"metric_timeouts": len(learning.timeouts)} if learning.timeouts else {})})
+        results = ex.each(one, informative)
+        for stage in path.stages:
+            ex.check(stage)
+        lessons = path.finish(run, library, list(zip(informative, results)))
+        return lessons, {stage: ex.meter(stage).totals() for stage in path.stages}

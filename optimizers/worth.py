@@ -12,7 +12,8 @@ out alone, but not both: measured on the Game of 24, dropping both at once lost 
 split in two for it: one half measures the worth and chooses what to drop, the other half, which chose nothing, checks
 the pruned program against the unpruned one; the pruned one is kept only if it scores at least as well there.
 
-Every program run is a checkpointed unit (`worth/<variant>/<example>` in log_dir), so a resumed compile runs none twice.
+Every program run is a checkpointed unit of the run's executor (`worth/<variant>/<example>` in log_dir), so a resumed
+compile runs none twice. A run whose LM call failed has no answer: it counts as no difference in the pairs it is in.
 """
 
 from __future__ import annotations
@@ -21,18 +22,17 @@ import logging
 import random
 import statistics
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import dspy
 
 from tfgrpo.base.util import bootstrap_ci, clip, digest
-from tfgrpo.optimizers.checkpoint import Checkpoint
+from tfgrpo.optimizers.execution import Executor, with_own_lms
 from tfgrpo.optimizers.knobs import Knobs
-from tfgrpo.optimizers.render import as_text
 from tfgrpo.optimizers.result import ItemWorth, WorthResult
-from tfgrpo.optimizers.validate import scored_runs
 from tfgrpo.programs.inject import with_learned
 from tfgrpo.programs.library import ExperienceLibrary
+from tfgrpo.programs.render import as_text
 
 logger = logging.getLogger(__name__)
 
@@ -70,16 +70,18 @@ class Learned(NamedTuple):
 
 @dataclass
 class Attribution:
-    """Measures a compile's items on `examples` with the run's own `metric`, knobs and checkpoint."""
+    """Measures a compile's items on `examples` through the run's executor: its knobs, metric, checkpoint and budget."""
 
-    metric: Callable
-    knobs: Knobs
-    ckpt: Checkpoint
+    executor: Executor
 
     def run(self, base: dspy.Module, targets: list[str], learned: Learned,
             examples: list) -> tuple[WorthResult, Learned]:
         """The items' worth, and what the compiled program keeps: `learned`, or its pruned part (with `prune`)."""
-        knobs, ids = self.knobs, [i for _, i, _ in learned.items()]
+        with self.executor.scope("attribution"):
+            return self._run(base, targets, learned, examples)
+
+    def _run(self, base: dspy.Module, targets: list[str], learned: Learned, examples: list):
+        knobs, ids = self.executor.knobs, [i for _, i, _ in learned.items()]
         if not ids:
             logger.info("Attribution: nothing was learned, so there is nothing to measure")
             return WorthResult(method="leave-one-out", queries=0, score=0.0, items=[], library=0.0,
@@ -105,7 +107,7 @@ class Attribution:
             kept, checked = (pruned if better else learned), on_check.made
         gain, over_control = _minus(full, none), _minus(full, control)
         result = WorthResult(
-            method="shapley" if shapley else "leave-one-out", queries=len(choose), score=statistics.fmean(full),
+            method="shapley" if shapley else "leave-one-out", queries=len(choose), score=_mean(full),
             items=items, library=statistics.fmean(gain), library_ci95=_ci(gain, knobs.seed),
             control=statistics.fmean(over_control), control_ci95=_ci(over_control, knobs.seed),
             pruned=dropped if kept is not learned else [], prune_check=check_record,
@@ -141,10 +143,12 @@ class _Scores:
             self._seen[key] = self.runs(key, with_learned(self.base, self.targets, *part), self.examples)
         return self._seen[key]
 
-    def runs(self, variant: str, program: dspy.Module, examples: list) -> list[float]:
+    def runs(self, variant: str, program: dspy.Module, examples: list) -> list[float | None]:
+        """The program's reward per example (None where its LM call failed)."""
         self.made += len(examples)
-        records = scored_runs(program, examples, metric=self.a.metric, knobs=self.a.knobs, ckpt=self.a.ckpt,
-                              unit=lambda example: f"worth/{variant}/{digest(example.toDict())}")
+        runnable, ex = with_own_lms(program)[0], self.a.executor
+        records = ex.scored("attribution", [(f"worth/{variant}/{digest(x.toDict())}", runnable, x) for x in examples])
+        ex.check("attribution")
         return [r["reward"] for r in records]
 
 
@@ -155,7 +159,7 @@ def _backward(scores: _Scores, items: list[ItemWorth]) -> list[str]:
     for item in sorted(items, key=lambda it: it.worth):
         if item.worth > 0:
             break
-        if statistics.fmean(scores.of(kept - {item.id})) >= statistics.fmean(scores.of(kept)):
+        if _mean(scores.of(kept - {item.id})) >= _mean(scores.of(kept)):
             kept, dropped = kept - {item.id}, [*dropped, item.id]
     return dropped
 
@@ -202,8 +206,14 @@ def _halves(examples: list, seed: int) -> tuple[list, list]:
     return [examples[i] for i in order[:half]], [examples[i] for i in order[half:]]
 
 
-def _minus(a: list[float], b: list[float]) -> list[float]:
-    return [x - y for x, y in zip(a, b)]
+def _mean(values: list[float | None]) -> float:
+    answered = [v for v in values if v is not None]
+    return statistics.fmean(answered) if answered else 0.0
+
+
+def _minus(a: list[float | None], b: list[float | None]) -> list[float]:
+    """Per query, a - b; 0 where either has no answer (its LM call failed)."""
+    return [x - y if x is not None and y is not None else 0.0 for x, y in zip(a, b)]
 
 
 def _ci(values: list[float], seed: int) -> tuple[float, float]:

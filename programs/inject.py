@@ -13,6 +13,7 @@ program carries both, `load_program` checks that they agree.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -20,6 +21,8 @@ import dspy
 
 from tfgrpo.base.util import write_atomic
 from tfgrpo.programs.library import CLOSE_TAG, OPEN_TAG, ExperienceLibrary, parse_rendered
+
+logger = logging.getLogger(__name__)
 
 PREAMBLE = "Lessons learned from earlier attempts at this task; apply the ones that fit the problem at hand."
 LIBRARY_KEY = "experience_library"  # attribute on the program and key in the saved JSON
@@ -122,6 +125,25 @@ def apply_demos(program: dspy.Module, demos: list[dict], targets: list[str]) -> 
 def with_learned(program: dspy.Module, targets: list[str], library, demos: list[dict]) -> dspy.Module:
     """A copy of `program` carrying what was learned: the library in the targets' instructions, and the demos."""
     return apply_demos(apply_library(program.deepcopy(), library, targets), demos, targets)
+
+
+def starting_library(student: dspy.Module, program: dspy.Module, targets: list[str], *, max_words: int,
+                     max_experiences: int | None) -> ExperienceLibrary:
+    """The library to learn on from: the student's own (its `experience_library`), else the one rendered into the
+    targets' instructions (a program loaded with stock DSPy's `load` carries only that), else an empty one."""
+    start = getattr(student, LIBRARY_KEY, None)
+    own = isinstance(start, ExperienceLibrary)
+    if own and (len(start) or start.retired):
+        library = start.copy()
+    elif (library := library_from_instructions(program, targets, max_words=max_words,
+                                               max_experiences=max_experiences)) is not None:
+        logger.info("The program carries no experience_library, but its instructions hold %d experience(s) (%s): "
+                    "recovered from there and kept; their provenance was not saved in the instructions",
+                    len(library), ", ".join(e.id for e in library))
+    else:
+        library = start.copy() if own else ExperienceLibrary()
+    library.max_words, library.max_experiences = max_words, max_experiences
+    return library
 
 
 def save_program(program: dspy.Module, path: str | Path) -> Path:

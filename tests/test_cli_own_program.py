@@ -109,7 +109,7 @@ def test_a_program_given_as_a_file_path_and_a_data_error_naming_the_row(tmp_path
                       optimizer="max_total_tokens = 5000")
         dry = runner.invoke(app, ["compile", str(path), "--dry-run"])
         assert dry.exit_code == 0, dry.output
-        assert "max_total_tokens = 5,000: the run stops after the step that reaches it" in dry.output
+        assert "max_total_tokens = 5,000: charged before each unit of work" in " ".join(dry.output.split())
         files["train"].write_text('{"query": "What is 1 + 2?", "answer": "3"}\n')
         bad = runner.invoke(app, ["compile", str(path)])
         assert server.stats()["calls"] == 0

@@ -10,14 +10,27 @@ import pytest
 from scripted_lm import ScriptedLM, kind_of, output_fields
 from test_optimizer import LESSON, make_trainset, metric, student_answer
 from tfgrpo.optimizers import TooManyFailuresError, TrainingFreeGRPO
-from tfgrpo.optimizers.contrast import contrast_pairs, fold, overlap
-from tfgrpo.optimizers.learning_paths import model_size_b
+from tfgrpo.optimizers.learning_paths import contrast_pairs, fold, overlap
+from tfgrpo.optimizers.knobs import model_size_b
 from tfgrpo.programs import ExperienceLibrary
 from tfgrpo.programs.constrained import ConstrainedJSONAdapter, output_schema
 from tfgrpo.programs.contrast_learner import ContrastLearner
 from tfgrpo.programs.generality import restated_words, specific_terms
 from tfgrpo.signatures.contrast import contrast_signature
 from tfgrpo.signatures.operations import Operation
+
+
+def resolved(optimizer, model):
+    """The knobs a run with a reflection model of this name uses (the `auto` preset's values in place)."""
+    from tfgrpo.optimizers.knobs import resolve
+
+    return resolve(optimizer, optimizer.explicit_knobs(), model)[0]
+
+
+def path_for(optimizer, model):
+    from tfgrpo.optimizers.knobs import resolve
+
+    return resolve(optimizer, optimizer.explicit_knobs(), model)[2]
 
 BETTY = ("Betty is saving money for a new wallet which costs $100. Betty has only half of the money she needs. "
          "Her parents give her $15. How much more money does Betty need?")
@@ -257,9 +270,9 @@ def test_invented_ids_cannot_pass_the_typed_reply():
 
 def test_auto_path_picks_by_reflection_model_size():
     opt = TrainingFreeGRPO(metric)
-    assert opt.resolve_learning_path("deepseek/deepseek-chat") == "paper"  # no size in the name: the paper's path
-    assert opt.resolve_learning_path("openai/qwen2.5-coder-1.5b") == "contrast"
-    assert TrainingFreeGRPO(metric, learning_path="paper").resolve_learning_path("openai/qwen2.5-coder-1.5b") == "paper"
+    assert path_for(opt, "deepseek/deepseek-chat") == "paper"  # no size in the name: the paper's path
+    assert path_for(opt, "openai/qwen2.5-coder-1.5b") == "contrast"
+    assert path_for(TrainingFreeGRPO(metric, learning_path="paper"), "openai/qwen2.5-coder-1.5b") == "paper"
     with pytest.raises(ValueError, match="learning_path"):
         TrainingFreeGRPO(metric, learning_path="fast")
     with pytest.raises(ValueError, match="constrained_decoding"):

@@ -18,20 +18,15 @@ class WorstAnswerPath(LearningPath):
 
     stages = ("why",)
 
-    def learn(self, ctx, group):
+    def learn(self, run, library, group):
         worst = min(group.attempts, key=lambda a: a.reward)
 
-        def ask(_):
-            def call():
-                with dspy.context(lm=ctx.lm("why")):
-                    return dspy.Predict("attempt, feedback -> rule")(attempt=worst.text, feedback=worst.feedback).rule
-            return ctx.call(f"why/{group.index}", call)
+        def call():
+            with dspy.context(lm=run.reflection_lm):
+                return dspy.Predict("attempt, feedback -> rule")(attempt=worst.text, feedback=worst.feedback).rule
+        return run.executor.call("why", f"why/{group.index}", call)  # checkpointed, charged, metered, counted
 
-        (rule,) = ctx.map("why", ask, [None])
-        ctx.count_failures("why", [rule.error] if isinstance(rule, Failed) else [], 1)
-        return rule
-
-    def finish(self, ctx, results):
+    def finish(self, run, library, results):
         proposals = [(group.key, Operation(action="add", text=rule)) for group, rule in results
                      if not isinstance(rule, Failed)]
         return Lessons(plan=[op for _, op in proposals][:1], proposals=proposals,
@@ -89,10 +84,10 @@ def test_a_teacher_is_refused():
 def test_a_path_learns_from_groups_it_is_given_and_the_plan_applies_to_a_copy():
     """What benchmarks/learning_paths.py does: a learning path alone, on groups scored elsewhere (no rollout)."""
     from test_optimizer import make_trainset
-    from tfgrpo.optimizers.attempts import Attempt, Group, Scored
-    from tfgrpo.optimizers.contrast import ContrastPath
+    from tfgrpo.optimizers.result import Attempt, Group, Scored
+    from tfgrpo.optimizers.learning_paths import ContrastPath
     from tfgrpo.optimizers.knobs import Knobs
-    from tfgrpo.optimizers.learning_paths import learn_from_groups
+    from tfgrpo.optimizers.step import learn_from_groups
     from tfgrpo.programs.library import ExperienceLibrary
 
     lm = ScriptedLM(contrast_learner())

@@ -315,29 +315,36 @@ def test_directly_generated_experiences_baseline():
     assert LESSON in compiled.signature.instructions
 
 
-def test_token_budget_stops_after_the_step_that_reaches_it():
+def test_a_token_budget_holds_inside_a_step_and_a_resume_with_a_larger_one_redoes_nothing(tmp_path):
+    """Each unit is charged before it starts: the run stops where the next one would not fit, inside step 0, having
+    overshot by no more than the units in flight; the same call with a larger budget goes on from the saved units."""
     lm = ScriptedLM(learner())
     compiled = compile_with(lm, dspy.Predict("question -> answer"), num_train_epochs=3, batch_size=2,
-                            max_total_tokens=1)
+                            max_total_tokens=1, log_dir=str(tmp_path))
     results = compiled.detailed_results.to_dict()
-    assert len(results["steps"]) == 1 and "max_total_tokens" in results["stopped_early"]
-    policy, reflection = results["usage"]["policy"], results["usage"]["reflection"]
-    assert policy["calls"] == 8 and reflection["calls"] == 2 * 4 + 2 + 1
-    assert compiled.experience_library.texts() == [LESSON]  # the library so far is kept
+    assert results["steps"] == [] and "max_total_tokens=1" in results["stopped_early"]
+    first = count(lm, "student")
+    assert 1 <= first <= 4 and results["usage"]["policy"]["calls"] == first  # at most the 4 threads' units in flight
+    assert compiled.experience_library.texts() == []  # no step finished: nothing learned yet
+    lm = ScriptedLM(learner())
+    compiled = compile_with(lm, dspy.Predict("question -> answer"), num_train_epochs=3, batch_size=2,
+                            log_dir=str(tmp_path))
+    assert count(lm, "student") == 6 * 2 * 4 - first and compiled.detailed_results.stopped_early is None
 
 
-def test_metric_call_budget_counts_rollouts_and_validation_and_stops_after_the_step_or_epoch_that_reaches_it():
+def test_metric_call_budget_counts_rollouts_and_validation_and_is_charged_before_each_attempt():
     valset = [dspy.Example(question="What is 1 + 2?", answer="3").with_inputs("question")]
     # 2 queries x G = 4: 8 scored attempts per step, 2 steps an epoch, then 1 validation example
-    for budget, steps, epochs in ((9, 2, 0), (17, 2, 1), (34, 4, 2)):
-        compiled = compile_with(ScriptedLM(learner()), dspy.Predict("question -> answer"), num_train_epochs=2,
+    for budget, steps, epochs in ((8, 1, 0), (12, 1, 0), (17, 2, 1), (34, 4, 2)):
+        lm = ScriptedLM(learner())
+        compiled = compile_with(lm, dspy.Predict("question -> answer"), num_train_epochs=2,
                                 batch_size=2, max_metric_calls=budget, valset=valset)
         results = compiled.detailed_results
         assert [s.metric_calls for s in results.steps] == [8] * steps and len(results.epochs) == epochs, budget
+        assert count(lm, "student") == budget  # never one more than the budget
         assert (results.stopped_early is None) == (budget == 34), results.stopped_early  # 34: the whole run
         if results.stopped_early:
-            assert results.stopped_early.startswith(f"{8 * steps + epochs} metric calls made, max_metric_calls=")
-
+            assert results.stopped_early.startswith(f"budget max_metric_calls={budget} reached: {budget} metric calls")
 
 
 def test_max_steps_stops_part_way_through_an_epoch_and_a_resume_with_more_goes_on(tmp_path):

@@ -9,7 +9,7 @@ import dspy
 from scripted_lm import ScriptedLM, kind_of
 from test_optimizer import LESSON, compile_with, learner, make_trainset, student_answer
 from tfgrpo.base.util import digest
-from tfgrpo.optimizers.probe import probe_queries
+from tfgrpo.optimizers.judge import probe_queries
 from tfgrpo.programs.excerpt import checked_excerpt
 from tfgrpo.programs.library import ExperienceLibrary
 from tfgrpo.signatures.operations import ExcerptOperation
@@ -112,8 +112,8 @@ def test_a_list_of_the_querys_numbers_is_masked_as_a_whole():
 def test_a_whole_attempt_excerpt_is_taken_from_the_code_field_alone():
     """Game of 24, seed 0: the attempt's fence was never closed, so the whole-attempt excerpt ran on into the
     rendered fields after the code (`output: (nothing printed)`, `answer:`, `ran: true`)."""
-    from tfgrpo.optimizers.attempts import Attempt, Scored
-    from tfgrpo.optimizers.contrast import ContrastPath
+    from tfgrpo.optimizers.result import Attempt, Scored
+    from tfgrpo.optimizers.learning_paths import ContrastPath
     from tfgrpo.programs.excerpt import checked_excerpt
 
     code = "```python\nfor p in permutations(nums):\n    print(p)"
@@ -235,19 +235,21 @@ def _partial(example, pred, trace=None):
 
 
 def _probe(programs, candidates, keep_ties=False, alpha=1.0):
-    """A probe on 4 training queries, every attempt run in turn, nothing cached."""
-    from tfgrpo.optimizers.probe import Probe, ProbeRules
+    """A probe on 4 training queries, every attempt run in turn (one thread), nothing saved."""
+    from tfgrpo.optimizers.execution import Executor
+    from tfgrpo.optimizers.judge import Probe
+    from tfgrpo.optimizers.knobs import Knobs
 
-    return Probe(programs, candidates, queries=[0, 1, 2, 3], trainset=make_trainset(4), metric=_partial,
-                 unit_of=lambda p, q: f"{p}_{q}", cached=lambda unit: None,
-                 run_units=lambda fn, jobs: [fn(j) for j in jobs],
-                 rules=ProbeRules(alpha=alpha, keep_ties=keep_ties)).run()
+    executor = Executor(Knobs(num_threads=1), _partial)
+    with executor.scope("probe"):
+        return Probe(candidates, [0, 1, 2, 3], alpha=alpha, keep_ties=keep_ties).run(executor, programs,
+                                                                                      make_trainset(4))
 
 
 def full_verdicts(programs, candidates, keep_ties=False, alpha=1.0):
     """The oracle: what a probe that ran every attempt keeps (each program's 4 rewards, the rules of `keeps`, then the
     best of each kind), and each candidate's (successes, mean)."""
-    from tfgrpo.optimizers.probe import keeps
+    from tfgrpo.optimizers.judge import keeps
 
     rewards = [[_partial(ex, p(**ex.inputs())) for ex in make_trainset(4)] for p in programs]
     scores = [(sum(r >= 1 for r in rs), statistics.fmean(rs)) for rs in rewards]
@@ -281,7 +283,7 @@ def test_stopping_early_gives_the_verdicts_of_the_full_probe_with_fewer_attempts
     keep_ties; the early-stopping probe keeps exactly what the full one keeps and never runs more attempts."""
     import random
 
-    from tfgrpo.optimizers.probe import Candidate
+    from tfgrpo.optimizers.judge import Candidate
     from tfgrpo.signatures.operations import ExcerptOperation, Operation
 
     rule = Operation(action="add", ids=[], text="Try every order of the numbers.")
@@ -303,7 +305,7 @@ def test_stopping_early_gives_the_verdicts_of_the_full_probe_with_fewer_attempts
 
 
 def test_partial_credit_alone_does_not_buy_a_demo_its_place():
-    from tfgrpo.optimizers.probe import Candidate
+    from tfgrpo.optimizers.judge import Candidate
 
     programs = [_Fixed(1, "none"),  # now: 1 solved, nothing else printed
                 _Fixed(1, "7"),  # demo A: a number everywhere (partial credit), no new success
@@ -320,7 +322,7 @@ def test_partial_credit_alone_does_not_buy_a_demo_its_place():
 
 
 def test_only_the_best_of_two_winning_demos_is_recorded_as_kept():
-    from tfgrpo.optimizers.probe import Candidate
+    from tfgrpo.optimizers.judge import Candidate
 
     programs = [_Fixed(1, "none"), _Fixed(2, "none"), _Fixed(3, "none")]  # now 1 solved; demo A 2; demo B 3
     candidates = [Candidate("A", demo={}), Candidate("B", demo={})]
@@ -331,7 +333,7 @@ def test_only_the_best_of_two_winning_demos_is_recorded_as_kept():
 def test_an_excerpt_must_add_successes_like_a_demo():
     """On the Game of 24 the 1.5B once picked a stub (`def solve(...): pass`) as an excerpt; a rule that only ties the
     current program stays, the same rule carrying code does not."""
-    from tfgrpo.optimizers.probe import Candidate
+    from tfgrpo.optimizers.judge import Candidate
     from tfgrpo.signatures.operations import ExcerptOperation, Operation
 
     rule = Operation(action="add", ids=[], text="Try every order of the numbers.")
@@ -345,7 +347,7 @@ def test_an_excerpt_must_add_successes_like_a_demo():
 def test_only_the_best_of_two_winning_excerpts_is_kept_and_a_plain_rule_beside_them_too():
     """Game of 24, seed 0: two sum-only solvers each added a success on the probe and both went into the library. Code
     competes as demos do: one excerpt per step, the best; a rule without code is judged on its own."""
-    from tfgrpo.optimizers.probe import Candidate
+    from tfgrpo.optimizers.judge import Candidate
     from tfgrpo.signatures.operations import ExcerptOperation, Operation
 
     rule = Operation(action="add", ids=[], text="Try every order of the numbers.")
@@ -358,7 +360,7 @@ def test_only_the_best_of_two_winning_excerpts_is_kept_and_a_plain_rule_beside_t
 
 def test_a_rewrite_and_a_retirement_of_the_same_experience_are_not_both_kept():
     """Game of 24, seed 0: `modify E1` and `retire E1` both tied the program at 0 solved and both were applied."""
-    from tfgrpo.optimizers.probe import Candidate
+    from tfgrpo.optimizers.judge import Candidate
     from tfgrpo.signatures.operations import Operation
 
     modify = Operation(action="modify", ids=["E1"], text="Try every order of the numbers.")
@@ -373,7 +375,7 @@ def test_a_rewrite_and_a_retirement_of_the_same_experience_are_not_both_kept():
 def test_keep_tied_demos_keeps_a_tie_only_above_zero():
     """GSM8K: the program solved 3 of 4 probe queries and a demo that also solved 3 was refused; with
     keep_tied_demos it stays. A tie at zero (the Game of 24's narrow demos) stays refused either way."""
-    from tfgrpo.optimizers.probe import Candidate, keeps
+    from tfgrpo.optimizers.judge import Candidate, keeps
 
     demo = Candidate("demo", demo={})
     assert not keeps(demo, (3, 0.75), (3, 0.75)) and keeps(demo, (3, 0.75), (3, 0.75), keep_ties=True)
@@ -414,7 +416,7 @@ def test_a_whole_attempt_that_fits_is_the_excerpt_with_no_lm_call():
 
 def test_a_demo_must_win_a_sign_test_not_one_lucky_hit():
     """probe_alpha: one win against none is no evidence (p = 0.5); three against none is (p = 0.125)."""
-    from tfgrpo.optimizers.probe import Candidate, keeps, sign_test_p
+    from tfgrpo.optimizers.judge import Candidate, keeps, sign_test_p
 
     demo = Candidate("demo", demo={})
     assert sign_test_p(1, 0) == 0.5 and sign_test_p(3, 0) == 0.125 and sign_test_p(0, 0) == 1.0
@@ -432,7 +434,7 @@ def test_a_demo_must_win_a_sign_test_not_one_lucky_hit():
 def test_a_kept_demo_that_failed_its_own_query_is_shown_by_a_probe_success(tmp_path):
     """A candidate judged by what it does on other queries: when it wins the probe but had not solved its own query,
     the kept demo is its attempt on a probe query it solved (a demo always shows a success)."""
-    from tfgrpo.optimizers.probe import Candidate
+    from tfgrpo.optimizers.judge import Candidate
 
     def solver(right):
         def respond(messages, kwargs):
@@ -450,8 +452,8 @@ def test_a_kept_demo_that_failed_its_own_query_is_shown_by_a_probe_success(tmp_p
 def test_explore_generations_roll_out_without_the_demos_and_candidates_skip_the_copies(tmp_path):
     """num_explore_generations: the last attempts of each group see no demo; a demo candidate is never the current
     program's own uniform attempt."""
-    from tfgrpo.optimizers.attempts import Attempt, Group, Scored
-    from tfgrpo.optimizers.demos import demo_candidates
+    from tfgrpo.optimizers.result import Attempt, Group, Scored
+    from tfgrpo.optimizers.judge import demo_candidates
 
     def group(rewards):
         attempts = tuple(Scored(Attempt(outputs={"answer": str(g)}, error=None, trace=[{"g": g}], tool_calls=0,

@@ -28,7 +28,7 @@ from test_optimizer import make_trainset
 from test_resume import learner
 from tfgrpo.cli import app
 from tfgrpo.optimizers import TrainingFreeGRPO
-from tfgrpo.optimizers.lock import RunLock, RunLockedError
+from tfgrpo.optimizers.checkpoint import RunLock, RunLockedError
 from tfgrpo.progress import RunBars, progress_display
 from tfgrpo.testing import FakeLMServer
 
@@ -190,7 +190,7 @@ def test_the_cli_refuses_a_second_run_on_a_run_dir_in_use(tmp_path):
         cfg = cli_config(tmp_path, server.api_base)
         holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
             import sys, time
-            from tfgrpo.optimizers.lock import RunLock
+            from tfgrpo.optimizers.checkpoint import RunLock
             with RunLock({str(tmp_path / 'run' / 'checkpoint')!r}):
                 print("locked", flush=True)
                 time.sleep(60)

@@ -33,7 +33,7 @@ def test_the_end_of_a_compile_is_logged_with_no_false_warning(tmp_path, empty_st
     mlflow.set_tracking_uri(new_store(empty_store, tmp_path / "mlflow.db"))
     mlflow.set_experiment(f"end-{case}")
     dspy.configure(lm=ScriptedLM(learner))
-    budget = {"max_total_tokens": 1} if case == "budget" else {}
+    budget = {"max_metric_calls": 4} if case == "budget" else {}  # step 0's 2 x 2 attempts, then no more
     optimizer = TrainingFreeGRPO(metric, num_generations=2, num_train_epochs=2, batch_size=2, num_threads=1,
                                  log_dir=str(tmp_path / "log"), use_mlflow=True, **budget)
     with caplog.at_level(logging.WARNING):
@@ -50,7 +50,7 @@ def test_the_end_of_a_compile_is_logged_with_no_false_warning(tmp_path, empty_st
         assert tags["tfgrpo.kept_epoch"].startswith("1 (best val/score")
         assert "tfgrpo.stopped_early" not in tags
     else:
-        assert "max_total_tokens" in results.stopped_early
+        assert "max_metric_calls" in results.stopped_early and len(results.steps) == 1
         assert tags["tfgrpo.stopped_early"] == results.stopped_early
         assert tags["tfgrpo.kept_epoch"] == "0 (the last; no valset)"
         assert "val/best_score" not in metrics

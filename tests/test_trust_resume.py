@@ -15,7 +15,6 @@ from test_optimizer import LESSON, compile_with, learner, make_trainset, metric
 from tfgrpo.cli import app
 from tfgrpo.optimizers import TooManyFailuresError, TrainingFreeGRPO
 from tfgrpo.optimizers.checkpoint import RunMismatchError
-from tfgrpo.optimizers.estimate import estimate_run
 from tfgrpo.programs import ExperienceLibrary, load_program, save_program
 from tfgrpo.programs.inject import library_from_instructions
 from tfgrpo.signatures.operations import ExcerptOperation
@@ -198,8 +197,7 @@ def probed_compile(lm, **kw):
     dspy.configure(lm=lm)
     opts = dict(num_generations=4, num_train_epochs=1, batch_size=4, num_threads=4, probe_size=3, max_demos=1, **kw)
     optimizer = TrainingFreeGRPO(metric, **opts)
-    bound = estimate_run(optimizer, dspy.Predict("question -> answer"), make_trainset(8),
-                         learning_path=optimizer.resolve_learning_path(""))
+    bound = optimizer.plan(dspy.Predict("question -> answer"), make_trainset(8)).bound
     return bound, optimizer.compile(dspy.Predict("question -> answer"), trainset=make_trainset(8))
 
 
@@ -217,16 +215,16 @@ def test_the_dry_run_bound_covers_the_calls_of_a_probed_compile(path):
     assert any(step["usage"].get("probe", {}).get("calls") for step in steps), "the probe ran"
     for step in steps:
         for stage, usage in step["usage"].items():
-            assert usage["calls"] <= bound["per_step_upper_bound"][stage]["calls"], stage
+            assert usage["calls"] <= bound["per_step"][stage]["calls"], stage
     made = sum(u.get("calls", 0) for u in compiled.detailed_results.to_dict()["usage"].values())
-    assert made <= bound["total_upper_bound"]["calls"]
+    assert made <= bound["total"]["calls"]
 
 
 def test_the_excerpt_pick_is_a_call_of_its_own_in_the_bound():
     def contrast_calls(**kw):
+        dspy.configure(lm=ScriptedLM(learner()))
         optimizer = TrainingFreeGRPO(metric, learning_path="contrast", **kw)
-        bound = estimate_run(optimizer, dspy.Predict("question -> answer"), make_trainset(), learning_path="contrast")
-        return bound["per_step_upper_bound"]["contrast"]["calls"]
+        return optimizer.plan(dspy.Predict("question -> answer"), make_trainset()).bound["per_step"]["contrast"]["calls"]
 
     assert contrast_calls(max_excerpt_lines=4) == contrast_calls() * 3 // 2  # a contrast, a rewrite, and the pick
 

@@ -11,8 +11,22 @@ from test_optimizer import learner, make_trainset, metric
 from tfgrpo.optimizers import TrainingFreeGRPO
 from tfgrpo.optimizers.checkpoint import Checkpoint
 from tfgrpo.optimizers.knobs import Knobs
+from tfgrpo.optimizers.execution import Executor
 from tfgrpo.optimizers.worth import FILLER, Attribution, Learned, _halves
 from tfgrpo.programs.library import ExperienceLibrary
+
+
+def resolved(optimizer, model):
+    """The knobs a run with a reflection model of this name uses (the `auto` preset's values in place)."""
+    from tfgrpo.optimizers.knobs import resolve
+
+    return resolve(optimizer, optimizer.explicit_knobs(), model)[0]
+
+
+def path_for(optimizer, model):
+    from tfgrpo.optimizers.knobs import resolve
+
+    return resolve(optimizer, optimizer.explicit_knobs(), model)[2]
 
 # Each item's effect on the reward, written into the scripted student: E1 and the demo help, E2 does nothing, E3 hurts.
 # The game is additive, so leave-one-out and Shapley values both equal these effects exactly.
@@ -44,8 +58,7 @@ def queries(n=8):
 def attribute(tmp_path=None, **knobs):
     lm = ScriptedLM(student)
     dspy.configure(lm=lm)
-    attribution = Attribution(reward, Knobs(attribution=True, num_threads=2, **knobs),
-                              Checkpoint(tmp_path))
+    attribution = Attribution(Executor(Knobs(attribution=True, num_threads=2, **knobs), reward, Checkpoint(tmp_path)))
     return attribution.run(dspy.Predict("question -> answer"), ["self"], learned(), queries()), lm
 
 
@@ -100,7 +113,7 @@ def test_a_prune_that_scores_worse_on_the_check_half_is_not_kept():
         return base if example.question in choose or "E2" in pred.answer else max(0.0, base - 0.5)
 
     dspy.configure(lm=ScriptedLM(student))
-    worth, kept = Attribution(noisy, Knobs(attribution=True, prune=True, num_threads=2), Checkpoint(None)).run(
+    worth, kept = Attribution(Executor(Knobs(attribution=True, prune=True, num_threads=2), noisy, Checkpoint(None))).run(
         dspy.Predict("question -> answer"), ["self"], learned(), queries())
     assert worth.prune_check["dropped"] == ["E3", "E2"] and worth.prune_check["kept"] == "unpruned"
     assert worth.prune_check["difference"] == pytest.approx(-0.25)  # E3's 0.25 back, E2's 0.5 lost
@@ -112,7 +125,7 @@ def test_knob_checks():
         Knobs(prune=True)
     with pytest.raises(ValueError, match="at least 4 attribution queries"):
         dspy.configure(lm=ScriptedLM(student))
-        Attribution(reward, Knobs(attribution=True, prune=True), Checkpoint(None)).run(
+        Attribution(Executor(Knobs(attribution=True, prune=True), reward, Checkpoint(None))).run(
             dspy.Predict("question -> answer"), ["self"], learned(), queries(3))
 
 
@@ -146,14 +159,14 @@ def test_compile_measures_its_items_on_held_out_queries_and_prunes(tmp_path):
 def test_the_dry_run_bound_covers_the_attribution_and_refuses_one_without_held_out_queries(tmp_path):
     from test_trust_resume import cli_config
     from tfgrpo.cli import app
-    from tfgrpo.optimizers.estimate import attribution_runs
+    from tfgrpo.optimizers.plan import attribution_runs
     from tfgrpo.testing.fake_lm_server import FakeLMServer
     from typer.testing import CliRunner
 
     lm = ScriptedLM(learner())
     compiled = compile_with(lm, make_trainset(6), attribution=True, max_demos=1)
-    knobs = TrainingFreeGRPO(metric, num_generations=4, num_train_epochs=1, batch_size=4, attribution=True,
-                             max_demos=1).resolved("")
+    knobs = resolved(TrainingFreeGRPO(metric, num_generations=4, num_train_epochs=1, batch_size=4, attribution=True,
+                             max_demos=1), "")
     bound = attribution_runs(knobs, len(make_trainset()), 6)
     assert compiled.detailed_results.worth.program_runs <= bound["runs"]
     with FakeLMServer() as server:
@@ -189,7 +202,7 @@ def test_runs_are_named_by_what_the_items_say_so_a_changed_library_is_measured_a
     state["experiences"][2]["text"] = "Apply the alpha rule twice."  # E3 now says what E1 says: no longer harmful
     lm = ScriptedLM(student)
     dspy.configure(lm=lm)
-    worth, _ = Attribution(reward, Knobs(attribution=True, num_threads=2), Checkpoint(tmp_path)).run(
+    worth, _ = Attribution(Executor(Knobs(attribution=True, num_threads=2), reward, Checkpoint(tmp_path))).run(
         dspy.Predict("question -> answer"), ["self"], Learned(ExperienceLibrary.from_state(state), changed.demos),
         queries())
     assert lm.calls and {it.id: round(it.worth, 6) for it in worth.items}["E3"] == 0.0 != first.items[2].worth
@@ -197,7 +210,7 @@ def test_runs_are_named_by_what_the_items_say_so_a_changed_library_is_measured_a
 
 def test_nothing_learned_costs_nothing():
     dspy.configure(lm=(lm := ScriptedLM(student)))
-    worth, kept = Attribution(reward, Knobs(attribution=True), Checkpoint(None)).run(
+    worth, kept = Attribution(Executor(Knobs(attribution=True), reward, Checkpoint(None))).run(
         dspy.Predict("question -> answer"), ["self"], Learned(ExperienceLibrary(), []), queries())
     assert worth.items == [] and worth.program_runs == 0 and lm.calls == []
 
@@ -209,7 +222,7 @@ def test_of_two_items_that_stand_in_for_each_other_prune_drops_one():
         return 0.25 + 0.5 * ("E1" in pred.answer or "D1" in pred.answer) - 0.25 * ("E3" in pred.answer)
 
     dspy.configure(lm=ScriptedLM(student))
-    worth, kept = Attribution(either, Knobs(attribution=True, prune=True, num_threads=2), Checkpoint(None)).run(
+    worth, kept = Attribution(Executor(Knobs(attribution=True, prune=True, num_threads=2), either, Checkpoint(None))).run(
         dspy.Predict("question -> answer"), ["self"], learned(), queries())
     assert {it.id: it.worth for it in worth.items} == {"E1": 0.0, "E2": 0.0, "E3": -0.25, "D1": 0.0}
     assert worth.pruned == ["E3", "E1", "E2"] and [i for _, i, _ in kept.items()] == ["D1"]

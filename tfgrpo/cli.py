@@ -141,6 +141,7 @@ def _compile(config: Config, parts, policy, reflection) -> Path:
 
     from tfgrpo.optimizers import DirectExperiences, TrainingFreeGRPO
     from tfgrpo.optimizers.checkpoint import RunMismatchError
+    from tfgrpo.optimizers.knobs import resolve
     from tfgrpo.plots import learning_curve
     from tfgrpo.programs import save_program
 
@@ -160,7 +161,7 @@ def _compile(config: Config, parts, policy, reflection) -> Path:
         knobs = config.optimizer_knobs()
         optimizer = TrainingFreeGRPO(reward, reflection_lm=reflection, log_dir=str(run_dir / "checkpoint"),
                                      use_mlflow=bool(config.tracking and config.tracking.enabled), **knobs)
-        k = optimizer.resolved(str(reflection.model))  # with the `auto` preset's values
+        k = resolve(optimizer, optimizer.explicit_knobs(), str(reflection.model))[0]  # the `auto` preset applied
         console.print(f"[bold]compile[/] {len(trainset)} training problems, G={k.num_generations}, "
                       f"{k.num_train_epochs} epoch(s), batch {k.batch_size}, auto={k.auto!r} -> {run_dir}")
         try:
@@ -303,9 +304,9 @@ def _dry_run(cfg: Config) -> None:
 @contextlib.contextmanager
 def _run_dir(cfg: Config):
     """Hold the run directory for the command: a second compile or run on it is refused at once, naming the holder
-    (optimizers/lock.py); temporary files of writes a killed run left are cleared. Ctrl-C ends the command with
+    (optimizers/checkpoint.py); temporary files of writes a killed run left are cleared. Ctrl-C ends the command with
     one line that says where the finished work is, and exit code 130."""
-    from tfgrpo.optimizers.lock import RunLock, RunLockedError
+    from tfgrpo.optimizers.checkpoint import RunLock, RunLockedError
     from tfgrpo.base.util import remove_stale_tmp
 
     run_dir = Path(cfg.run_dir)

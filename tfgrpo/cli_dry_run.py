@@ -1,7 +1,10 @@
-"""`tfgrpo compile CONFIG --dry-run`: compile's own checks of the config, then upper bounds of the calls and tokens
-the run will spend; nothing is started, called or written."""
+"""`tfgrpo compile CONFIG --dry-run`: the optimizer's plan for the config (`TrainingFreeGRPO.plan`): compile's own
+checks (a refusal is compile's, with the same error), the preset, the budget, and the calls, tokens and dollars the run
+is expected to spend, with upper bounds; nothing is started, called or written."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import dspy
 from rich.console import Console
@@ -10,7 +13,7 @@ from rich.table import Table
 from tfgrpo.config import Config, LMConfig
 from tfgrpo.lms import local_dspy_lm
 from tfgrpo.optimizers import TrainingFreeGRPO
-from tfgrpo.optimizers.estimate import attribution_runs, check_run, estimate_run
+from tfgrpo.optimizers.plan import attribution_runs
 
 
 def unstarted_lm(cfg: LMConfig) -> dspy.LM:
@@ -18,51 +21,41 @@ def unstarted_lm(cfg: LMConfig) -> dspy.LM:
     started for it, and it is never called."""
     if cfg.backend == "local":
         return local_dspy_lm(cfg.model, "http://127.0.0.1:1/v1", max_tokens=cfg.max_tokens)  # named as a run names it
-    return dspy.LM(cfg.model)
+    return dspy.LM(cfg.model, max_tokens=cfg.max_tokens, **cfg.extra)
 
 
 def dry_run(cfg: Config, parts, data: tuple[list, list | None, list | None], knobs: dict, console: Console) -> None:
-    """Refuse what compile would refuse (the same error), else print the estimate (`optimizers/estimate.py`) and
-    what the budgets cap. `data`: the trainset, valset and attribution set (None where the config names none)."""
-    t, (trainset, valset, held_out) = cfg.task, data
-    turns = t.max_iters + 1 if t.program == "react" or t.name == "web" else 1
+    """Refuse what compile would refuse (the same error), else print the plan. `data`: the trainset, valset and
+    attribution set (None where the config names none)."""
+    trainset, valset, held_out = data
     reflection = unstarted_lm(cfg.reflection_config())
-    optimizer = TrainingFreeGRPO(parts.reward, reflection_lm=reflection, **knobs)
+    optimizer = TrainingFreeGRPO(parts.reward, reflection_lm=reflection,
+                                 log_dir=str(Path(cfg.run_dir) / "checkpoint"), **knobs)
     with dspy.context(lm=unstarted_lm(cfg.policy)):
-        check_run(optimizer, parts.make(), trainset, valset, held_out)
-    path = optimizer.resolve_learning_path(reflection.model)
-    knobs = optimizer.resolved(reflection.model)  # with the `auto` preset's values
-    est = estimate_run(knobs, parts.make(), trainset, turns_per_rollout=turns, max_tokens=cfg.policy.max_tokens,
-                       learning_path=path)
-    table = Table(title=f"dry run: {est['steps']} step(s), {path} learning path, upper bounds (no call is made)")
-    for col in ("stage", "calls/step", "prompt tokens/step", "completion tokens/step"):
+        plan = optimizer.plan(parts.make(), trainset, valset, attribution_set=held_out)
+    table = Table(title=f"dry run: {plan.steps} step(s), {plan.learning_path} learning path, preset {plan.preset!r} "
+                        "(no call is made)")
+    for col in ("stage", "calls/step", "prompt tokens/step", "completion tokens/step", "$/step", "calls/step at most"):
         table.add_column(col)
-    for stage, s in est["per_step_upper_bound"].items():
-        table.add_row(stage, str(s["calls"]), f"{s['prompt_tokens']:,}", f"{s['completion_tokens']:,}")
-    total = est["total_upper_bound"]
+    for stage, s in plan.expected["per_step"].items():
+        cost = f"{s['cost']:.4f}" if s.get("cost") is not None else "n/a"
+        table.add_row(stage, f"{s['calls']:,}", f"{s['prompt_tokens']:,}", f"{s['completion_tokens']:,}", cost,
+                      f"{plan.bound['per_step'][stage]['calls']:,}")
+    total = plan.expected["total"]
+    cost = f"{total['cost']:.4f}" if total.get("cost") is not None else "n/a"
     table.add_row("[bold]run total", f"{total['calls']:,}", f"{total['prompt_tokens']:,}",
-                  f"{total['completion_tokens']:,}")
+                  f"{total['completion_tokens']:,}", cost, f"{plan.bound['total']['calls']:,}")
     console.print(table)
+    console.print(plan.summary(), markup=False, highlight=False)
+    bound = plan.bound["total"]
+    console.print(f"at most: {bound['calls']:,} calls, {bound['prompt_tokens']:,} prompt + "
+                  f"{bound['completion_tokens']:,} completion tokens (every call sent twice, replies at max_tokens)")
+    for knob, value in plan.budget.items():
+        if value is not None:
+            shown = f"${value:g}" if knob == "max_cost" else f"{value:,}"
+            console.print(f"{knob} = {shown}: charged before each unit of work, the run stops where the next one would "
+                          "not fit (a resume with a larger budget goes on)")
     held = held_out if held_out is not None else valset
-    if (worth := attribution_runs(knobs, len(trainset), len(held or []))).get("runs"):
+    if (worth := attribution_runs(plan.knobs, len(trainset), len(held or []))).get("runs"):
         console.print(f"attribution ({worth['method']}, up to {worth['items']} items): at most {worth['runs']:,} program "
-                      f"runs of {turns} call(s) on {len(held)} held-out queries, after the compile")
-    _print_budgets(knobs, est, console)
-
-
-def _print_budgets(o, est: dict, console: Console) -> None:
-    """What the budgets (of the knobs `o`, presets applied) cap of the estimate."""
-    total = est["total_upper_bound"]
-    if o.max_total_tokens is not None:
-        step = sum(s["prompt_tokens"] + s["completion_tokens"] for s in est["per_step_upper_bound"].values())
-        run = total["prompt_tokens"] + total["completion_tokens"]
-        said = f"max_total_tokens = {o.max_total_tokens:,}: the run stops after the step that reaches it"
-        console.print(f"{said}, so it uses at most {o.max_total_tokens + step:,} tokens (the budget plus one step of "
-                      f"at most {step:,}) of the {run:,} above" if o.max_total_tokens + step < run else
-                      f"{said}; at these bounds the whole run ({run:,} tokens) fits in the budget plus one step")
-    if o.max_metric_calls is not None:
-        console.print(f"max_metric_calls = {o.max_metric_calls:,}: the run stops after the step (or validation) that "
-                      "reaches it")
-    if o.max_cost is not None:
-        console.print(f"max_cost = ${o.max_cost:g}: the run stops after the step that reaches it (no price is "
-                      "estimated here)")
+                      f"runs of {plan.turns} call(s) on {len(held)} held-out queries, after the compile")

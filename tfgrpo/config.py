@@ -12,7 +12,7 @@ import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Literal, get_args, get_type_hints
+from typing import Any, Literal, get_args, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
@@ -46,6 +46,17 @@ class LMConfig(_Strict):
     # replies are samples of the same model either way, only faster
     speculative: SpeculativeMode = DEFAULT_SPECULATIVE
     parallel: int | None = Field(None, ge=1)  # local only: requests decoded together (llama-server; default: cores/2, at most 4)
+    # more settings for dspy.LM, as its keyword arguments: reasoning_effort = "low", extra_body = {...} ([policy.extra])
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("extra")
+    @classmethod
+    def _no_secret_in_extra(cls, value):
+        taken = {"model", "temperature", "max_tokens", "num_retries", "timeout", "cache", "api_base", "api_key"}
+        if clash := sorted(set(value) & taken):
+            raise ValueError(f"{clash} have keys of their own in the section (api_key: api_key_env, the NAME of the "
+                             "variable holding it); extra is for the other settings of dspy.LM")
+        return value
 
     @property
     def constrained_mode(self) -> str | None:

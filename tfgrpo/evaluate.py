@@ -17,10 +17,10 @@ from typing import Callable
 import dspy
 
 from tfgrpo.base.util import bootstrap_ci, write_atomic
-from tfgrpo.optimizers.parallel import run_parallel
+from tfgrpo.optimizers.execution import Executor, with_own_lms
+from tfgrpo.optimizers.knobs import Knobs
+from tfgrpo.optimizers.parallel import metered
 from tfgrpo.optimizers.rewards import call_metric
-from tfgrpo.optimizers.rollout import run_program, with_own_lms
-from tfgrpo.optimizers.usage import metered, stage_usage
 
 
 def evaluate_program(program: dspy.Module, examples: list, metric: Callable, *, lm: dspy.BaseLM, num_runs: int = 1,
@@ -28,32 +28,26 @@ def evaluate_program(program: dspy.Module, examples: list, metric: Callable, *, 
                      progress: Callable[[str, int, int], None] | None = None,
                      extra_metrics: dict[str, Callable] | None = None) -> list[dict]:
     """One row per (problem, run): score, tool calls, the extracted answer, and the program's error if it raised
-    (scored 0); `extra_metrics` (name -> metric) are scored too, under `metrics`. A metric that fails stops the
-    evaluation with a `MetricError`."""
+    (scored 0; `failed` when its LM call failed); `extra_metrics` (name -> metric) are scored too, under `metrics`. A
+    metric that fails stops the evaluation with a `MetricError`. Runs through the optimizer's execution layer."""
     program = program.deepcopy()
     program.set_lm(lm)
-    candidates, copies = [], []
-    for r in range(num_runs):
-        cand, lms = with_own_lms(program, **({"rollout_id": r} if num_runs > 1 else {}))
-        candidates.append(cand)
-        copies += lms
+    candidates = [with_own_lms(program, **({"rollout_id": r} if num_runs > 1 else {}))[0] for r in range(num_runs)]
     jobs = [(i, r) for i in range(len(examples)) for r in range(num_runs)]
-
-    def run(job):
-        i, r = job
-        prediction, rec = run_program(candidates[r], examples[i])
-        score, feedback = call_metric(metric, examples[i], prediction) if prediction is not None else (0.0, "")
-        row = {"program": name, "problem": i, "run": r, "score": score, "feedback": feedback,
+    stage, executor = f"evaluate {name}", Executor(Knobs(num_threads=num_threads, progress=progress), metric)
+    with executor.scope(stage):
+        records = executor.scored(stage, [(None, candidates[r], examples[i]) for i, r in jobs])
+        usage = executor.meter(stage).totals()
+    rows = []
+    for (i, r), rec in zip(jobs, records):
+        row = {"program": name, "problem": i, "run": r, "score": rec["reward"] or 0.0, "feedback": rec["feedback"],
                "answer": str((rec["outputs"] or {}).get("answer", "")), "tool_calls": rec["tool_calls"],
-               "error": rec["error"]}
+               "error": rec["error"], **({"failed": True} if rec.get("failed") else {})}
         if extra_metrics:
+            prediction = dspy.Prediction(**rec["outputs"]) if rec["outputs"] is not None else None
             row["metrics"] = {k: call_metric(m, examples[i], prediction)[0] if prediction is not None else 0.0
                               for k, m in extra_metrics.items()}
-        return row
-
-    with metered() as used:
-        rows = run_parallel(run, jobs, num_threads=num_threads, stage=f"evaluate {name}", progress=progress)
-    usage = stage_usage(used, copies)
+        rows.append(row)
     if rows:
         rows[0]["usage_total"] = usage  # tokens of the whole evaluation, kept on the first row
     return rows
@@ -70,7 +64,7 @@ def heldout_rows(program: dspy.Module, examples: list, metric: Callable, *, lm: 
                                 name=name, progress=progress)
     if rows:
         rows[0]["wall_s"] = round(time.time() - started, 1)
-        rows[0]["eval_calls"] = stage_usage(used, [])["calls"]
+        rows[0]["eval_calls"] = used.totals()["calls"]
     return rows
 
 

@@ -59,7 +59,7 @@ def local_dspy_lm(model: str, api_base: str, *, max_tokens: int, **kwargs) -> ds
 
 def _build(cfg: LMConfig, stack: contextlib.ExitStack, started: dict) -> dspy.LM:
     common = dict(temperature=cfg.temperature, max_tokens=cfg.max_tokens, num_retries=cfg.num_retries,
-                  timeout=cfg.timeout_s, cache=cfg.cache)
+                  timeout=cfg.timeout_s, cache=cfg.cache, **cfg.extra)
     if cfg.backend == "local":
         key = (cfg.model, cfg.n_ctx, cfg.n_threads, cfg.speculative, cfg.parallel)
         if key not in started:

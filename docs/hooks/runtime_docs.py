@@ -1,8 +1,8 @@
 """griffe extension: the API page shows `TrainingFreeGRPO` as `help(TrainingFreeGRPO)` does.
 
 Its knobs are declared once, in optimizers/knobs.py. Importing the class fills in its docstring's Args (one entry
-per knob) and its constructor's defaults from that declaration, so the source griffe reads has only `metric` in
-its Args and `knob(...)` calls where the defaults go. This extension imports the class and hands griffe the
+per knob) and its constructor's defaults from that declaration, so the source griffe reads has no docstring literal
+and `knob(...)` calls where the defaults go. This extension imports the class and hands griffe the
 docstring and the defaults Python has. docs/hooks/api_tree.py registers it, after griffe's dataclasses extension,
 which makes the constructor's signature from the fields.
 """
@@ -23,10 +23,9 @@ class RuntimeDocs(griffe.Extension):
             return
         from tfgrpo.optimizers.training_free_grpo import TrainingFreeGRPO
 
-        cls, static = pkg[CLASS], pkg[CLASS].docstring
-        cls.docstring = griffe.Docstring(inspect.getdoc(TrainingFreeGRPO), lineno=static.lineno,
-                                         endlineno=static.endlineno, parent=cls, parser=static.parser,
-                                         parser_options=static.parser_options)
+        cls = pkg[CLASS]  # its docstring is assigned (`__doc__ = DOC + args_doc()`), so the source shows none
+        cls.docstring = griffe.Docstring(inspect.getdoc(TrainingFreeGRPO), lineno=cls.lineno, endlineno=cls.endlineno,
+                                         parent=cls, parser="google")
         defaults = {name: p.default for name, p in inspect.signature(TrainingFreeGRPO).parameters.items()}
         for param in cls.members["__init__"].parameters:
             if defaults.get(param.name, inspect.Parameter.empty) is not inspect.Parameter.empty:

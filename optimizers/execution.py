@@ -1,0 +1,298 @@
+"""The execution layer: every unit of work of a run goes through one `Executor`.
+
+A unit is one attempt of a program on a query (a rollout, a probe attempt, a validation or attribution run), its score,
+or one learning call. For each unit the executor
+
+  1. reuses it from the checkpoint, when a run before this one finished it;
+  2. charges the budget before it starts (`Budget`): its expected tokens, dollars and metric call must fit in what is
+     left beside the units in flight, else the run stops with `BudgetExhausted`, nothing half-written;
+  3. runs it on the scope's bounded pool, metered by stage, priced by the models' prices, and saves it;
+  4. counts it as a failure when it raised, and stops the scope with `TooManyFailuresError` when more than
+     `max_failure_rate` of a stage's units failed: an outage must not pass for "nothing to learn".
+
+An attempt whose LM call failed (an `LMError`: a rate limit, a timeout, a lost connection, a prompt refused for its
+length or content) has no answer: it is never scored, and the step leaves it out of its group and the probe. Any other
+error of the program (a reply that does not parse, a tool that raises) is the program's own doing: it scores 0.
+
+A scope is one step, one validation or one attribution: its own pool, meters, failure counts and gates, opened with
+`with executor.scope(...)`. Calls and tokens come from DSPy's usage-tracker hook, which every call that reaches the
+provider reports to (replies from DSPy's cache are not counted); dollars are tokens times the model's price (DSPy's
+copy of LiteLLM's price map, or `prices=`), cached prompt tokens at the cached price.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import threading
+from typing import Any, Callable
+
+import dspy
+from dspy.utils.exceptions import LMError
+
+from tfgrpo.base.util import digest, jsonable
+from tfgrpo.optimizers.checkpoint import Checkpoint
+from tfgrpo.optimizers.knobs import Knobs
+from tfgrpo.optimizers.parallel import (POLICY_STAGES, Budget, BudgetExhausted, Failed, StageBars, TooManyFailuresError,
+                                        UsageMeter, Workers, add_usage, role_of)
+from tfgrpo.optimizers.result import Attempt
+from tfgrpo.optimizers.rewards import score_attempt
+from tfgrpo.programs.render import count_tool_calls, format_attempt
+
+logger = logging.getLogger(__name__)
+
+CONTEXT_REFUSALS = ("contextwindowexceeded", "context length", "context_length_exceeded", "maximum context",
+                    "context window", "exceeds the available context size")  # LiteLLM, OpenAI, vLLM, llama.cpp
+
+
+# -- running a program ------------------------------------------------------------------------------------------------
+def with_own_lms(program: dspy.Module, **overrides: Any) -> tuple[dspy.Module, list[dspy.BaseLM]]:
+    """A deep copy of `program` whose predictors call private copies of their LMs (the predictor's own, else
+    `dspy.settings.lm`), with `overrides` (such as rollout_id, temperature) set on the copies; and the copies. A
+    temperature is not set on a model that takes only its own (`fixed_temperature`)."""
+    program = program.deepcopy()
+    copies: dict[int, dspy.BaseLM] = {}
+    for name, predictor in program.named_predictors():
+        base = predictor.lm or dspy.settings.lm
+        if base is None:
+            raise ValueError(f"predictor {name!r} has no LM: call dspy.configure(lm=dspy.LM(...)) or set one on it")
+        if id(base) not in copies:
+            keep = fixed_temperature(base) is not None
+            copies[id(base)] = base.copy(**{k: v for k, v in overrides.items() if not (keep and k == "temperature")})
+        predictor.lm = copies[id(base)]
+    return program, list(copies.values())
+
+
+def fixed_temperature(lm: dspy.BaseLM) -> float | None:
+    """The temperature a model requires (OpenAI's o-series and gpt-5 reasoning models take only 1.0), else None."""
+    family = str(getattr(lm, "model", "")).split("/")[-1].lower()
+    reasoning = re.match(r"^(o[1345](-(mini|nano|pro))?(-\d{4}-\d{2}-\d{2})?|gpt-5(\.\d+)*(?!-chat)(-.*)?)$", family)
+    return 1.0 if reasoning else None
+
+
+def run_program(program: dspy.Module, example: dspy.Example) -> tuple[dspy.Prediction | None, dict]:
+    """Run `program` on `example`'s inputs (an async-only program, with `aforward` and no `forward`, through its event
+    loop). Returns the prediction (None when the program raised) and a JSON record of the run: `outputs`, `error` (the
+    exception as text; never raised), `failed` (the error is an LM call's), `trace` (every predictor call: name, inputs,
+    outputs, whole) and `tool_calls`."""
+    trace: list = []
+    try:
+        with dspy.context(trace=trace):
+            if not hasattr(type(program), "forward") and hasattr(type(program), "aforward"):  # an async-only program
+                prediction = asyncio.run(program.acall(**example.inputs()))
+            else:
+                prediction = program(**example.inputs())
+        outputs, error, failed = jsonable(dict(prediction.items())), None, False
+    except Exception as exc:
+        prediction, outputs, error, failed = None, None, f"{type(exc).__name__}: {exc}", _lm_failure(exc)
+    names = {id(predictor): name for name, predictor in program.named_predictors()}
+    steps = [{"predictor": names.get(id(predictor), type(predictor).__name__), "inputs": jsonable(inputs),
+              "outputs": jsonable(dict(out.items()))} for predictor, inputs, out in trace]
+    return prediction, {"outputs": outputs, "error": error, "failed": failed, "trace": steps,
+                        "tool_calls": count_tool_calls(outputs)}
+
+
+def _lm_failure(exc: BaseException) -> bool:
+    """Whether an error came from an LM call that failed (DSPy's `LMError`s, wherever in the chain of causes)."""
+    while exc is not None:
+        if isinstance(exc, LMError):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+# -- the executor -----------------------------------------------------------------------------------------------------
+class Executor:
+    """Runs every unit of work of a run (see the module docstring): `attempt` (a program on an example, scored in the
+    same unit or later by `score`), `scored` (attempts scored: the probe, validation, the attribution) and `call` (a
+    learning call), each checkpointed, charged to `budget` and metered by stage; `map` and `each` run any function on
+    the scope's pool. Open a `scope()` around each step, validation or attribution."""
+
+    def __init__(self, knobs: Knobs, metric: Callable, ckpt: Checkpoint | None = None, *, budget: Budget | None = None,
+                 prices: dict | None = None):
+        self.knobs, self.metric, self.ckpt = knobs, metric, ckpt or Checkpoint(None)
+        self.budget, self.custom_prices, self.prices = budget or Budget(knobs), prices, {}
+        self.spent: dict[str, dict] = {"policy": {}, "reflection": {}}  # by this process, every scope
+        self.direct_calls = 0  # LM calls of the program outside its predictors (they get no library)
+        self._lock, self._cond = threading.Lock(), threading.Condition()
+        self.name = self.prefix = ""
+        self.meters, self.failures, self.work, self.tally = {}, {}, None, lambda usage: None
+
+    @contextlib.contextmanager
+    def scope(self, name: str, groups: list = (), *, prefix: str = "", tally: Callable[[dict], None] | None = None):
+        """A step, validation or attribution (`name`, as errors say it): its pool, its meters by stage (`meter`), its
+        failure counts (`check`), and the groups (`groups`, each on a thread of its own) whose stages `settle` waits
+        on. `tally(usage)` is told after each unit; learning calls are saved under `prefix` (the step's folder). An
+        enclosing `dspy.track_usage()` receives every call of the scope once, as it ends."""
+        self.prefix, self.name, self.meters, self.failures = prefix, name, {}, {}
+        self.tally, outer, bars = tally or (lambda usage: None), dspy.settings.usage_tracker, StageBars()
+        self.expect(groups)
+        with Workers(self.knobs.num_threads, progress=self.knobs.progress or bars, meters=self.meters) as self.work:
+            try:
+                yield self
+            finally:
+                bars.close()
+                for stage, meter in self.meters.items():
+                    add_usage(self.spent[role_of(stage)], meter.totals())
+                    for lm, entries in (meter.usage_data.items() if outer is not None else ()):
+                        outer.usage_data[lm].extend(entries)
+
+    def meter(self, stage: str) -> UsageMeter:
+        """The stage's meter in this scope (`meter(stage).totals()`: its calls, tokens and dollars so far)."""
+        with self._lock:
+            if stage not in self.meters:
+                self.meters[stage] = UsageMeter(self.prices, self.custom_prices)
+            return self.meters[stage]
+
+    def map(self, stage: str, fn: Callable, items: list) -> list:
+        """`[fn(item) for item in items]` on the scope's pool, shown as `stage`."""
+        self.meter(stage)
+        return self.work.map(stage, fn, items)
+
+    def each(self, fn: Callable, items: list) -> list:
+        """`[fn(item) for item in items]`, each item on a thread of its own (a group of a step, which waits on its
+        units)."""
+        return self.work.each(fn, items)
+
+    # -- units ----------------------------------------------------------------------------------------------------
+    def _unit(self, stage: str, fn: Callable[[], Any], metric_calls: int = 0) -> Any:
+        """Run `fn` as one unit of `stage`: charged before it starts, under a meter of its own, then counted."""
+        share, own = self.budget.reserve(stage, metric_calls), UsageMeter(self.prices, self.custom_prices)
+        value = None
+        try:
+            with dspy.context(usage_tracker=own):
+                value = fn()
+        finally:
+            stage_meter = self.meter(stage)
+            with stage_meter._lock:
+                for lm, entries in own.usage_data.items():
+                    stage_meter.usage_data[lm].extend(entries)
+            failed = isinstance(value, dict) and value.get("failed")
+            self.budget.release(stage, share, own.totals(), 0 if failed else metric_calls)
+        if own.direct_calls() and not self.direct_calls:
+            logger.warning("The program called an LM outside its predictors (dspy.settings.lm(...) or an LM of its own, "
+                           "called directly): tfgrpo puts what it learns into the predictors' instructions and demos, "
+                           "so those calls get none of it. Make them through a dspy.Predict to have them learn too.")
+        self.direct_calls += own.direct_calls()
+        return value
+
+    def _done(self, stage: str, error: str | None) -> None:
+        """A unit of `stage` has ended (`error`: it failed): counted, and the scope's usage told to its tally."""
+        with self._lock:
+            errors, total = self.failures.get(stage, ([], 0))
+            self.failures[stage] = (errors + ([error] if error else []), total + 1)
+        self.tally({s: meter.totals() for s, meter in list(self.meters.items())})
+
+    def attempt(self, stage: str, key: str | None, program: dspy.Module, example: dspy.Example, *,
+                score: bool = False) -> dict:
+        """One attempt of `program` (with its own LM copies) on `example`, scored in the same unit with `score`: its
+        record (outputs, error, `failed` when its LM call failed, trace, the attempt's text; with `score`, `reward`,
+        None for a failed one, `feedback`, and `timeout` for a metric call that timed out). Saved under `key` unless
+        it raised or timed out (a resume runs it again); counted as a failure when it did."""
+        if key is not None and (record := self.ckpt.get(key)) is not None:
+            self.budget.add({}, metric_calls=1)  # reused: it counts in the run's metric calls all the same
+        else:
+            metric = self.metric if score else None
+            record = self._unit(stage, lambda: _attempt_record(program, example, metric, self.knobs.metric_timeout_s),
+                                metric_calls=1)
+            if key is not None and not record["error"] and "timeout" not in record:
+                self.ckpt.put(key, record)
+        self._done(stage, record["error"] or record.get("timeout"))
+        return record
+
+    def scored(self, stage: str, jobs: list[tuple[str | None, dspy.Module, dspy.Example]]) -> list[dict]:
+        """`attempt(stage, key, program, example, score=True)` for each job (key, program, example), on the pool."""
+        return self.map(stage, lambda job: self.attempt(stage, *job, score=True), jobs)
+
+    def score(self, key: str, attempt: Attempt, example: dspy.Example) -> dict:
+        """`reward` and `feedback` of an answered attempt against `example` (the ground truth, or its group's majority
+        answer), saved under `key`; a metric call that timed out scores 0 with its message under `timeout`, unsaved."""
+        return self.ckpt.unit(key, lambda: score_attempt(self.metric, example, attempt.to_record(),
+                                                         self.knobs.metric_timeout_s),
+                              keep=lambda r: "timeout" not in r, then=lambda: self._done("reward", None))
+
+    def call(self, stage: str, name: str, fn: Callable[[], Any]) -> Any:
+        """One learning call on the pool (see `calls`)."""
+        return self.calls(stage, [(name, fn)])[0]
+
+    def calls(self, stage: str, units: list[tuple[str, Callable[[], Any]]]) -> list[Any]:
+        """Learning calls on the scope's pool, in order: each the value saved under the scope's `prefix/name`, or `fn()`
+        (charged, metered under `stage`) saved; one that raises is returned as a `Failed` and counted as a failure of
+        its stage."""
+        def one(unit):
+            name, fn = unit
+            key = f"{self.prefix}/{name}"
+            if (value := self.ckpt.get(key)) is None:
+                try:
+                    value = self._unit(stage, fn)
+                except BudgetExhausted:
+                    raise
+                except Exception as exc:  # a failed learning call is counted, not fatal
+                    value = Failed(exc)
+                else:
+                    self.ckpt.put(key, value)
+            self._done(stage, value.error if isinstance(value, Failed) else None)
+            return value
+        return self.map(stage, one, units)
+
+    # -- the failure rule --------------------------------------------------------------------------------------------
+    def expect(self, groups: list) -> None:
+        """The groups `settle` waits for from now on (a step's next round of queries: dynamic sampling); the stages'
+        checks run again, on every unit so far."""
+        with self._cond:
+            self._groups, self._arrived, self._left, self._verdicts = set(groups), {}, set(), {}
+
+    def settle(self, stage: str, group, failed: bool) -> None:
+        """`group` has reached `stage`. One that saw failures there waits until every group of the scope has reached it
+        (or left), and the stage's failure check (`check`) has passed, before it spends more on its query: the check
+        must see all of the stage's units. It runs once per stage; its verdict is every waiter's."""
+        with self._cond:
+            self._arrived.setdefault(stage, set()).add(group)
+            self._cond.notify_all()
+            if not failed:
+                return
+            self._cond.wait_for(lambda: self._groups <= self._arrived.get(stage, set()) | self._left)
+            if stage not in self._verdicts:
+                try:
+                    self.check(stage)
+                    self._verdicts[stage] = None
+                except TooManyFailuresError as exc:
+                    self._verdicts[stage] = exc
+            if self._verdicts[stage] is not None:
+                raise self._verdicts[stage]
+
+    def leave(self, group) -> None:
+        """`group` is done, or failed: it counts as arrived at every stage."""
+        with self._cond:
+            self._left.add(group)
+            self._cond.notify_all()
+
+    def check(self, stage: str) -> None:
+        """Stop the scope, unfinished, when more than `max_failure_rate` of the stage's units failed: a resume redoes
+        the failed units."""
+        errors, total = self.failures.get(stage, ([], 0))
+        if total and len(errors) > self.knobs.max_failure_rate * total:
+            units = "attempts" if stage in POLICY_STAGES else f"{stage} calls"
+            where = str(self.ckpt.root) if self.ckpt.root is not None else None
+            raise TooManyFailuresError(f"{self.name}: {len(errors)} of {total} {units} failed (first: {errors[0]}); "
+                                       f"finished work is kept in log_dir={where!r}")
+
+
+def _attempt_record(program: dspy.Module, example: dspy.Example, metric: Callable | None,
+                    timeout_s: float | None) -> dict:
+    """An attempt's checkpoint record: `run_program`'s, with the attempt as the learning calls read it; with `metric`,
+    its score too (none for an attempt whose LM call failed)."""
+    _, rec = run_program(program, example)
+    rec["attempt"] = format_attempt(dict(example.inputs().items()), rec["outputs"], rec["trace"], rec["error"])
+    if metric is None:
+        return rec
+    if rec["failed"]:
+        return {**rec, "reward": None, "feedback": ""}
+    return {**rec, **score_attempt(metric, example, rec, timeout_s)}
+
+
+def rollout_id(*parts) -> int:
+    """A stable rollout ID for DSPy's cache and the provider's sampling, from `parts` (seed, step, attempt)."""
+    return int(digest(list(parts)), 16) % 2**31

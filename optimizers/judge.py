@@ -1,0 +1,347 @@
+"""The judge: which of a step's lessons and winning attempts the program keeps.
+
+Without a probe, every valid operation of the plan is applied, as in the paper, and with `max_demos` the winning
+attempts with the highest group advantage become demos: a group's best attempt that fully succeeded while its groupmates
+did worse (a small policy model copies a working example far better than it follows advice; only full successes
+qualify, since a half-right example teaches its mistakes too).
+
+With `probe_size > 0`, each candidate edit is tried first, as GEPA keeps a candidate only when it scores better on the
+minibatch: the program as it is and the program with one candidate edit each (every operation of the plan, each
+candidate demo) make one attempt on the same `probe_size` training queries outside the step's batch (never a held-out
+one). A winning attempt is not yet a good lesson: on the Game of 24 a program that only sums wins on 3 7 7 7, and a
+small policy model copies it faithfully everywhere.
+
+A probe ranks programs by full successes (reward 1) first and mean reward second; partial credit alone misleads it (on
+the Game of 24, demos chosen by mean partial reward taught the 1.5B to print any expression of the four numbers and it
+then solved 0 of 48 held-out puzzles). A library operation is kept when it ranks no lower than the current program; a
+demo, or an experience carrying an excerpt (code the policy will copy), only when it adds full successes (by a sign
+test at `probe_alpha`), and only the best such candidate of each kind is kept; of two edits of one experience (a rewrite,
+a retirement) only the better. A probe slot left over retires one current experience in turn, when the program ranks no
+lower without it. The candidates run query by query, and one whose verdict is known runs no more queries. A probe query
+on which an attempt's LM call failed leaves the probe, for every program alike, so the comparison stays paired.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import statistics
+from dataclasses import dataclass, field
+
+import dspy
+
+from tfgrpo.base.util import digest
+from tfgrpo.optimizers.checkpoint import Keys
+from tfgrpo.optimizers.execution import Executor, rollout_id, with_own_lms
+from tfgrpo.optimizers.learning_paths import Lessons
+from tfgrpo.optimizers.result import Group, solved_by
+from tfgrpo.programs.inject import with_learned
+from tfgrpo.programs.render import query_key
+from tfgrpo.signatures.operations import Operation
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the judge hands on: the operations to apply, the demos, what is known of the queries the program it hands on
+    solves (query -> solved), the probe's record (None when no probe ran) and demo candidates for the next step."""
+
+    plan: list[Operation]
+    demos: list[dict]
+    evidence: dict[int, bool]
+    record: dict | None = None
+    found: list[dict] = field(default_factory=list)
+
+
+def judge(run, state, step: int, groups: list[Group], lessons: Lessons) -> Verdict:
+    """The verdict on a step's lessons and winning attempts: the probe's with `probe_size`, else every operation of the
+    plan and (with `max_demos`) the demos by group advantage."""
+    knobs = run.knobs
+    evidence = solved_by(groups, knobs.num_generations - knobs.num_explore_generations, state.evidence)
+    if knobs.probe_size:
+        return probe_edits(run, state, step, groups, lessons.plan)
+    if knobs.max_demos:
+        new = demo_candidates([g for g in groups if g.informative], step)
+        demos = best_demos(state.demos + new, knobs.max_demos)
+        return Verdict(plan=lessons.plan, demos=demos, evidence={} if demos != state.demos else evidence)
+    return Verdict(plan=lessons.plan, demos=state.demos, evidence=evidence)
+
+
+# -- demos ------------------------------------------------------------------------------------------------------------
+def demo_candidates(groups: list[Group], step: int, *, min_reward: float = 1.0,
+                    explore_from: int | None = None) -> list[dict]:
+    """Per informative group: its best attempt, if its reward reaches `min_reward` (1: it fully succeeded; a probe
+    judges candidates by what they do elsewhere, so it takes any that scored), with its group advantage.
+
+    `explore_from`: attempts from this index on ran without the demos (`num_explore_generations`). Then what the
+    current program does on every one of its attempts alike is no candidate (a small model's copy of its demo: the
+    demo it already has); the best of the other attempts is."""
+    found = []
+    for group in groups:
+        attempts = group.attempts
+        own = {a.reward for a in attempts if explore_from is not None and a.g < explore_from}
+        if explore_from is not None and len(own) == 1 and any(a.g >= explore_from for a in attempts):
+            attempts = tuple(a for a in attempts if a.g >= explore_from)  # the current program's copies teach nothing
+        best = max(attempts, key=lambda a: (a.reward, -a.g))
+        if best.reward >= min_reward and best.reward > 0 and not best.error and best.trace:
+            found.append({"query": group.key, "step": step, "reward": best.reward,
+                          "advantage": best.reward - statistics.fmean(group.rewards), "trace": best.trace})
+    return found
+
+
+def best_demos(demos: list[dict], n: int, score: str = "advantage") -> list[dict]:
+    """The `n` demos with the highest `score` (their group "advantage", or a probe's "gain"; the earlier step first on
+    ties), one per query."""
+    best_per_query: dict[str, dict] = {}
+    for demo in sorted(demos, key=lambda d: (-d.get(score, 0.0), d["step"], d["query"])):
+        best_per_query.setdefault(demo["query"], demo)
+    return list(best_per_query.values())[: max(n, 0)]
+
+
+# -- the probe --------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Candidate:
+    """One edit to probe: library operations, or a demo (a winning attempt's trace)."""
+
+    label: str  # how logs and the step record name it
+    operations: tuple[Operation, ...] = ()
+    demo: dict | None = None
+
+    @property
+    def shows_code(self) -> bool:
+        """A demo, or an operation that adds or rewrites an experience with an excerpt: something the policy will
+        copy, so it is held to a demo's standard."""
+        return self.demo is not None or any(getattr(op, "excerpt", "") and op.action in ("add", "modify")
+                                            for op in self.operations)
+
+    @property
+    def targets(self) -> set[str]:
+        """The current experiences this edit rewrites, merges or retires."""
+        return {i for op in self.operations if op.action != "add" for i in op.ids}
+
+
+def sign_test_p(wins: int, losses: int) -> float:
+    """One-sided sign test: the chance of `wins` or more wins in `wins + losses` fair coin tosses (1.0 for none)."""
+    n = wins + losses
+    return sum(math.comb(n, k) for k in range(wins, n + 1)) / 2 ** n if n else 1.0
+
+
+def keeps(candidate: Candidate, score: tuple[int, float], base: tuple[int, float], paired: tuple[int, int] = (0, 0), *,
+          keep_ties: bool = False, alpha: float = 1.0) -> bool:
+    """A demo, or an experience that carries code (an excerpt), must win more probe queries than it loses (`paired`:
+    its wins, solved by it and not by the current program, and its losses, the reverse) by a one-sided sign test at
+    level `alpha`; any other operation must rank no lower (successes, then mean reward). With `keep_ties`, a demo that
+    ranks no lower is kept as well when the current program already solves at least one probe query."""
+    if candidate.demo is not None and keep_ties and base[0] >= 1 and score >= base:
+        return True
+    if candidate.shows_code:
+        wins, losses = paired
+        return wins > losses and sign_test_p(wins, losses) <= alpha
+    return score >= base
+
+
+def probe_queries(trainset_size: int, batch: list[int], size: int, *, seed: int, step: int,
+                  unsolved: set[int] = frozenset()) -> list[int]:
+    """`size` training queries outside the step's batch (all of the trainset when the batch covers it), drawn
+    the same way on a resume. With `unsolved` (queries the current program is known to fail: `focus_on_failures`),
+    up to half of them are such failures, where an edit can show a gain; the rest are drawn from the others."""
+    pool = [i for i in range(trainset_size) if i not in set(batch)] or list(range(trainset_size))
+    rng = random.Random(int(digest([seed, step, "probe"]), 16))
+    failing = [i for i in pool if i in unsolved]
+    chosen = rng.sample(failing, min(len(failing), (size + 1) // 2)) if failing else []
+    others = [i for i in pool if i not in set(chosen)]
+    return sorted(chosen + rng.sample(others, min(size - len(chosen), len(others))))
+
+
+class Probe:
+    """The statistics of a probe: program 0 is the current one, program 1 + c carries candidate c. `run` asks the
+    executor for the attempts, query by query, and leaves the verdicts in `kept`, with each program's (successes, mean)
+    in `base` and `scores`, the queries each ran (`tried`) and solved (`solved`), their solving traces (`traces`) and
+    how many queries each candidate ran (`ran`)."""
+
+    def __init__(self, candidates: list[Candidate], queries: list[int], *, alpha: float = 1.0, keep_ties: bool = False):
+        self.candidates, self.queries, self.alpha, self.keep_ties = candidates, list(queries), alpha, keep_ties
+        self.found: dict[tuple[int, int], dict] = {}  # (program, query) -> its attempt's reward, error, trace
+        self.base: tuple[int, float] = (0, 0.0)
+
+    def run(self, executor: Executor, programs: list[dspy.Module], trainset: list,
+            keys: tuple[str, int] | None = None) -> Probe:
+        """Run the probe: `keys` (the current program's digest, the step) name its checkpoint units; None keeps none."""
+        def ask(jobs):  # the current program's attempts are kept by what it is, not by step: a later step whose program
+            # has not changed reuses them on the probe queries it shares with this one
+            units = [(None if keys is None else Keys.probe_base(keys[0], qi) if p == 0 else Keys.probe(keys[1], p, qi),
+                      programs[p], trainset[qi]) for p, qi in jobs]
+            for (p, qi), rec in zip(jobs, executor.scored("probe", units)):
+                if rec.get("failed") and qi in self.queries:  # no answer: the query leaves the probe, for all
+                    logger.warning("Probe: an LM call failed on training query %d (%s); it leaves the probe", qi,
+                                   rec["error"])
+                    self.queries.remove(qi)
+                elif not rec.get("failed"):
+                    self.found[(p, qi)] = {"reward": rec["reward"], "trace": rec["trace"] if rec["reward"] >= 1 else []}
+
+        ask([(0, qi) for qi in self.queries])  # the bar every candidate must clear
+        self.base = self.score(0)
+        alive = list(range(len(self.candidates)))
+        for qi in list(self.queries):
+            if qi in self.queries:
+                ask([(1 + c, qi) for c in alive])
+                self.base = self.score(0)
+            alive = [c for c in alive if self._possible(c, alive)]
+        self._verdicts(alive)
+        return self
+
+    # -- what the attempts show ------------------------------------------------------------------------------------
+    def _hit(self, p: int, qi: int) -> bool:
+        return self.found[(p, qi)]["reward"] >= 1
+
+    def rewards(self, p: int) -> list[float]:
+        """Program p's rewards on the probe queries it has run."""
+        return [self.found[(p, qi)]["reward"] for qi in self.queries if (p, qi) in self.found]
+
+    def score(self, p: int) -> tuple[int, float]:
+        """Full successes and mean reward over the queries program p has run."""
+        rs = self.rewards(p)
+        return sum(r >= 1 for r in rs), statistics.fmean(rs or [0.0])
+
+    def paired(self, c: int) -> tuple[int, int, int, int]:
+        """Candidate c's wins and losses against the current program so far, and the wins and losses still possible."""
+        ran = [qi for qi in self.queries if (1 + c, qi) in self.found]
+        left = [qi for qi in self.queries if (1 + c, qi) not in self.found]
+        wins = sum(self._hit(1 + c, qi) and not self._hit(0, qi) for qi in ran)
+        losses = sum(self._hit(0, qi) and not self._hit(1 + c, qi) for qi in ran)
+        return wins, losses, sum(not self._hit(0, qi) for qi in left), sum(self._hit(0, qi) for qi in left)
+
+    def _bound(self, c: int, case: str) -> tuple[bool, tuple[int, float]]:
+        """Whether c is kept, and its (successes, mean), if every query left goes its way ("best") or against it
+        ("worst"); widened by a rounding error's width, so a tie is never cut short."""
+        wins, losses, can_win, can_lose = self.paired(c)
+        rs, n, left = self.rewards(1 + c), max(len(self.queries), 1), can_win + can_lose
+        if case == "best":
+            point, wins = (sum(r >= 1 for r in rs) + left, (sum(rs) + left) / n + 1e-9), wins + can_win
+        else:
+            point, losses = (sum(r >= 1 for r in rs), sum(rs) / n - 1e-9), losses + can_lose
+        return keeps(self.candidates[c], point, self.base, (wins, losses), keep_ties=self.keep_ties,
+                     alpha=self.alpha), point
+
+    def _possible(self, c: int, alive: list[int]) -> bool:
+        """Can candidate c still be kept? (One demo is kept, the best: can c still be it?)"""
+        ok, best_case = self._bound(c, "best")
+        if not ok:
+            return False
+        return self.candidates[c].demo is None or not any(
+            d != c and self.candidates[d].demo is not None and self._bound(d, "worst")[0]
+            and (self._bound(d, "worst")[1], d) > (best_case, c) for d in alive)
+
+    def _verdicts(self, alive: list[int]) -> None:
+        candidates = self.candidates
+        self.scores = [self.score(1 + c) for c in range(len(candidates))]
+        kept = [c in alive and keeps(candidates[c], self.scores[c], self.base, self.paired(c)[:2], keep_ties=self.keep_ties,
+                                     alpha=self.alpha) for c in range(len(candidates))]
+        # code competes: one demo (the step keeps the set it was probed with) and one experience with an excerpt; and
+        # one edit per current experience (a rewrite and a retirement of it cannot both be kept)
+        kinds = [lambda c: c.demo is not None, lambda c: c.demo is None and c.shows_code]
+        kinds += [lambda c, t=t: t in c.targets for t in sorted({t for c in candidates for t in c.targets})]
+        for kind in kinds:
+            wins = [(score, i) for i, (c, score, k) in enumerate(zip(candidates, self.scores, kept)) if k and kind(c)]
+            best = max(wins)[1] if wins else None
+            kept = [k and (not kind(c) or i == best) for i, (c, k) in enumerate(zip(candidates, kept))]
+        self.kept, programs = kept, range(len(candidates) + 1)
+        self.ran = [len(self.rewards(1 + c)) for c in range(len(candidates))]
+        self.tried = [[qi for qi in self.queries if (p, qi) in self.found] for p in programs]
+        self.solved = [[qi for qi in ran if self._hit(p, qi)] for p, ran in enumerate(self.tried)]
+        self.traces = [{qi: self.found[(p, qi)]["trace"] for qi in self.solved[p]
+                        if self.found[(p, qi)].get("trace")} for p in programs]
+        for c, (s, m), k, r in zip(candidates, self.scores, self.kept, self.ran):
+            logger.info("Probe: %s: %d solved of %d run, mean %.3f vs %d, %.3f now -> %s", c.label, s, r, m,
+                        *self.base, "kept" if k else "dropped")
+
+    def record(self) -> dict:
+        """The probe as the step's record holds it."""
+        return {"queries": self.queries, "base_successes": self.base[0], "base_mean": self.base[1],
+                "base_solved": self.solved[0],
+                "attempts_run": len(self.queries) + sum(self.ran),  # the current program's, then the candidates'
+                "attempts_saved": sum(len(self.queries) - n for n in self.ran),
+                "candidates": [{"edit": c.label, "successes": s, "mean": m, "queries_run": n, "kept": k,
+                                "solved": solved} for c, (s, m), k, n, solved in zip(
+                    self.candidates, self.scores, self.kept, self.ran, self.solved[1:])]}
+
+
+def probe_edits(run, state, step: int, groups: list[Group], plan: list[Operation]) -> Verdict:
+    """The step's probe: the plan's operations and the demo candidates, each tried against the current program on the
+    same training queries outside the step's queries; kept as `Probe` says."""
+    knobs, library, demos = run.knobs, state.library, state.demos
+    evidence = solved_by(groups, knobs.num_generations - knobs.num_explore_generations, state.evidence)
+    candidates, unprobed = _candidates(knobs, state, step, groups, plan)
+    if not candidates:
+        return Verdict(plan=[], demos=demos, evidence=evidence, record={"candidates": [], "unprobed": unprobed})
+    programs = [with_learned(run.program, run.targets, library, demos)]
+    for c in candidates:
+        if c.demo is not None:  # the demo replaces the weakest of the kept ones, last: what a small model copies
+            programs.append(with_learned(run.program, run.targets, library,
+                                         best_demos(demos, knobs.max_demos - 1, "gain") + [c.demo]))
+        else:
+            trial = library.copy()
+            trial.apply(list(c.operations), step=step, quiet=True)  # said once, as it was proposed
+            programs.append(with_learned(run.program, run.targets, trial, demos))
+    seed = rollout_id(knobs.seed, step, "probe")
+    runnable = [with_own_lms(p, rollout_id=seed, temperature=knobs.temperature)[0] for p in programs]
+    unsolved = {q for q, ok in state.evidence.items() if not ok} if knobs.focus_on_failures else set()
+    queries = probe_queries(len(run.trainset), [g.index for g in groups], knobs.probe_size, seed=knobs.seed, step=step,
+                            unsolved=unsolved)
+    current = digest([[e.model_dump() for e in library.active.values()], demos])
+    probe = Probe(candidates, queries, alpha=knobs.probe_alpha, keep_ties=knobs.keep_tied_demos).run(
+        run.executor, runnable, run.trainset, keys=(current, step))
+    kept_ops = [op for c, k in zip(candidates, probe.kept) if k for op in c.operations]
+    best = next((i for i, (c, k) in enumerate(zip(candidates, probe.kept))  # a demo is shown solving its query
+                 if k and c.demo is not None and (c.demo["reward"] >= 1 or probe.traces[1 + i])), None)
+    if best is not None:  # the demo set the winning candidate demo was probed with
+        demos = best_demos(demos, knobs.max_demos - 1, "gain") + [_shown_demo(candidates[best].demo, best, probe,
+                                                                                      run.trainset)]
+        evidence = {qi: qi in probe.solved[1 + best] for qi in probe.tried[1 + best]}  # the new program's
+    else:
+        evidence.update({qi: qi in probe.solved[0] for qi in probe.tried[0]})
+    found = _found(state, step, probe, run.trainset) if knobs.max_demos else []
+    return Verdict(plan=kept_ops, demos=demos, evidence=evidence, record={"unprobed": unprobed, **probe.record()},
+                   found=found)
+
+
+def _found(state, step: int, probe: Probe, trainset: list) -> list[dict]:
+    """Demo candidates for the next step, found on the way: the probe's attempts that solved their query, made by a
+    program without demos (the current one, or one with a candidate rule). Each is a fresh sample of what the model
+    writes; an attempt made with a demo in the prompt is mostly that demo again."""
+    demo_free = [not state.demos] + [not state.demos and c.demo is None for c in probe.candidates]
+    return [{"query": query_key(trainset[qi], qi), "step": step, "reward": 1.0, "advantage": 0.0, "trace": trace}
+            for p, free in enumerate(demo_free) if free for qi, trace in probe.traces[p].items()]
+
+
+def _candidates(knobs, state, step: int, groups: list[Group], plan: list[Operation]) -> tuple[list[Candidate], int]:
+    """The edits to probe (demos first, half the slots at most; then the plan's operations the library accepts; a
+    spare slot retires a current experience in turn), and how many were left out."""
+    explore_from = knobs.num_generations - knobs.num_explore_generations if knobs.num_explore_generations else None
+    found = demo_candidates([g for g in groups if g.informative], step, min_reward=0.0, explore_from=explore_from) + \
+        list(state.pending) if knobs.max_demos else []
+    found = sorted(found, key=lambda d: (-d["reward"], -d["advantage"], d["query"]))[: (knobs.max_probed_edits + 1) // 2]
+    candidates = [Candidate(label=f"demo from {d['query']} (reward {d['reward']:.2f})", demo=d) for d in found]
+    library = state.library
+    for op in plan:
+        if len(candidates) >= knobs.max_probed_edits:
+            break
+        if library.copy().apply([op], step=step).num_applied:  # one the library refuses is not worth a probe
+            candidates.append(Candidate(label=f"{op.action} {op.ids or ''} {op.text[:60]!r}", operations=(op,)))
+    if library.active and len(candidates) < knobs.max_probed_edits:  # a spare slot: must a current experience stay?
+        target = list(library.active)[step % len(library.active)]  # each in turn
+        candidates.append(Candidate(label=f"retire {target}", operations=(Operation(action="delete", ids=[target]),)))
+    return candidates, max(0, len(plan) + len(found) - len(candidates))
+
+
+def _shown_demo(demo: dict, c: int, probe: Probe, trainset: list) -> dict:
+    """The winning demo as it is kept: with its probe gain; shown as an attempt that solved its own query (a candidate
+    judged by what it did on other queries may have failed its own: then its attempt on a probe query it solved)."""
+    solved, mean = probe.scores[c]
+    demo = dict(demo, gain=solved - probe.base[0] + mean - probe.base[1])
+    if demo["reward"] < 1:
+        qi = next(iter(probe.traces[1 + c]))
+        demo.update(query=query_key(trainset[qi], qi), reward=1.0, trace=probe.traces[1 + c][qi])
+    return demo

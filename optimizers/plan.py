@@ -1,0 +1,360 @@
+"""What a compile will do, checked and priced before anything is spent: `TrainingFreeGRPO.plan(...)`.
+
+`compile` makes its plan first, and the CLI's dry run prints the same object: every check compile makes (the program,
+the examples, the LMs, a budget that can be measured, a `log_dir` that holds another run), the preset and learning path
+chosen, the budget, and what the run is expected to send, in calls, tokens and dollars. Nothing is called or written.
+
+The estimate assumes that every group has reward contrast (so every learning call is made: an upper bound for them)
+and that no reply fails; prompts are the program's own, rendered by DSPy's chat adapter for the training queries, with
+a library that grows to `EXPECTED_LIBRARY` experiences over the run; replies are counted at `reply_tokens` (default:
+half the policy LM's `max_tokens` for the program, `LEARNING_REPLY` for a learning call). Dollars are those tokens at
+the models' prices, with no prompt cache (providers that cache a repeated prefix bill less).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import statistics
+from dataclasses import dataclass, field
+
+import dspy
+from dspy.adapters.chat_adapter import ChatAdapter
+
+from tfgrpo.optimizers.checkpoint import Checkpoint, code_fingerprint, fingerprint_changes
+from tfgrpo.optimizers.execution import fixed_temperature
+from tfgrpo.optimizers.parallel import model_price
+from tfgrpo.optimizers.knobs import Knobs, fingerprinted_knobs, model_size_b, resolve
+from tfgrpo.programs.inject import resolve_targets, starting_library
+from tfgrpo.programs.learning import AdvantageExtractor, Consolidator, Summarizer
+from tfgrpo.programs.library import ExperienceLibrary
+from tfgrpo.base.util import digest
+
+logger = logging.getLogger(__name__)
+
+EXAMPLE_HINT = "dspy.Example(question=..., answer=...).with_inputs('question')"
+CHARS_PER_TOKEN = 4
+EXPECTED_LIBRARY = 30  # experiences a run's library grows to (the paper's libraries hold a few dozen)
+LEARNING_REPLY = 150  # tokens of a learning call's reply, when `reply_tokens` does not say
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A compile before it starts (`TrainingFreeGRPO.plan`).
+
+    Attributes:
+        knobs: The knobs the run uses: yours, with the `auto` preset's values for those you did not pass.
+        preset: The preset `auto` took (None: off).
+        learning_path: "paper", "contrast" or your path's class name.
+        models: The policy models (by predictor) and the reflection model.
+        steps: Optimization steps the run makes.
+        turns: LM calls one attempt of the program makes (a ReAct loop: its `max_iters` and the extract).
+        expected: Expected calls, prompt and completion tokens and dollars (None: no price known): `per_step` by stage,
+            and the whole run's `total` (steps, validation, attribution) with its `metric_calls`.
+        bound: The same, as upper bounds (every call sent twice, every rewrite made, replies at the `max_tokens` cap).
+        budget: `max_cost`, `max_total_tokens` and `max_metric_calls` as the run uses them (None: no limit).
+        resume: `saved_units` found in `log_dir` (a resume reuses them), 0 for a new run.
+        notes: What the checks found worth a word (duplicates, a valset that overlaps the trainset, ...).
+    """
+
+    knobs: Knobs
+    preset: str | None
+    learning_path: str
+    models: dict
+    steps: int
+    turns: int
+    expected: dict
+    bound: dict
+    budget: dict
+    resume: dict
+    notes: list[str] = field(default_factory=list)
+    fingerprint: dict = field(default_factory=dict, repr=False)  # what a resume of the run must match
+    targets: list[str] = field(default_factory=list, repr=False)
+    library: ExperienceLibrary | None = field(default=None, repr=False)  # the starting library
+
+    def summary(self) -> str:
+        """The plan in a few lines, as the run starts and the dry run print it."""
+        total, b = self.expected["total"], self.budget
+        cost = f"${total['cost']:.4f}" if total.get("cost") is not None else "no price known"
+        limits = ", ".join(f"{k}={v:g}" for k, v in b.items() if v is not None) or "none"
+        lines = [f"plan: preset {self.preset!r}, {self.learning_path} path, {self.steps} step(s) of "
+                 f"{self.knobs.batch_size} queries x {self.knobs.num_generations} attempts; reflection model "
+                 f"{self.models['reflection']!r}",
+                 f"expected: {total['calls']:,} calls, {total['prompt_tokens']:,} prompt + "
+                 f"{total['completion_tokens']:,} completion tokens, {cost}, {total['metric_calls']:,} metric calls "
+                 "(every group with contrast, no prompt cache)", f"budget: {limits}"]
+        if self.resume.get("saved_units"):
+            lines.append(f"resume: {self.resume['saved_units']} finished unit(s) in log_dir are reused")
+        return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+
+def make_plan(optimizer, student: dspy.Module, trainset: list, valset: list | None = None,
+              attribution_set: list | None = None, *, reply_tokens: int | None = None) -> Plan:
+    """Every check compile makes, the resolved knobs and path, the fingerprint and the estimate (see the module
+    docstring); raises what compile would raise, with nothing called or written."""
+    check_program(student)
+    held_out = attribution_set if attribution_set is not None else valset
+    if attribution_set is not None and not optimizer.attribution:
+        raise ValueError("attribution_set is only read with attribution=True")
+    if optimizer.attribution and not held_out:
+        raise ValueError("attribution=True measures the kept items on held-out queries: pass valset= or "
+                         "attribution_set=")
+    sets = {"trainset": trainset, "valset": valset, "attribution_set": held_out if optimizer.attribution else None}
+    for name, examples in sets.items():
+        if examples is not None:
+            check_examples(name, examples)
+    if not trainset:
+        raise ValueError("trainset is empty")
+    program = student.deepcopy()
+    targets = resolve_targets(program, optimizer.target_predictors)
+    notes = check_data(sets, student)
+    lms = _lms(optimizer, student)
+    knobs, preset, path = resolve(optimizer, optimizer.explicit_knobs(), lms["reflection"].model, say=True)
+    if path == "contrast" and knobs.num_generations == 1:
+        raise ValueError("the contrast learning path compares attempts of one query and learns nothing from "
+                         "num_generations=1: use learning_path='paper' (the paper's G = 1 ablation) or G >= 2")
+    _check_temperature(knobs, "temperature" in optimizer.explicit_knobs(), lms["policy"])
+    if knobs.max_cost is not None:
+        check_prices(lms, knobs.prices)
+    library = starting_library(student, program, targets, max_words=knobs.max_words_per_experience,
+                               max_experiences=knobs.max_experiences)
+    if not hasattr(type(program), "forward") and not hasattr(type(program), "aforward"):
+        raise TypeError(f"{type(program).__name__} defines neither forward() nor aforward(): a dspy.Module runs one of "
+                        "them on each example")
+    fingerprint = make_fingerprint(knobs, program, targets, (trainset, valset, library), lms, optimizer.metric)
+    saved = Checkpoint(knobs.log_dir).check(fingerprint)  # a log_dir of another run is refused here, as by compile
+    data = (trainset, valset, attribution_set if attribution_set is not None else valset)
+    expected = estimate(knobs, program, data, lms, learning_path=path, reply_tokens=reply_tokens)
+    bound = estimate(knobs, program, data, lms, learning_path=path, bound=True)
+    budget = {"max_cost": knobs.max_cost, "max_total_tokens": knobs.max_total_tokens,
+              "max_metric_calls": knobs.max_metric_calls}
+    models = {"policy": sorted({str(lm.model) for lm in lms["policy"]}), "reflection": str(lms["reflection"].model)}
+    return Plan(knobs=knobs, preset=preset, learning_path=path, models=models, steps=knobs.total_steps(len(trainset)), turns=_turns(program),
+                expected=expected, bound=bound, budget=budget, resume={"saved_units": saved}, notes=notes,
+                fingerprint=fingerprint, targets=targets, library=library)
+
+
+# -- checks -----------------------------------------------------------------------------------------------------------
+def check_program(student) -> None:
+    """A TypeError that says a dspy.Module is expected, for a class, a function, a string or anything else."""
+    if isinstance(student, dspy.Module):
+        return
+    if isinstance(student, type) and issubclass(student, dspy.Module):
+        raise TypeError(f"compile() got the class {student.__name__}; pass an instance: {student.__name__}()")
+    what = f"the string {student!r}" if isinstance(student, str) else \
+        f"{type(student).__name__} {getattr(student, '__name__', '')!r}".replace(" ''", "")
+    raise TypeError(f"compile() expects a dspy.Module (e.g. dspy.ChainOfThought('question -> answer'), or an "
+                    f"instance of your own dspy.Module subclass) as the program, not {what}")
+
+
+def check_data(sets: dict[str, list | None], program: dspy.Module) -> list[str]:
+    """Every example must hold the inputs the program reads. Returns notes on what is legal but likely a mistake
+    (said at WARNING level too): duplicated training examples, a valset or attribution set that shares examples with
+    the trainset (its score is then not held out), an empty valset (no validation at all)."""
+    for name, examples in sets.items():
+        check_inputs(name, examples or [], program)
+    trainset, valset, held_out = sets.values()
+    key = lambda example: digest(example.toDict())  # noqa: E731
+    notes, train = [], [key(x) for x in trainset]
+    if dups := len(train) - len(set(train)):
+        notes.append(f"the trainset holds {dups} duplicate example(s): each copy is rolled out and probed as a query "
+                     "of its own; drop the copies unless you mean to weight them")
+    for name, examples in (("valset", valset), ("attribution_set", held_out)):
+        shared = sum(key(x) in set(train) for x in examples or [])
+        if shared:
+            notes.append(f"{shared} of the {len(examples)} {name} example(s) are also in the trainset: their score is "
+                         "not held out; use examples the run does not learn from")
+    if valset is not None and len(valset) == 0:
+        notes.append("valset is empty: no epoch is validated and the last epoch's library is kept; pass valset=None to "
+                     "say so, or give it examples")
+    for note in notes:
+        logger.warning(note)
+    return notes
+
+
+def check_examples(name: str, examples) -> None:
+    """Every item of a trainset or valset must be a dspy.Example whose inputs are marked (`with_inputs`)."""
+    if isinstance(examples, (str, bytes, dict)) or not hasattr(examples, "__len__"):
+        raise TypeError(f"{name} must be a list of dspy.Example, e.g. [{EXAMPLE_HINT}], not {type(examples).__name__}")
+    for i, example in enumerate(examples):
+        if not isinstance(example, dspy.Example):
+            raise TypeError(f"{name}[{i}] is a {type(example).__name__}; TrainingFreeGRPO needs dspy.Example items "
+                            f"with their input fields marked: {EXAMPLE_HINT}")
+        try:
+            example.inputs()
+        except ValueError:
+            raise ValueError(f"{name}[{i}] has no input fields marked; mark them with .with_inputs(...), e.g. "
+                             f"{EXAMPLE_HINT}") from None
+
+
+def check_inputs(name: str, examples, program: dspy.Module) -> None:
+    """A ValueError, before anything is spent, when an example lacks an input the program needs: the program would run
+    without it (DSPy only logs "Missing: [...]") and score 0. What it needs: the named parameters without a default of
+    its `forward` (or `aforward`), or, for a `forward(**kwargs)` (Predict, ChainOfThought, ReAct), its signature's input
+    fields (a module with one predictor: that predictor's); nothing is checked when they cannot be told."""
+    method = getattr(type(program), "forward", None) or getattr(type(program), "aforward", None)
+    try:
+        params = list(inspect.signature(method).parameters.values())[1:]  # without self
+    except (TypeError, ValueError):  # no forward, or one inspect cannot read
+        return
+    needed = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        signature, predictors = getattr(program, "signature", None), program.predictors()
+        signature = signature if signature is not None or len(predictors) != 1 else predictors[0].signature
+        needed = list(signature.input_fields) if signature is not None else []
+    for i, example in enumerate(examples if needed else []):
+        missing = [k for k in needed if k not in example.inputs()]
+        if missing:
+            raise ValueError(f"{name}[{i}] has no input {missing} that the program needs (its inputs are "
+                             f"{needed}); the example's inputs are {list(example.inputs().keys())}. Rename the "
+                             f"fields, or mark the right ones with .with_inputs(...)")
+
+
+def _lms(optimizer, program: dspy.Module) -> dict:
+    """The policy LMs (by predictor; refused when a predictor has none) and the reflection LM."""
+    policy = {}
+    for name, predictor in program.named_predictors():
+        lm = predictor.lm or dspy.settings.lm
+        if lm is None:
+            raise ValueError(f"predictor {name!r} has no LM: call dspy.configure(lm=dspy.LM(...)) or set one on it")
+        policy[id(lm)] = lm
+    if not policy:
+        raise ValueError("the program has no predictors (dspy.Predict or subclasses) to carry experiences")
+    reflection = optimizer.reflection_lm or dspy.settings.lm or next(iter(policy.values()))
+    return {"policy": list(policy.values()), "reflection": reflection}
+
+
+def _check_temperature(knobs: Knobs, explicit: bool, policy: list) -> None:
+    """A model that takes one temperature only (OpenAI's reasoning models) keeps it: a `temperature` passed explicitly
+    is refused for it, the default is not applied (said once)."""
+    for lm in policy:
+        if (fixed := fixed_temperature(lm)) is not None and knobs.temperature != fixed:
+            if explicit:
+                raise ValueError(f"temperature={knobs.temperature} cannot be used with {lm.model!r}, which takes only "
+                                 f"temperature={fixed:g}: leave temperature unset (its attempts then differ by their "
+                                 "rollout IDs and the model's own sampling) or pass temperature=1.0")
+            logger.warning("%s takes only temperature=%g: its attempts are sampled at that, not at the default %g",
+                           lm.model, fixed, knobs.temperature)
+
+
+def check_prices(lms: dict, prices: dict | None) -> None:
+    """Refuse a `max_cost` budget when an LM that will be called has no known price: its calls would count as $0 and
+    the budget would never stop the run."""
+    unpriced: dict[str, list[str]] = {}
+    for role, lm in [("policy", lm) for lm in lms["policy"]] + [("reflection", lms["reflection"])]:
+        if model_price(str(getattr(lm, "model", type(lm).__name__)), prices) is None:
+            unpriced.setdefault(str(getattr(lm, "model", type(lm).__name__)), []).append(role)
+    if unpriced:
+        named = ", ".join(f"the {' and '.join(dict.fromkeys(roles))} LM {model!r}" for model, roles in unpriced.items())
+        raise ValueError(f"max_cost is set, but DSPy knows no price for {named} (LiteLLM's price map has no entry for "
+                         "it): its calls would count as $0 and the budget would never stop the run. Give its price "
+                         "(prices={model: {'input': ..., 'output': ...}} per million tokens), or budget with "
+                         "max_total_tokens, which is measured for every model")
+
+
+def make_fingerprint(knobs: Knobs, program, targets, data: tuple, lms: dict, metric) -> dict:
+    """What a resume must match: the knobs that change what is computed, the targets, the LMs' models, the program's
+    instructions and code, the metric, the data (trainset, valset) and the starting library."""
+    (trainset, valset, library) = data
+    models = {"policy": sorted({str(getattr(lm, "model", type(lm).__name__)) for lm in lms["policy"]}),
+              "reflection": str(getattr(lms["reflection"], "model", type(lms["reflection"]).__name__))}
+    fingerprinted = fingerprinted_knobs(knobs)
+    if not isinstance(fingerprinted["learning_path"], str):  # a plug-in path is known by its class
+        kind = type(fingerprinted["learning_path"])
+        fingerprinted["learning_path"] = f"{kind.__module__}.{kind.__qualname__}"
+    return {"knobs": fingerprinted, "targets": targets, "models": models,
+            "instructions": digest([p.signature.instructions for _, p in program.named_predictors()]),
+            "trainset": digest([dict(x) for x in trainset]), "valset": digest([dict(x) for x in valset or []]),
+            "initial_library": digest(library.dump_state()), **code_fingerprint(metric, program)}
+
+
+# -- the estimate -----------------------------------------------------------------------------------------------------
+TRIES = 2  # the most times a call is sent: once, and once more when its reply does not parse
+
+
+def estimate(knobs: Knobs, program: dspy.Module, data: tuple, lms: dict, *, learning_path: str,
+             reply_tokens: int | None = None, bound: bool = False) -> dict:
+    """Calls, tokens and dollars per stage of a step (`per_step`) and for the whole run (`total`, with `metric_calls`;
+    `data`: trainset, valset, attribution set): expected (see the module docstring), or with `bound` an upper bound
+    (every call sent twice, dynamic sampling's every query, every rewrite, replies at the `max_tokens` cap)."""
+    trainset, valset, held_out = data
+    steps, G, turns = knobs.total_steps(len(trainset)), knobs.num_generations, _turns(program)
+    batch = min(knobs.batch_size + (knobs.max_resampled_queries if bound else 0), len(trainset))
+    cap = lms["policy"][0].kwargs.get("max_tokens") or lms["policy"][0].kwargs.get("max_completion_tokens") or 1024
+    reply = cap if bound else reply_tokens or max(16, cap // 2)
+    learning_reply = cap if bound else reply_tokens or LEARNING_REPLY
+    library = (knobs.max_experiences or 40 if bound else EXPECTED_LIBRARY // 2) * int(
+        knobs.max_words_per_experience * 1.4 + 8)  # a full library (bound), or one halfway grown
+    query = _tokens([p.signature for _, p in program.named_predictors()], [x.inputs() for x in trainset])
+    attempt = query + library + knobs.max_demos * (query + reply) + (turns - 1) * reply // 2
+    stages = {"rollout": _stage(batch * G * turns, attempt, reply)}
+    if learning_path == "contrast":
+        pairs = batch * min(knobs.max_operations_per_group, G // 2)
+        calls = pairs * ((2 if bound else 1) + (1 if knobs.max_excerpt_lines else 0))  # contrast, rewrite, excerpt
+        stages["contrast"] = _stage(calls, 400 + query + library + 2 * reply, learning_reply)
+    else:
+        stages["summary"] = _stage(batch * G, _tokens([Summarizer(True).predict.signature], [{}]) + query + library +
+                                   reply, learning_reply)
+        stages["advantage"] = _stage(batch, _tokens([AdvantageExtractor(True).predict.signature], [{}]) + query +
+                                     library + G * learning_reply, learning_reply)
+        stages["consolidation"] = _stage(1, _tokens([Consolidator().predict.signature], [{}]) + library +
+                                         batch * knobs.max_operations_per_group * 60, learning_reply)
+    if knobs.probe_size:
+        stages["probe"] = _stage((1 + knobs.max_probed_edits) * min(knobs.probe_size, len(trainset)) * turns, attempt,
+                                 reply)
+    for stage in stages.values():
+        for k in ("calls", "prompt_tokens", "completion_tokens"):
+            stage[k] *= TRIES if bound else 1
+    runs = knobs.num_train_epochs * len(valset or []) + attribution_runs(knobs, len(trainset), len(held_out or []))["runs"]
+    extra = _stage(runs * turns, attempt, reply)
+    for name, stage in [*stages.items(), ("validation", extra)]:
+        lm = lms["policy"][0] if name in ("rollout", "probe", "validation") else lms["reflection"]
+        price = model_price(str(lm.model), knobs.prices)
+        stage["cost"] = None if price is None else \
+            stage["prompt_tokens"] * price["input"] + stage["completion_tokens"] * price["output"]
+    total = {k: steps * sum(s[k] for s in stages.values()) + extra[k]
+             for k in ("calls", "prompt_tokens", "completion_tokens")}
+    costs = [s["cost"] for s in stages.values()]
+    total["cost"] = None if None in costs or extra["cost"] is None else steps * sum(costs) + extra["cost"]
+    probe_attempts = stages["probe"]["calls"] // turns // (TRIES if bound else 1) if "probe" in stages else 0
+    total["metric_calls"] = steps * (batch * G + probe_attempts) + runs
+    return {"per_step": stages, "total": total}
+
+
+def attribution_runs(knobs: Knobs, trainset_size: int, queries: int) -> dict:
+    """Upper bound of the attribution's program runs (`attribution`, worth.py) on `queries` held-out queries: the items
+    are at most every experience the steps can add (or max_experiences) and max_demos; leave-one-out runs each query
+    with all items, none, the control and each item left out; Shapley runs up to one subset per item and sampled order;
+    prune tries up to one more subset per item, then checks two programs on the other half."""
+    if not knobs.attribution or not queries:
+        return {"items": 0, "runs": 0, "method": None}
+    added = knobs.total_steps(trainset_size) * knobs.batch_size * knobs.max_operations_per_group
+    items = min(knobs.max_experiences if knobs.max_experiences is not None else added, added) + knobs.max_demos
+    choose = (queries + 1) // 2 if knobs.prune else queries
+    shapley = items > knobs.attribution_max_items
+    per_query = knobs.attribution_permutations * items + 2 if shapley else items + 3
+    per_query += items if knobs.prune else 0
+    return {"items": items, "runs": choose * per_query + 2 * (queries - choose),
+            "method": "shapley" if shapley else "leave-one-out"}
+
+
+def _stage(calls: int, prompt: int, reply: int) -> dict:
+    return {"calls": calls, "prompt_tokens": calls * prompt, "completion_tokens": calls * reply}
+
+
+def _turns(program: dspy.Module) -> int:
+    """LM calls per attempt: one per predictor, and a module with a loop of `max_iters` turns (ReAct, an agent) its
+    turns: ReAct's `max_iters` calls and its extract, an agent's `max_iters` and its answer."""
+    loops = [m for _, m in program.named_sub_modules() if isinstance(getattr(m, "max_iters", None), int)]
+    return len(program.named_predictors()) + sum(m.max_iters - isinstance(m, dspy.ReAct) for m in loops)
+
+
+def _tokens(signatures: list, examples: list) -> int:
+    """Tokens of the prompts of `signatures` (each predictor's instructions and fields, as the chat adapter renders
+    them) for the inputs of `examples` (up to 20 averaged; `[{}]`: with empty inputs)."""
+    total = 0
+    for sig in signatures:
+        sizes = [sum(len(str(m["content"])) for m in ChatAdapter().format(sig, demos=[], inputs={
+            k: dict(x).get(k, "") for k in sig.input_fields})) for x in examples[:20]]
+        total += int(statistics.fmean(sizes)) // CHARS_PER_TOKEN
+    return total

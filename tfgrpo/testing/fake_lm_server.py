@@ -17,10 +17,15 @@ Faults are injected by name at a rate, decided by hashes: reply faults (`malform
 repeat count, so a retry can succeed. Every call is counted per kind with its tokens (`stats()`), and the
 usage goes back in the response. `process=True` runs the server in a child process (benchmarks: the
 orchestrator's GIL and memory then stay its own); stats travel over `GET /_stats`.
+
+Opt-in, it behaves like a paid API (`provider.py`): prefix caching reported and billed as DeepSeek and OpenAI do,
+a bill from per-token prices, reasoning models (and OpenAI's 400 for their unsupported parameters), a
+requests-per-minute limit, and a log of every request's parameters and usage.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import json
@@ -37,6 +42,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from statistics import NormalDist
 
 from tfgrpo.testing.prompts import KINDS, kind_of, output_fields
+from tfgrpo.testing.provider import Provider
+from tfgrpo.testing.provider import message_text as _text
 from tfgrpo.testing.responder import Responder, hash_unit
 
 REPLY_FAULTS = ("malformed", "truncated", "empty", "invented_ids")
@@ -63,13 +70,35 @@ class FakeLMServer:
     `stats()["log"]`, from which a benchmark can rebuild the step's critical path.
     faults: {fault name: rate in [0, 1]}; fault_kinds: which kinds of call may get them.
     hang_seconds: how long a `hang` holds the reply (set it above the client's timeout); retry_after: the
-    Retry-After hint sent with 429/500, in seconds (DSPy honors it instead of its 1-2-4 s backoff).
+    Retry-After hint sent with 429/500, in seconds (DSPy honors it instead of its 1-2-4 s backoff). The `http429`
+    fault stands for a provider's rate limit at a rate; `rate_limit_rpm` is one by the clock instead.
+
+    As a paid API (each off by default; see `tfgrpo.testing.provider`):
+    prefix_cache: count as cached the longest prefix a prompt shares with an earlier one to the same model, in whole
+    `cache_block`s and nothing below `cache_min` tokens (DeepSeek: 64 and 64, the default; OpenAI: 128 and 1024),
+    reported as `usage.prompt_tokens_details.cached_tokens` (OpenAI; what DSPy reads) and
+    `usage.prompt_cache_hit_tokens` / `prompt_cache_miss_tokens` (DeepSeek). The cache outlives `reset_stats()`.
+    prices: {model: {"input", "cached_input", "output"}} in USD per token ("*": any other model; `dspy_prices(model)`
+    gives DSPy's own); each served call is billed in `stats()["billed_usd"]`.
+    reasoning: True (o-series, gpt-5 but -chat, deepseek-reasoner) or {model or prefix: tokens per reply}: the
+    completion then counts that many reasoning tokens (`usage.completion_tokens_details.reasoning_tokens`, scaled by
+    `reasoning_effort`), shown as `reasoning_content` except for OpenAI's models, which hide it and answer 400 to a
+    temperature other than 1 or to `max_tokens`, as OpenAI does.
+    rate_limit_rpm: at most this many requests per sliding minute; the rest get 429 with the wait as Retry-After.
+    log_requests: True (or the number of latest requests to keep) lists each request's model, kind, HTTP status,
+    fault, temperature, max_tokens, max_completion_tokens, other body keys (`extra`) and usage in
+    `stats()["requests"]`.
+    `stats()` also totals prompt_tokens, cached_tokens, completion_tokens, reasoning_tokens and billed_usd (and per
+    kind, and per model in `models`), and counts replies per HTTP status (`statuses`).
     """
 
     def __init__(self, *, latency: float | Callable[[str], float] = 0.0, latency_dist: str = "fixed",
                  latency_sigma: float = 1.0, seed: int = 0, correct_rate: float = 0.5,
                  tool_turns: int = 0, vary_identical: bool = True, merge_at: int = 6, faults: dict | None = None,
-                 fault_kinds=KINDS, hang_seconds: float = 2.0, retry_after: float = 0.01, process: bool = False):
+                 fault_kinds=KINDS, hang_seconds: float = 2.0, retry_after: float = 0.01, process: bool = False,
+                 prefix_cache: bool = False, cache_block: int = 64, cache_min: int = 64, prices: dict | None = None,
+                 reasoning: bool | dict | None = None, rate_limit_rpm: int | None = None,
+                 log_requests: bool | int = False):
         if set(faults or {}) - set(FAULTS):
             raise ValueError(f"unknown faults {sorted(set(faults) - set(FAULTS))}; known: {FAULTS}")
         if latency_dist not in ("fixed", "lognormal"):
@@ -77,6 +106,10 @@ class FakeLMServer:
         self.config = dict(latency=latency, latency_dist=latency_dist, latency_sigma=latency_sigma, seed=seed, correct_rate=correct_rate, tool_turns=tool_turns,
                            vary_identical=vary_identical, merge_at=merge_at, faults=dict(faults or {}),
                            fault_kinds=tuple(fault_kinds), hang_seconds=hang_seconds, retry_after=retry_after)
+        paid = dict(prefix_cache=prefix_cache, cache_block=cache_block, cache_min=cache_min, prices=prices,
+                    reasoning=reasoning, rate_limit_rpm=rate_limit_rpm)
+        self.provider = Provider(**paid)
+        self.config.update(paid, log_requests=log_requests)
         self.process, self.port = process, None
         self.responder = Responder(seed, correct_rate, tool_turns, vary_identical, merge_at)
         self._lock, self._stop, self._hooks, self._conns = threading.Lock(), threading.Event(), [], set()
@@ -131,10 +164,14 @@ class FakeLMServer:
         self._httpd = None
 
     def reset_stats(self) -> None:  # (in this process; a server in its own process starts afresh)
-        per_kind = dict(calls=0, ok=0, errors=0, prompt_tokens=0, completion_tokens=0, first_at=None, last_at=None)
+        per_kind = dict(calls=0, ok=0, errors=0, prompt_tokens=0, completion_tokens=0, cached_tokens=0,
+                        reasoning_tokens=0, billed_usd=0.0, first_at=None, last_at=None)
+        keep = self.config["log_requests"]
         with self._lock:
             self._stats = {"calls": 0, "in_flight": 0, "max_in_flight": 0, "kinds": {k: dict(per_kind) for k in KINDS},
-                           "faults": {f: 0 for f in FAULTS}, "faults_by_kind": {k: {} for k in KINDS}, "log": []}
+                           "faults": {f: 0 for f in FAULTS}, "faults_by_kind": {k: {} for k in KINDS}, "log": [],
+                           "statuses": {}, "models": {},
+                           "requests": collections.deque(maxlen=None if keep is True else int(keep))}
             self._seen: dict[str, int] = {}  # request digest -> times seen
 
     def stats(self) -> dict:
@@ -143,7 +180,10 @@ class FakeLMServer:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/_stats", timeout=10) as r:
                 return json.loads(r.read())
         with self._lock:
-            return json.loads(json.dumps(self._stats))
+            stats = json.loads(json.dumps(self._stats, default=list))
+        for name in _SPENT:
+            stats[name] = sum(k[name] for k in stats["kinds"].values())
+        return stats
 
     def on_call(self, n: int, fn: Callable[[], None], kind: str | None = None) -> None:
         """Run `fn()` when the n-th call (of `kind`, or of any kind) arrives, before it is answered."""
@@ -177,6 +217,11 @@ class FakeLMServer:
         for hook in due:
             hook[1]()
         try:
+            refused = self.provider.refusal(body)
+            if refused is not None:
+                self._count(kind, "errors")
+                self._record(body, kind, refused[0], None)
+                return refused
             fault = self._fault(kind, digest, seen)
             latency = cfg["latency"](kind) if callable(cfg["latency"]) else cfg["latency"]
             if cfg["latency_dist"] == "lognormal":
@@ -190,6 +235,7 @@ class FakeLMServer:
             if fault in ("http429", "http500"):
                 code, kind_name = (429, "rate_limit_error") if fault == "http429" else (500, "server_error")
                 self._count(kind, "errors")
+                self._record(body, kind, code, fault)
                 return code, {"Retry-After": str(cfg["retry_after"])}, {"error": {
                     "message": f"fake {fault}", "type": kind_name, "param": None, "code": fault}}
             values = self.responder.values(kind, fields, system, user, digest, seen, invent=fault == "invented_ids")
@@ -200,14 +246,14 @@ class FakeLMServer:
                 text, finish = text[: max(1, int(len(text) * 0.4))], "length"
             elif fault == "empty":
                 text = ""
-            tokens = {"prompt_tokens": sum(len(_text(m.get("content")).split()) for m in messages),
-                      "completion_tokens": len(text.split())}  # words stand in for tokens
-            usage = {**tokens, "total_tokens": sum(tokens.values())}
-            self._count(kind, "ok", **tokens)
+            reasoning, thought = self.provider.reasoning(body)  # (words stand in for tokens)
+            usage, spent = self.provider.usage(body, messages, len(text.split()) + reasoning, reasoning)
+            self._count(kind, "ok", **spent)
+            self._record(body, kind, 200, fault, spent)
+            message = {"role": "assistant", "content": text, **({"reasoning_content": thought} if thought else {})}
             return 200, {}, {"id": f"chatcmpl-{digest[:12]}-{seen}", "object": "chat.completion",
                              "created": int(time.time()), "model": body.get("model", "fake"),
-                             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                          "finish_reason": finish}], "usage": usage}
+                             "choices": [{"index": 0, "message": message, "finish_reason": finish}], "usage": usage}
         finally:
             with self._lock:
                 self._stats["in_flight"] -= 1
@@ -233,11 +279,23 @@ class FakeLMServer:
             for name, n in {outcome: 1, **tokens}.items():
                 self._stats["kinds"][kind][name] += n
 
+    def _record(self, body: dict, kind: str, status: int, fault: str | None, spent: dict | None = None) -> None:
+        """Count a reply by HTTP status and by model, and log the request when asked to."""
+        spent, model = spent or dict.fromkeys(_SPENT, 0), str(body.get("model", ""))
+        with self._lock:
+            s = self._stats
+            s["statuses"][str(status)] = s["statuses"].get(str(status), 0) + 1
+            m = s["models"].setdefault(model, {"calls": 0, **dict.fromkeys(_SPENT, 0)})
+            for name, n in {"calls": 1, **spent}.items():
+                m[name] += n
+            if self.config["log_requests"]:
+                extra = {k: v for k, v in body.items() if k not in _PARAMS + ("messages", "model")}
+                s["requests"].append({"model": model, "kind": kind, "status": status, "fault": fault,
+                                      **{k: body.get(k) for k in _PARAMS}, "extra": extra, **spent})
 
-def _text(content) -> str:
-    if isinstance(content, list):  # content parts
-        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return content or ""
+
+_SPENT = ("prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens", "billed_usd")
+_PARAMS = ("temperature", "max_tokens", "max_completion_tokens")
 
 
 def _render(values: dict, json_mode: bool) -> str:

@@ -43,7 +43,7 @@ def _groups(step_dir: Path, trainset: list) -> list[Group]:
         qi, g = (int(x) for x in f.stem.split("_"))
         score = json.loads((step_dir / "rewards" / f.name).read_text())
         attempts.setdefault(qi, {})[g] = Scored(Attempt.from_record(json.loads(f.read_text())), score["reward"],
-                                                score.get("feedback", ""))
+                                                score.get("feedback", ""), g)
     return [Group(index=qi, key=query_key(trainset[qi], qi), example=trainset[qi],
                   attempts=tuple(by_g[g] for g in sorted(by_g))) for qi, by_g in sorted(attempts.items())]
 
@@ -65,7 +65,7 @@ def main() -> None:
     step_dir = ckpt_dir / "steps" / f"{args.step:04d}"
     stack = contextlib.ExitStack()  # the web task's local site, for as long as the programs are used
     parts = task_parts(cfg, stack)
-    make, load, reward = parts.make, parts.load, parts.reward
+    make, load = parts.make, parts.load
     trainset = load(cfg.task.trainset, limit=cfg.task.train_limit, offset=cfg.task.train_offset)
     groups = _groups(step_dir, trainset)
     if not groups:

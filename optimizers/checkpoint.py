@@ -50,7 +50,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from tfgrpo.base.util import digest, remove_stale_tmp, write_atomic
 
@@ -142,7 +142,7 @@ class Checkpoint:
         remove_stale_tmp(self.root)  # left by a run killed mid-write; safe under the lock, which a start holds
         units, path = self.check(fingerprint), self.root / "run.json"
         if self._read(path) != fingerprint:  # a new run, or one that had saved nothing (or an older run.json's fields)
-            self._write(path, fingerprint)
+            write_atomic(path, json.dumps(fingerprint, ensure_ascii=False))
         return units
 
     def saved_units(self) -> int:
@@ -164,19 +164,7 @@ class Checkpoint:
 
     def put(self, key: str, value: Any) -> None:
         if self.root is not None and not self.closed:
-            self._write(self.root / f"{key}.json", value)
-
-    def unit(self, key: str, fn: Callable[[], Any], *, keep: Callable[[Any], bool] = lambda _: True,
-             then: Callable[[], None] = lambda: None) -> Any:
-        """A checkpointed unit of work: the value saved under `key`, or `fn()`, saved when `keep(value)` says so (a
-        value that a resume must compute again, such as a failed attempt, is not), then `then()` is told."""
-        if (saved := self.get(key)) is not None:
-            return saved
-        value = fn()
-        if keep(value):
-            self.put(key, value)
-        then()
-        return value
+            write_atomic(self.root / f"{key}.json", json.dumps(value, ensure_ascii=False))
 
     @staticmethod
     def _read(path: Path) -> Any | None:
@@ -184,10 +172,6 @@ class Checkpoint:
             return json.loads(path.read_text())
         except (OSError, ValueError):
             return None
-
-    @staticmethod
-    def _write(path: Path, value: Any) -> None:
-        write_atomic(path, json.dumps(value, ensure_ascii=False))
 
 
 # fingerprint entries kept as digests: only that they differ is known

@@ -12,9 +12,9 @@ import dspy
 from dspy.teleprompt.teleprompt import Teleprompter
 
 from tfgrpo.base import hooks
-from tfgrpo.programs.render import format_fields
 from tfgrpo.programs.inject import apply_library, resolve_targets
 from tfgrpo.programs.library import ExperienceLibrary
+from tfgrpo.programs.render import format_fields
 from tfgrpo.signatures.learning import GenerateExperiences
 from tfgrpo.signatures.operations import Operation
 

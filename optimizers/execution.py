@@ -35,8 +35,8 @@ from dspy.utils.exceptions import LMError
 from tfgrpo.base.util import digest, jsonable
 from tfgrpo.optimizers.checkpoint import Checkpoint
 from tfgrpo.optimizers.knobs import Knobs
-from tfgrpo.optimizers.parallel import (POLICY_STAGES, Budget, BudgetExhausted, Failed, StageBars, TooManyFailuresError,
-                                        UsageMeter, Workers, add_usage, role_of)
+from tfgrpo.optimizers.parallel import (POLICY_STAGES, ROLE, Budget, BudgetExhausted, Failed, StageBars,
+                                        TooManyFailuresError, UsageMeter, Workers, add_usage)
 from tfgrpo.optimizers.result import Attempt
 from tfgrpo.optimizers.rewards import score_attempt
 from tfgrpo.programs.render import count_tool_calls, format_attempt
@@ -86,21 +86,15 @@ def run_program(program: dspy.Module, example: dspy.Example) -> tuple[dspy.Predi
                 prediction = program(**example.inputs())
         outputs, error, failed = jsonable(dict(prediction.items())), None, False
     except Exception as exc:
-        prediction, outputs, error, failed = None, None, f"{type(exc).__name__}: {exc}", _lm_failure(exc)
+        prediction, outputs, error, failed = None, None, f"{type(exc).__name__}: {exc}", False
+        cause = exc
+        while cause is not None and not failed:  # an LM call's failure (DSPy's LMError), wherever in the chain
+            failed, cause = isinstance(cause, LMError), cause.__cause__ or cause.__context__
     names = {id(predictor): name for name, predictor in program.named_predictors()}
     steps = [{"predictor": names.get(id(predictor), type(predictor).__name__), "inputs": jsonable(inputs),
               "outputs": jsonable(dict(out.items()))} for predictor, inputs, out in trace]
     return prediction, {"outputs": outputs, "error": error, "failed": failed, "trace": steps,
                         "tool_calls": count_tool_calls(outputs)}
-
-
-def _lm_failure(exc: BaseException) -> bool:
-    """Whether an error came from an LM call that failed (DSPy's `LMError`s, wherever in the chain of causes)."""
-    while exc is not None:
-        if isinstance(exc, LMError):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
 
 
 # -- the executor -----------------------------------------------------------------------------------------------------
@@ -135,7 +129,7 @@ class Executor:
             finally:
                 bars.close()
                 for stage, meter in self.meters.items():
-                    add_usage(self.spent[role_of(stage)], meter.totals())
+                    add_usage(self.spent[ROLE.get(stage, "reflection")], meter.totals())
                     for lm, entries in (meter.usage_data.items() if outer is not None else ()):
                         outer.usage_data[lm].extend(entries)
 
@@ -151,11 +145,6 @@ class Executor:
         self.meter(stage)
         return self.work.map(stage, fn, items)
 
-    def each(self, fn: Callable, items: list) -> list:
-        """`[fn(item) for item in items]`, each item on a thread of its own (a group of a step, which waits on its
-        units)."""
-        return self.work.each(fn, items)
-
     # -- units ----------------------------------------------------------------------------------------------------
     def _unit(self, stage: str, fn: Callable[[], Any], metric_calls: int = 0) -> Any:
         """Run `fn` as one unit of `stage`: charged before it starts, under a meter of its own, then counted."""
@@ -165,17 +154,15 @@ class Executor:
             with dspy.context(usage_tracker=own):
                 value = fn()
         finally:
-            stage_meter = self.meter(stage)
-            with stage_meter._lock:
-                for lm, entries in own.usage_data.items():
-                    stage_meter.usage_data[lm].extend(entries)
+            self.meter(stage).absorb(own)
             failed = isinstance(value, dict) and value.get("failed")
             self.budget.release(stage, share, own.totals(), 0 if failed else metric_calls)
-        if own.direct_calls() and not self.direct_calls:
+        direct = sum(e["direct"] for entries in list(own.usage_data.values()) for e in entries)
+        if direct and not self.direct_calls:
             logger.warning("The program called an LM outside its predictors (dspy.settings.lm(...) or an LM of its own, "
                            "called directly): tfgrpo puts what it learns into the predictors' instructions and demos, "
                            "so those calls get none of it. Make them through a dspy.Predict to have them learn too.")
-        self.direct_calls += own.direct_calls()
+        self.direct_calls += direct
         return value
 
     def _done(self, stage: str, error: str | None) -> None:
@@ -209,9 +196,13 @@ class Executor:
     def score(self, key: str, attempt: Attempt, example: dspy.Example) -> dict:
         """`reward` and `feedback` of an answered attempt against `example` (the ground truth, or its group's majority
         answer), saved under `key`; a metric call that timed out scores 0 with its message under `timeout`, unsaved."""
-        return self.ckpt.unit(key, lambda: score_attempt(self.metric, example, attempt.to_record(),
-                                                         self.knobs.metric_timeout_s),
-                              keep=lambda r: "timeout" not in r, then=lambda: self._done("reward", None))
+        if (saved := self.ckpt.get(key)) is not None:
+            return saved
+        scored = score_attempt(self.metric, example, attempt.to_record(), self.knobs.metric_timeout_s)
+        if "timeout" not in scored:
+            self.ckpt.put(key, scored)
+        self._done("reward", None)
+        return scored
 
     def call(self, stage: str, name: str, fn: Callable[[], Any]) -> Any:
         """One learning call on the pool (see `calls`)."""
@@ -230,7 +221,7 @@ class Executor:
                 except BudgetExhausted:
                     raise
                 except Exception as exc:  # a failed learning call is counted, not fatal
-                    value = Failed(exc)
+                    value = Failed(f"{type(exc).__name__}: {exc}")
                 else:
                     self.ckpt.put(key, value)
             self._done(stage, value.error if isinstance(value, Failed) else None)

@@ -155,16 +155,19 @@ def probe_queries(trainset_size: int, batch: list[int], size: int, *, seed: int,
     return sorted(chosen + rng.sample(others, min(size - len(chosen), len(others))))
 
 
+@dataclass
 class Probe:
     """The statistics of a probe: program 0 is the current one, program 1 + c carries candidate c. `run` asks the
     executor for the attempts, query by query, and leaves the verdicts in `kept`, with each program's (successes, mean)
     in `base` and `scores`, the queries each ran (`tried`) and solved (`solved`), their solving traces (`traces`) and
-    how many queries each candidate ran (`ran`)."""
+    how many queries each candidate ran (`ran`). A query whose attempt got no answer leaves `queries`."""
 
-    def __init__(self, candidates: list[Candidate], queries: list[int], *, alpha: float = 1.0, keep_ties: bool = False):
-        self.candidates, self.queries, self.alpha, self.keep_ties = candidates, list(queries), alpha, keep_ties
-        self.found: dict[tuple[int, int], dict] = {}  # (program, query) -> its attempt's reward, error, trace
-        self.base: tuple[int, float] = (0, 0.0)
+    candidates: list[Candidate]
+    queries: list[int]
+    alpha: float = 1.0
+    keep_ties: bool = False
+    found: dict = field(default_factory=dict)  # (program, query) -> its attempt's reward and solving trace
+    base: tuple[int, float] = (0, 0.0)
 
     def run(self, executor: Executor, programs: list[dspy.Module], trainset: list,
             keys: tuple[str, int] | None = None) -> Probe:
@@ -237,8 +240,8 @@ class Probe:
     def _verdicts(self, alive: list[int]) -> None:
         candidates = self.candidates
         self.scores = [self.score(1 + c) for c in range(len(candidates))]
-        kept = [c in alive and keeps(candidates[c], self.scores[c], self.base, self.paired(c)[:2], keep_ties=self.keep_ties,
-                                     alpha=self.alpha) for c in range(len(candidates))]
+        kept = [c in alive and keeps(candidates[c], self.scores[c], self.base, self.paired(c)[:2],
+                                     keep_ties=self.keep_ties, alpha=self.alpha) for c in range(len(candidates))]
         # code competes: one demo (the step keeps the set it was probed with) and one experience with an excerpt; and
         # one edit per current experience (a rewrite and a retirement of it cannot both be kept)
         kinds = [lambda c: c.demo is not None, lambda c: c.demo is None and c.shows_code]
@@ -291,7 +294,7 @@ def probe_edits(run, state, step: int, groups: list[Group], plan: list[Operation
     queries = probe_queries(len(run.trainset), [g.index for g in groups], knobs.probe_size, seed=knobs.seed, step=step,
                             unsolved=unsolved)
     current = digest([[e.model_dump() for e in library.active.values()], demos])
-    probe = Probe(candidates, queries, alpha=knobs.probe_alpha, keep_ties=knobs.keep_tied_demos).run(
+    probe = Probe(candidates, list(queries), alpha=knobs.probe_alpha, keep_ties=knobs.keep_tied_demos).run(
         run.executor, runnable, run.trainset, keys=(current, step))
     kept_ops = [op for c, k in zip(candidates, probe.kept) if k for op in c.operations]
     best = next((i for i, (c, k) in enumerate(zip(candidates, probe.kept))  # a demo is shown solving its query

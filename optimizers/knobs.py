@@ -10,7 +10,6 @@ computes: a resume must keep their values.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import re
@@ -113,9 +112,9 @@ class Knobs:
         "A preset, as DSPy's MIPROv2 and GEPA take one: \"light\", \"medium\" or \"heavy\" (a budget of "
         "max_metric_calls and the settings measured best on a 1.5B model: groups of 4, batches of 4, up to 2 of "
         "its own winning attempts kept as demos, each edit probed on 8 other training queries), \"paper\" (the "
-        "paper's settings and a budget of 2,000 metric calls, for capable models), \"auto\" (\"light\" when the reflection "
-        "model's name gives at most 2B parameters, the size it was measured at, else \"paper\"; the choice and the budget "
-        "are said as the run starts) or None (\"off\" in a config file: every knob as "
+        "paper's settings and a budget of 2,000 metric calls, for capable models), \"auto\" (\"light\" when the "
+        "reflection model's name gives at most 2B parameters, the size it was measured at, else \"paper\"; the choice "
+        "and the budget are said as the run starts) or None (\"off\" in a config file: every knob as "
         "declared). A knob you pass yourself always wins over the preset."))
 
     # group rollouts
@@ -164,7 +163,7 @@ class Knobs:
     max_demos: int = knob(0, integer(0), fingerprinted=True, doc=(
         "Winning attempts kept as few-shot demos of the target predictors: after each step, a query's best attempt "
         "that fully succeeded (reward >= 1) while its groupmates did worse, ranked by group advantage, one per query "
-        "(see optimizers/demos.py). An extension of the paper for small policy models, which copy a working example "
+        "(see optimizers/judge.py). An extension of the paper for small policy models, which copy a working example "
         "far better than they follow advice. 0: off."))
     max_excerpt_lines: int = knob(0, integer(0), fingerprinted=True, doc=(
         "Contrast path: a rule the reflection LM adds carries up to this many lines copied from the better attempt "
@@ -180,7 +179,7 @@ class Knobs:
         "the step's batch, one attempt each, against the current program on the same queries, ranked by full "
         "successes first and mean reward second: an operation is kept only if it ranks no lower; a demo, or an "
         "experience carrying an excerpt, only if it adds full successes; of the winning demos the best one's set "
-        "is kept, and of the winning experiences with an excerpt the best one (optimizers/probe.py). Needs "
+        "is kept, and of the winning experiences with an excerpt the best one (optimizers/judge.py). Needs "
         "use_ground_truth. 0: off, every valid operation is applied, as in the paper."))
     keep_tied_demos: bool = knob(False, FLAG, fingerprinted=True, doc=(
         "With probe_size, a demo that solves as many probe queries as the current program (no more) is kept too, "
@@ -327,7 +326,8 @@ def resolve(knobs: Knobs, explicit: set[str], reflection_model: str, *, say: boo
     name = path if isinstance(path, str) and path != "auto" else type(path).__name__ if not isinstance(path, str) \
         else "contrast" if size <= SMALL_REFLECTOR_B else "paper"
     if say:
-        _say(knobs, preset, name, reflection_model, {k: v for k, v in PRESETS.get(preset, {}).items() if k not in explicit})
+        changed = {k: v for k, v in PRESETS.get(preset, {}).items() if k not in explicit}
+        _say(knobs, preset, name, reflection_model, changed)
     return resolved, preset, name
 
 
@@ -349,13 +349,6 @@ def _say(knobs: Knobs, preset: str | None, path: str, model: str, changed: dict)
     logger.warning("auto=%r: preset %r for the reflection model %r (%s)%s; auto=None uses the knobs as declared",
                    knobs.auto, preset, model,
                    ", ".join(f"{k}={v}" for k, v in changed.items()) or "every knob passed explicitly", unmeasured)
-
-
-def signature(first: str = "metric") -> inspect.Signature:
-    """The signature of `TrainingFreeGRPO(metric, *, <every knob>)`, as its dataclass `__init__` declares it."""
-    params = [inspect.Parameter(first, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=f.default) for name, f in KNOBS.items()]
-    return inspect.Signature(params)
 
 
 def fingerprinted_knobs(knobs: Knobs) -> dict[str, Any]:

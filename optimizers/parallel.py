@@ -9,6 +9,7 @@ import statistics
 import sys
 import threading
 from concurrent.futures import FIRST_EXCEPTION, CancelledError, Future, wait
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import dspy
@@ -19,19 +20,21 @@ from dspy.utils.usage_tracker import UsageTracker
 from tfgrpo.optimizers.knobs import Knobs
 
 POLICY_STAGES = ("rollout", "probe", "validation", "attribution")  # the program's own calls; the rest are learning calls
+ROLE = dict.fromkeys(POLICY_STAGES, "policy")  # a stage's role: ROLE.get(stage, "reflection")
 
 
+@dataclass(frozen=True)
 class Failed:
-    """A unit of work that raised, kept as a value so the caller can count it and go on."""
+    """A unit of work that raised, kept as a value so the caller can count it and go on: its error, as text."""
 
-    def __init__(self, error: BaseException):
-        self.error = f"{type(error).__name__}: {error}"
+    error: str
 
 
 class TooManyFailuresError(RuntimeError):
     """More of a stage's units failed than `max_failure_rate` allows: the step stops, unfinished."""
 
 
+@dataclass
 class StageBars:
     """A tqdm bar per stage on stderr, as DSPy draws its own: the progress callback when the caller gives none, for the
     overlapping stages of a pipelined step (a stage's total may grow as groups reach it); `close()` them when it is
@@ -39,9 +42,8 @@ class StageBars:
     `resumed=True` takes a stage's first report for work done before (a resume's), not for progress, so that the rate
     and ETA count from it (the whole run's bar)."""
 
-    def __init__(self, resumed: bool = False):
-        self.bars: dict[str, tqdm.tqdm] = {}
-        self.resumed = resumed
+    resumed: bool = False
+    bars: dict = field(default_factory=dict)  # stage -> its tqdm bar
 
     def __call__(self, stage: str, done: int, total: int) -> None:
         if stage not in self.bars:
@@ -155,7 +157,10 @@ class Workers:
             futures = [self._pool.submit(self._in_context(fn, overrides), item) for item in items]
         results = []
         for future in futures:
-            results.append(_result(future))  # a unit that raised stops the caller here
+            try:
+                results.append(future.result())  # a unit that raised stops the caller here
+            except CancelledError:  # cancelled because another unit failed: that one's error is raised instead
+                raise Cancelled() from None
             with self._lock:
                 self._counts[stage][0] += 1
                 self.progress(stage, *self._counts[stage])  # one at a time: bars and callbacks need no lock
@@ -180,22 +185,14 @@ class Workers:
         return [f.result() for f in futures]
 
 
-def _result(future: Future):
-    """The future's result; a unit cancelled because another one failed ends its caller quietly (`Cancelled`)."""
-    try:
-        return future.result()
-    except CancelledError:
-        raise Cancelled() from None
-
-
 class Cancelled(Exception):
     """A unit of work was cancelled because another one failed: the failure that caused it is raised instead."""
 
 
 # -- meters and prices -------------------------------------------------------------------------------------------------
 def model_price(model: str, prices: dict | None = None) -> dict[str, float] | None:
-    """USD per token of `model` (a dspy.LM model string): {"input", "output", "cached_input"}, from `prices` (per million
-    tokens, by model string) or DSPy's copy of LiteLLM's price map; None when neither knows it."""
+    """USD per token of `model` (a dspy.LM model string): {"input", "output", "cached_input"}, from `prices` (per
+    million tokens, by model string) or DSPy's copy of LiteLLM's price map; None when neither knows it."""
     if prices and model in prices:
         given = prices[model]
         return {k: given.get(k, given["input"] if k == "cached_input" else 0.0) / 1e6 for k in ("input", "output",
@@ -232,7 +229,10 @@ class UsageMeter(UsageTracker):
         with self._lock:
             if lm not in self.prices:
                 self.prices[lm] = model_price(lm, self.custom)
-            entry["cost"] = _cost(entry, self.prices[lm])
+            price, cached = self.prices[lm], _cached(entry)
+            entry["cost"] = None if price is None else (
+                (int(entry.get("prompt_tokens") or 0) - cached) * price["input"] + cached * price["cached_input"]
+                + int(entry.get("completion_tokens") or 0) * price["output"])
             self.usage_data[lm].append(entry)
 
     def totals(self) -> dict[str, float]:
@@ -246,21 +246,15 @@ class UsageMeter(UsageTracker):
         costs = [e["cost"] for e in entries if e.get("cost") is not None]
         return {**total, "cost": sum(costs)} if costs else total
 
-    def direct_calls(self) -> int:
+    def absorb(self, other: UsageMeter) -> None:
+        """Take in every call another meter saw (a unit's own meter, into its stage's)."""
         with self._lock:
-            return sum(e.get("direct", False) for entries in self.usage_data.values() for e in entries)
+            for lm, entries in other.usage_data.items():
+                self.usage_data[lm].extend(entries)
 
 
 def _cached(entry: dict) -> int:
     return int((entry.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-
-
-def _cost(entry: dict, price: dict | None) -> float | None:
-    if price is None:
-        return None
-    cached, prompt = _cached(entry), int(entry.get("prompt_tokens") or 0)
-    return ((prompt - cached) * price["input"] + cached * price["cached_input"]
-            + int(entry.get("completion_tokens") or 0) * price["output"])
 
 
 @contextlib.contextmanager
@@ -281,10 +275,6 @@ def add_usage(total: dict[str, float], more: dict[str, float]) -> dict[str, floa
     for k, v in more.items():
         total[k] = total.get(k, 0) + v
     return total
-
-
-def role_of(stage: str) -> str:
-    return "policy" if stage in POLICY_STAGES else "reflection"
 
 
 # -- the budget -------------------------------------------------------------------------------------------------------

@@ -21,14 +21,14 @@ from dataclasses import dataclass, field
 import dspy
 from dspy.adapters.chat_adapter import ChatAdapter
 
-from tfgrpo.optimizers.checkpoint import Checkpoint, code_fingerprint, fingerprint_changes
+from tfgrpo.base.util import digest
+from tfgrpo.optimizers.checkpoint import Checkpoint, code_fingerprint
 from tfgrpo.optimizers.execution import fixed_temperature
+from tfgrpo.optimizers.knobs import Knobs, fingerprinted_knobs, resolve
 from tfgrpo.optimizers.parallel import model_price
-from tfgrpo.optimizers.knobs import Knobs, fingerprinted_knobs, model_size_b, resolve
 from tfgrpo.programs.inject import resolve_targets, starting_library
 from tfgrpo.programs.learning import AdvantageExtractor, Consolidator, Summarizer
 from tfgrpo.programs.library import ExperienceLibrary
-from tfgrpo.base.util import digest
 
 logger = logging.getLogger(__name__)
 
@@ -124,12 +124,12 @@ def make_plan(optimizer, student: dspy.Module, trainset: list, valset: list | No
     fingerprint = make_fingerprint(knobs, program, targets, (trainset, valset, library), lms, optimizer.metric)
     saved = Checkpoint(knobs.log_dir).check(fingerprint)  # a log_dir of another run is refused here, as by compile
     data = (trainset, valset, attribution_set if attribution_set is not None else valset)
-    expected = estimate(knobs, program, data, lms, learning_path=path, reply_tokens=reply_tokens)
-    bound = estimate(knobs, program, data, lms, learning_path=path, bound=True)
+    expected, bound = estimate(knobs, program, data, lms, learning_path=path, reply_tokens=reply_tokens)
     budget = {"max_cost": knobs.max_cost, "max_total_tokens": knobs.max_total_tokens,
               "max_metric_calls": knobs.max_metric_calls}
     models = {"policy": sorted({str(lm.model) for lm in lms["policy"]}), "reflection": str(lms["reflection"].model)}
-    return Plan(knobs=knobs, preset=preset, learning_path=path, models=models, steps=knobs.total_steps(len(trainset)), turns=_turns(program),
+    return Plan(knobs=knobs, preset=preset, learning_path=path, models=models, steps=knobs.total_steps(len(trainset)),
+                turns=_turns(program),
                 expected=expected, bound=bound, budget=budget, resume={"saved_units": saved}, notes=notes,
                 fingerprint=fingerprint, targets=targets, library=library)
 
@@ -273,51 +273,59 @@ TRIES = 2  # the most times a call is sent: once, and once more when its reply d
 
 
 def estimate(knobs: Knobs, program: dspy.Module, data: tuple, lms: dict, *, learning_path: str,
-             reply_tokens: int | None = None, bound: bool = False) -> dict:
+             reply_tokens: int | None = None) -> tuple[dict, dict]:
     """Calls, tokens and dollars per stage of a step (`per_step`) and for the whole run (`total`, with `metric_calls`;
-    `data`: trainset, valset, attribution set): expected (see the module docstring), or with `bound` an upper bound
-    (every call sent twice, dynamic sampling's every query, every rewrite, replies at the `max_tokens` cap)."""
+    `data`: trainset, valset, attribution set): expected (see the module docstring), and as an upper bound (every call
+    sent twice, dynamic sampling's every query, every rewrite, a full library, replies at the `max_tokens` cap)."""
     trainset, valset, held_out = data
-    steps, G, turns = knobs.total_steps(len(trainset)), knobs.num_generations, _turns(program)
-    batch = min(knobs.batch_size + (knobs.max_resampled_queries if bound else 0), len(trainset))
-    cap = lms["policy"][0].kwargs.get("max_tokens") or lms["policy"][0].kwargs.get("max_completion_tokens") or 1024
-    reply = cap if bound else reply_tokens or max(16, cap // 2)
-    learning_reply = cap if bound else reply_tokens or LEARNING_REPLY
+    policy = lms["policy"][0]
+    sizes = {"query": _tokens([p.signature for _, p in program.named_predictors()], [x.inputs() for x in trainset]),
+             "turns": _turns(program), "trainset": len(trainset), "reply": reply_tokens,
+             "cap": policy.kwargs.get("max_tokens") or policy.kwargs.get("max_completion_tokens") or 1024,
+             "runs": knobs.num_train_epochs * len(valset or []) + attribution_runs(knobs, len(trainset),
+                                                                                   len(held_out or []))["runs"],
+             "prices": (model_price(str(policy.model), knobs.prices),
+                        model_price(str(lms["reflection"].model), knobs.prices))}
+    return _tally(knobs, sizes, learning_path, False), _tally(knobs, sizes, learning_path, True)
+
+
+def _tally(knobs: Knobs, sizes: dict, learning_path: str, bound: bool) -> dict:
+    """The estimate (expected, or with `bound` the upper bound) from the prompt `sizes` measured once."""
+    stage = lambda calls, prompt, reply: {  # noqa: E731
+        "calls": calls * (TRIES if bound else 1), "prompt_tokens": calls * prompt * (TRIES if bound else 1),
+        "completion_tokens": calls * reply * (TRIES if bound else 1)}
+    steps, G, turns, query = knobs.total_steps(sizes["trainset"]), knobs.num_generations, sizes["turns"], sizes["query"]
+    batch = min(knobs.batch_size + (knobs.max_resampled_queries if bound else 0), sizes["trainset"])
+    reply = sizes["cap"] if bound else sizes["reply"] or max(16, sizes["cap"] // 2)
+    learning_reply = sizes["cap"] if bound else sizes["reply"] or LEARNING_REPLY
     library = (knobs.max_experiences or 40 if bound else EXPECTED_LIBRARY // 2) * int(
         knobs.max_words_per_experience * 1.4 + 8)  # a full library (bound), or one halfway grown
-    query = _tokens([p.signature for _, p in program.named_predictors()], [x.inputs() for x in trainset])
     attempt = query + library + knobs.max_demos * (query + reply) + (turns - 1) * reply // 2
-    stages = {"rollout": _stage(batch * G * turns, attempt, reply)}
+    stages = {"rollout": stage(batch * G * turns, attempt, reply)}
     if learning_path == "contrast":
         pairs = batch * min(knobs.max_operations_per_group, G // 2)
         calls = pairs * ((2 if bound else 1) + (1 if knobs.max_excerpt_lines else 0))  # contrast, rewrite, excerpt
-        stages["contrast"] = _stage(calls, 400 + query + library + 2 * reply, learning_reply)
+        stages["contrast"] = stage(calls, 400 + query + library + 2 * reply, learning_reply)
     else:
-        stages["summary"] = _stage(batch * G, _tokens([Summarizer(True).predict.signature], [{}]) + query + library +
-                                   reply, learning_reply)
-        stages["advantage"] = _stage(batch, _tokens([AdvantageExtractor(True).predict.signature], [{}]) + query +
-                                     library + G * learning_reply, learning_reply)
-        stages["consolidation"] = _stage(1, _tokens([Consolidator().predict.signature], [{}]) + library +
-                                         batch * knobs.max_operations_per_group * 60, learning_reply)
+        stages["summary"] = stage(batch * G, _tokens([Summarizer(True).predict.signature], [{}]) + query + library +
+                                  reply, learning_reply)
+        stages["advantage"] = stage(batch, _tokens([AdvantageExtractor(True).predict.signature], [{}]) + query +
+                                    library + G * learning_reply, learning_reply)
+        stages["consolidation"] = stage(1, _tokens([Consolidator().predict.signature], [{}]) + library +
+                                        batch * knobs.max_operations_per_group * 60, learning_reply)
+    probe_attempts = (1 + knobs.max_probed_edits) * min(knobs.probe_size, sizes["trainset"])
     if knobs.probe_size:
-        stages["probe"] = _stage((1 + knobs.max_probed_edits) * min(knobs.probe_size, len(trainset)) * turns, attempt,
-                                 reply)
-    for stage in stages.values():
-        for k in ("calls", "prompt_tokens", "completion_tokens"):
-            stage[k] *= TRIES if bound else 1
-    runs = knobs.num_train_epochs * len(valset or []) + attribution_runs(knobs, len(trainset), len(held_out or []))["runs"]
-    extra = _stage(runs * turns, attempt, reply)
-    for name, stage in [*stages.items(), ("validation", extra)]:
-        lm = lms["policy"][0] if name in ("rollout", "probe", "validation") else lms["reflection"]
-        price = model_price(str(lm.model), knobs.prices)
-        stage["cost"] = None if price is None else \
-            stage["prompt_tokens"] * price["input"] + stage["completion_tokens"] * price["output"]
+        stages["probe"] = stage(probe_attempts * turns, attempt, reply)
+    extra = stage(sizes["runs"] * turns, attempt, reply)  # validation and attribution, once for the run
+    for name, s in [*stages.items(), ("validation", extra)]:
+        price = sizes["prices"][0 if name in ("rollout", "probe", "validation") else 1]
+        s["cost"] = None if price is None else s["prompt_tokens"] * price["input"] + s["completion_tokens"] * price[
+            "output"]
     total = {k: steps * sum(s[k] for s in stages.values()) + extra[k]
              for k in ("calls", "prompt_tokens", "completion_tokens")}
-    costs = [s["cost"] for s in stages.values()]
-    total["cost"] = None if None in costs or extra["cost"] is None else steps * sum(costs) + extra["cost"]
-    probe_attempts = stages["probe"]["calls"] // turns // (TRIES if bound else 1) if "probe" in stages else 0
-    total["metric_calls"] = steps * (batch * G + probe_attempts) + runs
+    costs = [s["cost"] for s in [*stages.values(), extra]]
+    total["cost"] = None if None in costs else steps * sum(costs[:-1]) + costs[-1]
+    total["metric_calls"] = steps * (batch * G + probe_attempts * bool(knobs.probe_size)) + sizes["runs"]
     return {"per_step": stages, "total": total}
 
 
@@ -336,10 +344,6 @@ def attribution_runs(knobs: Knobs, trainset_size: int, queries: int) -> dict:
     per_query += items if knobs.prune else 0
     return {"items": items, "runs": choose * per_query + 2 * (queries - choose),
             "method": "shapley" if shapley else "leave-one-out"}
-
-
-def _stage(calls: int, prompt: int, reply: int) -> dict:
-    return {"calls": calls, "prompt_tokens": calls * prompt, "completion_tokens": calls * reply}
 
 
 def _turns(program: dspy.Module) -> int:

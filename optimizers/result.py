@@ -11,7 +11,6 @@ plain JSON-ready data (what `steps.jsonl` holds).
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -45,13 +44,12 @@ class Attempt:
 
 @dataclass(frozen=True)
 class Scored:
-    """An attempt with its reward in [0, 1], what the metric said of it, and which of its query's G attempts it is
-    (`g`; None: its place among the group's attempts)."""
+    """An attempt with its reward in [0, 1], what the metric said of it, and which of its query's G attempts it is."""
 
     attempt: Attempt
     reward: float
     feedback: str = ""
-    g: int | None = None
+    g: int = 0
 
     # the attempt's fields, read through the scored attempt
     outputs = property(lambda self: self.attempt.outputs)
@@ -71,10 +69,6 @@ class Group:
     attempts: tuple[Scored, ...]
     size: int = 0  # attempts made (G); 0: as many as answered
 
-    def __post_init__(self):  # an attempt without its `g` is the one at its place
-        object.__setattr__(self, "attempts", tuple(a if a.g is not None else dataclasses.replace(a, g=i)
-                                                   for i, a in enumerate(self.attempts)))
-
     @property
     def rewards(self) -> list[float]:
         return [a.reward for a in self.attempts]
@@ -88,7 +82,8 @@ class Group:
 
 def solved_by(groups: list[Group], attempts: int, known: dict[int, bool]) -> dict[int, bool]:
     """What a step's groups say of the queries its program solves (query -> solved: most of the group's answered
-    attempts among its first `attempts`, those that ran the program itself, fully succeeded), beside what was `known`."""
+    attempts among its first `attempts`, those that ran the program itself, fully succeeded), beside what was
+    `known`."""
     evidence = dict(known)
     for group in groups:
         own = [a.reward for a in group.attempts if a.g < attempts]

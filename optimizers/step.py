@@ -17,12 +17,12 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import dspy
 
-from tfgrpo.optimizers.checkpoint import Checkpoint, Keys
+from tfgrpo.optimizers.checkpoint import Keys
 from tfgrpo.optimizers.execution import CONTEXT_REFUSALS, Executor, add_usage, rollout_id, with_own_lms
 from tfgrpo.optimizers.judge import Verdict, judge
 from tfgrpo.optimizers.knobs import Knobs
@@ -53,10 +53,6 @@ class Run:
     trainset: list = field(default_factory=list)
     instructions: str = ""  # the program's own instructions (what a rule may repeat)
 
-    @property
-    def ckpt(self) -> Checkpoint:
-        return self.executor.ckpt
-
 
 @dataclass(frozen=True)
 class State:
@@ -83,7 +79,8 @@ class State:
 
     @classmethod
     def from_record(cls, rec: dict, step: int) -> State:
-        evidence = rec["evidence"] if "evidence" in rec else [[int(q), ok] for q, ok in rec["stats"]["evidence"].items()]
+        evidence = rec["evidence"] if "evidence" in rec else \
+            [[int(q), ok] for q, ok in rec["stats"]["evidence"].items()]  # (a step saved by an earlier version)
         return cls(library=ExperienceLibrary.from_state(rec["library"]), demos=rec.get("demos", []),
                    evidence={q: ok for q, ok in evidence}, pending=rec.get("found", []), step=step)
 
@@ -91,7 +88,8 @@ class State:
 def step(run: Run, state: State, epoch: int, batch: list[int], reserve: list[int] = ()) -> tuple[State, StepResult]:
     """Step `state.step` of the run on `batch` (dynamic sampling adds queries of `reserve`, in order): the new state and
     the step's record. A step finished in the checkpoint is reused."""
-    index, ckpt, ex = state.step, run.ckpt, run.executor
+    index, ex = state.step, run.executor
+    ckpt = ex.ckpt
     if (done := ckpt.get(Keys.done(index))) is not None:
         logger.info("Step %d: complete in the checkpoint, reused", index)
         stats = StepResult(**done["stats"])
@@ -108,7 +106,8 @@ def step(run: Run, state: State, epoch: int, batch: list[int], reserve: list[int
         seconds = {"learning": time.time() - t0}
         lessons = run.path.finish(run, state.library, [(g, r) for g, r in zip(groups, results) if g.informative])
         verdict = judge(run, state, index, groups, lessons)
-        usage = {s: ex.meter(s).totals() for s in ("rollout", *run.path.stages, *(("probe",) if verdict.record else ()))}
+        stages = ("rollout", *run.path.stages, *(("probe",) if verdict.record else ()))
+        usage = {s: ex.meter(s).totals() for s in stages}
     sources = sorted({q for q, _ in lessons.proposals})
     new, report = state.apply(verdict, sources, quiet=bool(run.knobs.probe_size))
     stats = _record(run, new, epoch, (groups, lessons, verdict, report), (usage, before, timeouts, seconds, t0))
@@ -125,7 +124,7 @@ def _groups(run: Run, state: State, batch: list[int], reserve: list[int]) -> tup
     done, queries = [], batch
     while queries:
         ex.expect(queries)
-        done += ex.each(lambda qi: _group(run, state, programs, qi), queries)
+        done += ex.work.each(lambda qi: _group(run, state, programs, qi), queries)
         missing = max(len(batch) - sum(g.informative for g, _, _ in done), 0)
         queries, reserve = reserve[:missing], reserve[missing:]
     groups, timeouts = [g for g, _, _ in done], [t for _, _, ts in done for t in ts]
@@ -147,8 +146,8 @@ def _group(run: Run, state: State, programs: list, qi: int) -> tuple[Group, Any,
         failed = [g for g, a in enumerate(attempts) if a.error]
         ex.settle("rollout", qi, bool(failed))
         for g in failed:  # the stage's failure check passed: they stand, and a resume replays the same group (had it
-            if not run.ckpt.get(Keys.rollout(index, qi, g), unit=False):  # failed, a resume would retry them: the outage may be over)
-                run.ckpt.put(Keys.rollout(index, qi, g), attempts[g].to_record())
+            if not ex.ckpt.get(Keys.rollout(index, qi, g), unit=False):  # failed, a resume would retry them)
+                ex.ckpt.put(Keys.rollout(index, qi, g), attempts[g].to_record())
         answered = [g for g, a in enumerate(attempts) if not a.failed]  # a failed LM call is no answer
         reference = reference_example(example, [attempts[g].to_record() for g in answered], knobs.use_ground_truth)
         scores = ex.map("reward", lambda g: ex.score(Keys.reward(index, qi, g), attempts[g], reference), answered)
@@ -217,7 +216,8 @@ def _record(run: Run, new: State, epoch: int, made: tuple, spent: tuple) -> Step
         operations_applied=report.applied, operations_rejected=len(report.rejected),
         library_size=len(new.library), consolidation=lessons.consolidation,
         usage={stage: add_usage(dict(before.get(stage, {})), u) for stage, u in usage.items()},
-        seconds=seconds, wall_s=time.time() - t0, metric_calls=len(attempts) + (verdict.record or {}).get("attempts_run", 0),
+        seconds=seconds, wall_s=time.time() - t0,
+        metric_calls=len(attempts) + (verdict.record or {}).get("attempts_run", 0),
         demos=[d["query"] for d in verdict.demos], probe=verdict.record, queries=[g.index for g in groups],
         evidence={str(q): ok for q, ok in sorted(verdict.evidence.items())}, usage_before_resume=before,
         details={**{k: v for k, v in counts.items() if k not in ("learning_failures", "operations_proposed")},
@@ -239,7 +239,7 @@ def learn_from_groups(path: LearningPath, groups: list[Group], *, settings: Knob
             finally:
                 ex.leave(group.index)
 
-        results = ex.each(one, informative)
+        results = ex.work.each(one, informative)
         for stage in path.stages:
             ex.check(stage)
         lessons = path.finish(run, library, list(zip(informative, results)))

@@ -15,6 +15,7 @@ budget before it starts and meters it, so a crashed or stopped run resumes witho
 
 from __future__ import annotations
 
+import inspect
 import logging
 import random
 from dataclasses import dataclass
@@ -25,10 +26,10 @@ from dspy.teleprompt.teleprompt import Teleprompter
 
 from tfgrpo.base import hooks
 from tfgrpo.optimizers.checkpoint import Checkpoint, Keys
-from tfgrpo.optimizers.execution import BudgetExhausted, Executor, add_usage, role_of, with_own_lms
-from tfgrpo.optimizers.knobs import KNOBS, Knobs, args_doc, signature
+from tfgrpo.optimizers.execution import BudgetExhausted, Executor, with_own_lms
+from tfgrpo.optimizers.knobs import KNOBS, Knobs, args_doc
 from tfgrpo.optimizers.learning_paths import ContrastPath, PaperPath
-from tfgrpo.optimizers.parallel import StageBars
+from tfgrpo.optimizers.parallel import ROLE, StageBars, add_usage
 from tfgrpo.optimizers.plan import Plan, make_plan
 from tfgrpo.optimizers.result import EpochResult, StepResult, TrainingFreeGRPOResult
 from tfgrpo.optimizers.rewards import metric_takes_trace
@@ -65,7 +66,9 @@ DOC = """Learns a library of natural-language experiences for a DSPy program, an
 @dataclass(eq=False)
 class TrainingFreeGRPO(Teleprompter, Knobs):
     __doc__ = DOC + args_doc()  # the knobs' Args, from knobs.py
-    __signature__ = signature()  # (metric, *, <every knob>): what inspect shows, beside the __new__ below
+    __signature__ = inspect.Signature([inspect.Parameter("metric", inspect.Parameter.POSITIONAL_OR_KEYWORD)] + [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=f.default) for name, f in KNOBS.items()
+    ])  # (metric, *, <every knob>), as the dataclass __init__ declares it: what inspect shows, beside __new__
 
     metric: Callable  # the knobs follow, keyword-only (Knobs)
 
@@ -165,7 +168,7 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
         steps, epochs, best, stopped = [], [], None, None
         bar = knobs.progress or StageBars(resumed=True)  # the whole run: steps done of all, with its ETA
         if total:
-            bar("step", sum(run.ckpt.get(Keys.done(i), unit=False) is not None for i in range(total)), total)
+            bar("step", sum(run.executor.ckpt.get(Keys.done(i), unit=False) is not None for i in range(total)), total)
         rng = random.Random(knobs.seed)
         try:
             for epoch in range(knobs.num_train_epochs):
@@ -176,8 +179,11 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
                 state, stopped = self._epoch(run, state, (epoch, order), (steps, trackers, bar))
                 if stopped:
                     break
-                if valset:
-                    best = self._validated(run, state, (epoch, valset), (epochs, best, trackers))
+                if valset:  # the epoch's program on the valset: the best so far (the later on a tie) is kept
+                    epochs.append(validate(run, state, valset, epoch))
+                    for tracker in trackers:
+                        tracker.validation(epochs[-1].__dict__, step=state.step - 1)
+                    best = (epochs[-1], state) if best is None or epochs[-1].val_score >= best[0].val_score else best
                     stopped = run.executor.budget.reached() if state.step < total else None
                     if stopped:
                         break
@@ -198,7 +204,7 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
         compiled.detailed_results = TrainingFreeGRPOResult(
             steps=steps, epochs=epochs, best_val_score=best[0].val_score if best else None,
             best_epoch=best[0].epoch if best else None, usage=run.executor.spent, run_usage=_run_usage(steps),
-            reused_units=run.ckpt.reused, stopped_early=stopped, worth=worth)
+            reused_units=run.executor.ckpt.reused, stopped_early=stopped, worth=worth)
         compiled._compiled = True
         _say_spent(compiled.detailed_results, run.executor.direct_calls)
         return compiled
@@ -225,16 +231,6 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
         return state, None
 
     @staticmethod
-    def _validated(run: Run, state: State, what: tuple, record: tuple):
-        """Score the epoch's program on the valset; the best so far (the later on a tie) is the one kept."""
-        (epoch, valset), (epochs, best, trackers) = what, record
-        result = validate(run, state, valset, epoch)
-        epochs.append(result)
-        for tracker in trackers:
-            tracker.validation(result.__dict__, step=state.step - 1)
-        return (result, state) if best is None or result.val_score >= best[0].val_score else best
-
-    @staticmethod
     def _attribution(run: Run, student, learned: Learned, examples: list | None, stopped: str | None):
         """What each kept item is worth (`attribution`), and what the compiled program keeps (pruned with `prune`)."""
         if not run.knobs.attribution:
@@ -248,7 +244,7 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
             logger.warning("Attribution stopped: %s; the compiled program keeps every item", exc)
             return learned, None
         log_worth(worth)
-        run.ckpt.put("worth", worth.to_dict())
+        run.executor.ckpt.put("worth", worth.to_dict())
         return learned, worth
 
 
@@ -256,7 +252,7 @@ def validate(run: Run, state: State, valset: list, epoch: int) -> EpochResult:
     """The epoch's validation: the program with the state's library and demos on the valset, `val_score` the mean metric
     over the examples it answered (a run that raised scores 0; one whose LM call failed is left out, counted in
     `val_failures` with the rest). Saved as `epochs/<epoch>`."""
-    if (saved := run.ckpt.get(Keys.epoch(epoch))) is not None:
+    if (saved := run.executor.ckpt.get(Keys.epoch(epoch))) is not None:
         return EpochResult(epoch=epoch, val_score=saved["val_score"], library_size=len(state.library),
                            val_failures=saved.get("val_failures", 0))
     logger.info("validation: %d call(s) on %d thread(s)", len(valset), run.knobs.num_threads)
@@ -271,7 +267,7 @@ def validate(run: Run, state: State, valset: list, epoch: int) -> EpochResult:
                        "left out, any other failure scores 0", epoch, len(errors), len(records), errors[0])
     value = sum(r["reward"] for r in answered) / len(answered) if answered else 0.0
     logger.info("Epoch %d: validation score %.3f with %d experiences", epoch, value, len(state.library))
-    run.ckpt.put(Keys.epoch(epoch), {"val_score": value, "val_failures": len(errors),
+    run.executor.ckpt.put(Keys.epoch(epoch), {"val_score": value, "val_failures": len(errors),
                                      "library": state.library.dump_state(), "demos": state.demos})
     return EpochResult(epoch=epoch, val_score=value, library_size=len(state.library), val_failures=len(errors))
 
@@ -305,7 +301,7 @@ def _run_usage(steps: list[StepResult]) -> dict[str, dict]:
     usage: dict[str, dict] = {"policy": {}, "reflection": {}}
     for stats in steps:
         for stage, used in stats.usage.items():
-            add_usage(usage[role_of(stage)], used)
+            add_usage(usage[ROLE.get(stage, "reflection")], used)
     return usage
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import random
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import dspy
@@ -52,9 +52,13 @@ class Learned(NamedTuple):
     demos: list[dict]
 
     def items(self) -> list[tuple[str, str, str]]:
-        """(kind, ID, text) of every item: the experiences by their IDs, then the demos as D1, D2, ..."""
-        demos = [("demo", f"D{j + 1}", _demo_text(d)) for j, d in enumerate(self.demos)]
-        return [("experience", e.id, e.text) for e in self.library] + demos
+        """(kind, ID, text) of every item: the experiences by their IDs, then the demos as D1, D2, ..., each shown by
+        its query (the inputs of its first call)."""
+        items = [("experience", e.id, e.text) for e in self.library]
+        for j, demo in enumerate(self.demos):
+            first = (demo.get("trace") or [{}])[0].get("inputs", {})
+            items.append(("demo", f"D{j + 1}", clip(", ".join(f"{k}: {as_text(v)}" for k, v in first.items()), 120)))
+        return items
 
     def key(self) -> str:
         """A digest of what these items are (their texts and demos, not only their IDs): the name of their runs."""
@@ -78,41 +82,38 @@ class Attribution:
             examples: list) -> tuple[WorthResult, Learned]:
         """The items' worth, and what the compiled program keeps: `learned`, or its pruned part (with `prune`)."""
         with self.executor.scope("attribution"):
-            return self._run(base, targets, learned, examples)
-
-    def _run(self, base: dspy.Module, targets: list[str], learned: Learned, examples: list):
-        knobs, ids = self.executor.knobs, [i for _, i, _ in learned.items()]
-        if not ids:
-            logger.info("Attribution: nothing was learned, so there is nothing to measure")
-            return WorthResult(method="leave-one-out", queries=0, score=0.0, items=[], library=0.0,
-                               library_ci95=(0.0, 0.0), control=0.0, control_ci95=(0.0, 0.0), pruned=[],
-                               prune_check=None, program_runs=0), learned
-        choose, check = _halves(examples, knobs.seed) if knobs.prune else (list(examples), [])
-        scores = _Scores(self, base, targets, learned, choose)
-        full, none = scores.of(set(ids)), scores.of(set())
-        control = scores.runs(f"control-{learned.key()}", _control(base, targets, learned), choose)
-        shapley = len(ids) > knobs.attribution_max_items
-        per_item = _shapley(scores, ids, knobs) if shapley else {i: _minus(full, scores.of(set(ids) - {i})) for i in ids}
-        items = [ItemWorth(kind=kind, id=i, text=text, worth=statistics.fmean(per_item[i]),
-                           ci95=_ci(per_item[i], knobs.seed)) for kind, i, text in learned.items()]
-        dropped = _backward(scores, items) if knobs.prune else []
-        check_record, kept, checked = None, learned, 0
-        if dropped:
-            pruned = learned.only(set(ids) - set(dropped))
-            on_check = _Scores(self, base, targets, learned, check)
-            diffs = _minus(on_check.of(set(ids) - set(dropped)), on_check.of(set(ids)))
-            better = statistics.fmean(diffs) >= 0
-            check_record = {"queries": len(check), "dropped": dropped, "difference": statistics.fmean(diffs),
-                            "ci95": _ci(diffs, knobs.seed), "kept": "pruned" if better else "unpruned"}
-            kept, checked = (pruned if better else learned), on_check.made
-        gain, over_control = _minus(full, none), _minus(full, control)
-        result = WorthResult(
-            method="shapley" if shapley else "leave-one-out", queries=len(choose), score=_mean(full),
-            items=items, library=statistics.fmean(gain), library_ci95=_ci(gain, knobs.seed),
-            control=statistics.fmean(over_control), control_ci95=_ci(over_control, knobs.seed),
-            pruned=dropped if kept is not learned else [], prune_check=check_record,
-            program_runs=scores.made + checked)
-        return result, kept
+            knobs, ids = self.executor.knobs, [i for _, i, _ in learned.items()]
+            if not ids:
+                logger.info("Attribution: nothing was learned, so there is nothing to measure")
+                return WorthResult(method="leave-one-out", queries=0, score=0.0, items=[], library=0.0,
+                                   library_ci95=(0.0, 0.0), control=0.0, control_ci95=(0.0, 0.0), pruned=[],
+                                   prune_check=None, program_runs=0), learned
+            choose, check = _halves(examples, knobs.seed) if knobs.prune else (list(examples), [])
+            scores = _Scores(self, base, targets, learned, choose)
+            full, none = scores.of(set(ids)), scores.of(set())
+            control = scores.runs(f"control-{learned.key()}", _control(base, targets, learned), choose)
+            shapley = len(ids) > knobs.attribution_max_items
+            per_item = _shapley(scores, ids, knobs) if shapley else {i: _minus(full, scores.of(set(ids) - {i})) for i in ids}
+            items = [ItemWorth(kind=kind, id=i, text=text, worth=statistics.fmean(per_item[i]),
+                               ci95=_ci(per_item[i], knobs.seed)) for kind, i, text in learned.items()]
+            dropped = _backward(scores, items) if knobs.prune else []
+            check_record, kept, checked = None, learned, 0
+            if dropped:
+                pruned = learned.only(set(ids) - set(dropped))
+                on_check = _Scores(self, base, targets, learned, check)
+                diffs = _minus(on_check.of(set(ids) - set(dropped)), on_check.of(set(ids)))
+                better = statistics.fmean(diffs) >= 0
+                check_record = {"queries": len(check), "dropped": dropped, "difference": statistics.fmean(diffs),
+                                "ci95": _ci(diffs, knobs.seed), "kept": "pruned" if better else "unpruned"}
+                kept, checked = (pruned if better else learned), on_check.made
+            gain, over_control = _minus(full, none), _minus(full, control)
+            result = WorthResult(
+                method="shapley" if shapley else "leave-one-out", queries=len(choose), score=_mean(full),
+                items=items, library=statistics.fmean(gain), library_ci95=_ci(gain, knobs.seed),
+                control=statistics.fmean(over_control), control_ci95=_ci(over_control, knobs.seed),
+                pruned=dropped if kept is not learned else [], prune_check=check_record,
+                program_runs=scores.made + checked)
+            return result, kept
 
 
 def log_worth(worth: WorthResult) -> None:
@@ -129,12 +130,18 @@ def log_worth(worth: WorthResult) -> None:
                     "the %s one", ", ".join(check["dropped"]), check["difference"], check["queries"], check["kept"])
 
 
+@dataclass
 class _Scores:
-    """Per-query rewards of the program carrying a subset of the learned items, each subset run once."""
+    """Per-query rewards of the program carrying a subset of the learned items, each subset run once (`made`: the
+    program runs so far)."""
 
-    def __init__(self, attribution: Attribution, base, targets: list[str], learned: Learned, examples: list):
-        self.a, self.base, self.targets, self.learned, self.examples = attribution, base, targets, learned, examples
-        self.made, self._seen = 0, {}
+    a: Attribution
+    base: dspy.Module
+    targets: list[str]
+    learned: Learned
+    examples: list
+    made: int = 0
+    _seen: dict = field(default_factory=dict)  # subset key -> its rewards
 
     def of(self, ids: set[str]) -> list[float]:
         part = self.learned.only(ids)
@@ -219,7 +226,3 @@ def _minus(a: list[float | None], b: list[float | None]) -> list[float]:
 def _ci(values: list[float], seed: int) -> tuple[float, float]:
     return bootstrap_ci(values, seed=seed, resamples=2000)
 
-
-def _demo_text(demo: dict) -> str:
-    first = (demo.get("trace") or [{}])[0].get("inputs", {})
-    return clip(", ".join(f"{k}: {as_text(v)}" for k, v in first.items()), 120)

@@ -178,3 +178,33 @@ def test_the_package_does_not_import_the_repository_around_it():
                 [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
             found += [f"{m}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in local - {"tfgrpo"}]
     assert not found, "\n".join(found)
+
+
+def test_the_optimizer_stays_small_enough_to_read():
+    """optimizers/ (issue 64): at most 14 modules and 200 functions, no module over 420 lines, no function over 6
+    parameters or 60 lines, no import kept for type checkers alone, and no call of another object's private method."""
+    paths = sorted((ROOT / "optimizers").glob("*.py"))
+    found, functions = [], 0
+    for path in paths:
+        source = path.read_text()
+        if len(source.splitlines()) > 420:
+            found.append(f"{path.name}: {len(source.splitlines())} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                found.append(f"{path.name}:{node.lineno}: an import for type checkers only")
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                functions += 1
+                a = node.args
+                params = [*a.posonlyargs, *a.args, *a.kwonlyargs][1 if a.args and a.args[0].arg in ("self", "cls") else 0:]
+                count = len(params) + bool(a.vararg) + bool(a.kwarg)
+                if count > 6 or node.end_lineno - node.lineno >= 60:
+                    found.append(f"{path.name}:{node.lineno}: {node.name} has {count} parameters and "
+                                 f"{node.end_lineno - node.lineno + 1} lines")
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                name, owner = node.func.attr, node.func.value
+                private = name.startswith("_") and not name.startswith("__")
+                if private and not (isinstance(owner, ast.Name) and owner.id in ("self", "cls")):
+                    found.append(f"{path.name}:{node.lineno}: calls another object's private {ast.unparse(node.func)}")
+    assert len(paths) <= 14, f"optimizers/ holds {len(paths)} modules"
+    assert functions <= 200, f"optimizers/ holds {functions} functions"
+    assert not found, "\n".join(found)

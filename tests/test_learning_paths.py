@@ -93,8 +93,8 @@ def test_a_path_learns_from_groups_it_is_given_and_the_plan_applies_to_a_copy():
     lm = ScriptedLM(contrast_learner())
     trainset = make_trainset(2)
     groups = [Group(index=i, key=f"train#{i}", example=ex, attempts=tuple(
-        Scored(Attempt(outputs={"answer": a}, error=None, trace=[], tool_calls=0, text=f"answer: {a}"), reward=r)
-        for a, r in ((ex.answer, 1.0), ("-1", 0.0)))) for i, ex in enumerate(trainset)]
+        Scored(Attempt(outputs={"answer": a}, error=None, trace=[], tool_calls=0, text=f"answer: {a}"), reward=r, g=g)
+        for g, (a, r) in enumerate(((ex.answer, 1.0), ("-1", 0.0))))) for i, ex in enumerate(trainset)]
     start = ExperienceLibrary()
     lessons, usage = learn_from_groups(ContrastPath(), groups, settings=Knobs(constrained_decoding="off",
                                        max_operations_per_group=1), reflection_lm=lm, library=start)

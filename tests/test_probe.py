@@ -457,7 +457,7 @@ def test_explore_generations_roll_out_without_the_demos_and_candidates_skip_the_
 
     def group(rewards):
         attempts = tuple(Scored(Attempt(outputs={"answer": str(g)}, error=None, trace=[{"g": g}], tool_calls=0,
-                                        text=""), reward=r) for g, r in enumerate(rewards))
+                                        text=""), reward=r, g=g) for g, r in enumerate(rewards))
         return Group(index=0, key="q0", example=dspy.Example(question="q").with_inputs("question"), attempts=attempts)
 
     # the current program solves it on both of its attempts: the explorers' best (0.3) is the candidate

@@ -8,7 +8,6 @@ comparison paired. Rows are written as JSONL so reports are rebuilt without call
 from __future__ import annotations
 
 import json
-import random
 import statistics
 import time
 from pathlib import Path

@@ -170,7 +170,8 @@ class Executor:
         with self._lock:
             errors, total = self.failures.get(stage, ([], 0))
             self.failures[stage] = (errors + ([error] if error else []), total + 1)
-        self.tally({s: meter.totals() for s, meter in list(self.meters.items())})
+        if self.ckpt.root is not None:  # (a tally is saved in the checkpoint: none, none to keep)
+            self.tally({s: meter.totals() for s, meter in list(self.meters.items())})
 
     def attempt(self, stage: str, key: str | None, program: dspy.Module, example: dspy.Example, *,
                 score: bool = False) -> dict:

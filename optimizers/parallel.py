@@ -336,7 +336,8 @@ class Budget:
 
     def _why(self, name: str, stage: str, share: float) -> str:
         knob = {"cost": "max_cost", "tokens": "max_total_tokens", "metric_calls": "max_metric_calls"}[name]
-        show = (lambda v: f"${v:.4f}") if name == "cost" else (lambda v: f"{v:,.0f}")
+        show = (lambda v: f"${v:.4f}" if v >= 0.01 else f"${v:.6f}") if name == "cost" else (lambda v: f"{v:,.0f}")
         what = {"cost": "spent", "tokens": "tokens used", "metric_calls": "metric calls made"}[name]
         nxt = f"; the next {stage} unit (~{show(share)}) would pass it" if stage else ""
-        return f"budget {knob}={self.limits[name]:g} reached: {show(self.spent[name])} {what}{nxt}"
+        used = self.spent[name] + self.in_flight[name]  # (those in flight are as good as spent)
+        return f"budget {knob}={self.limits[name]:g} reached: {show(used)} {what}{nxt}"

@@ -6,9 +6,11 @@ chosen, the budget, and what the run is expected to send, in calls, tokens and d
 
 The estimate assumes that every group has reward contrast (so every learning call is made: an upper bound for them)
 and that no reply fails; prompts are the program's own, rendered by DSPy's chat adapter for the training queries, with
-a library that grows to `EXPECTED_LIBRARY` experiences over the run; replies are counted at `reply_tokens` (default:
-half the policy LM's `max_tokens` for the program, `LEARNING_REPLY` for a learning call). Dollars are those tokens at
-the models' prices, with no prompt cache (providers that cache a repeated prefix bill less).
+a library that grows by `GROWTH` experiences a step (the paper's reference re-run: 27 in 6 steps); replies are counted
+at `reply_tokens` (default: half the policy LM's `max_tokens` for the program, `LEARNING_REPLY` for a learning call).
+Dollars are those tokens at the models' prices; where the price map gives a cheaper price for cached prompt tokens
+(DeepSeek, OpenAI), the part of each prompt that a stage's calls share (instructions, library, demos: they come first)
+is priced as cached after the stage's first call of a step, as those providers bill a repeated prefix.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ logger = logging.getLogger(__name__)
 
 EXAMPLE_HINT = "dspy.Example(question=..., answer=...).with_inputs('question')"
 CHARS_PER_TOKEN = 4
-EXPECTED_LIBRARY = 30  # experiences a run's library grows to (the paper's libraries hold a few dozen)
+GROWTH = 5  # experiences a step adds to the library, on average (the paper's reference re-run: 27 in 6 steps)
+EXPERIENCE_TOKENS = 40  # one experience in a prompt: its ID and about 25 words
 LEARNING_REPLY = 150  # tokens of a learning call's reply, when `reply_tokens` does not say
 
 
@@ -81,17 +84,18 @@ class Plan:
                  f"{self.knobs.batch_size} queries x {self.knobs.num_generations} attempts; reflection model "
                  f"{self.models['reflection']!r}",
                  f"expected: {total['calls']:,} calls, {total['prompt_tokens']:,} prompt + "
-                 f"{total['completion_tokens']:,} completion tokens, {cost}, {total['metric_calls']:,} metric calls "
-                 "(every group with contrast, no prompt cache)", f"budget: {limits}"]
+                 f"{total['completion_tokens']:,} completion tokens ({total['cached_tokens']:,} prompt tokens cached), "
+                 f"{cost}, {total['metric_calls']:,} metric calls (every group with contrast)", f"budget: {limits}"]
         if self.resume.get("saved_units"):
             lines.append(f"resume: {self.resume['saved_units']} finished unit(s) in log_dir are reused")
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 
 def make_plan(optimizer, student: dspy.Module, trainset: list, valset: list | None = None,
-              attribution_set: list | None = None, *, reply_tokens: int | None = None) -> Plan:
+              attribution_set: list | None = None, *, reply_tokens: int | None = None, say: bool = False) -> Plan:
     """Every check compile makes, the resolved knobs and path, the fingerprint and the estimate (see the module
-    docstring); raises what compile would raise, with nothing called or written."""
+    docstring); raises what compile would raise, with nothing called or written. `say`: log the preset and path chosen
+    (compile does)."""
     check_program(student)
     held_out = attribution_set if attribution_set is not None else valset
     if attribution_set is not None and not optimizer.attribution:
@@ -109,7 +113,7 @@ def make_plan(optimizer, student: dspy.Module, trainset: list, valset: list | No
     targets = resolve_targets(program, optimizer.target_predictors)
     notes = check_data(sets, student)
     lms = _lms(optimizer, student)
-    knobs, preset, path = resolve(optimizer, optimizer.explicit_knobs(), lms["reflection"].model, say=True)
+    knobs, preset, path = resolve(optimizer, optimizer.explicit_knobs(), lms["reflection"].model, say=say)
     if path == "contrast" and knobs.num_generations == 1:
         raise ValueError("the contrast learning path compares attempts of one query and learns nothing from "
                          "num_generations=1: use learning_path='paper' (the paper's G = 1 ablation) or G >= 2")
@@ -279,7 +283,8 @@ def estimate(knobs: Knobs, program: dspy.Module, data: tuple, lms: dict, *, lear
     sent twice, dynamic sampling's every query, every rewrite, a full library, replies at the `max_tokens` cap)."""
     trainset, valset, held_out = data
     policy = lms["policy"][0]
-    sizes = {"query": _tokens([p.signature for _, p in program.named_predictors()], [x.inputs() for x in trainset]),
+    signatures = [p.signature for _, p in program.named_predictors()]
+    sizes = {"query": _tokens(signatures, [x.inputs() for x in trainset]), "system": _tokens(signatures, [{}]),
              "turns": _turns(program), "trainset": len(trainset), "reply": reply_tokens,
              "cap": policy.kwargs.get("max_tokens") or policy.kwargs.get("max_completion_tokens") or 1024,
              "runs": knobs.num_train_epochs * len(valset or []) + attribution_runs(knobs, len(trainset),
@@ -291,38 +296,47 @@ def estimate(knobs: Knobs, program: dspy.Module, data: tuple, lms: dict, *, lear
 
 def _tally(knobs: Knobs, sizes: dict, learning_path: str, bound: bool) -> dict:
     """The estimate (expected, or with `bound` the upper bound) from the prompt `sizes` measured once."""
-    stage = lambda calls, prompt, reply: {  # noqa: E731
-        "calls": calls * (TRIES if bound else 1), "prompt_tokens": calls * prompt * (TRIES if bound else 1),
-        "completion_tokens": calls * reply * (TRIES if bound else 1)}
+    tries = TRIES if bound else 1
     steps, G, turns, query = knobs.total_steps(sizes["trainset"]), knobs.num_generations, sizes["turns"], sizes["query"]
+
+    def stage(calls: int, prompt: int, reply: int, shared: int = 0) -> dict:  # `shared`: the prefix its calls share
+        return {"calls": calls * tries, "prompt_tokens": calls * prompt * tries, "completion_tokens": calls * reply * tries,
+                "cached_tokens": 0 if bound else max(calls - 1, 0) * shared}
+
     batch = min(knobs.batch_size + (knobs.max_resampled_queries if bound else 0), sizes["trainset"])
     reply = sizes["cap"] if bound else sizes["reply"] or max(16, sizes["cap"] // 2)
     learning_reply = sizes["cap"] if bound else sizes["reply"] or LEARNING_REPLY
-    library = (knobs.max_experiences or 40 if bound else EXPECTED_LIBRARY // 2) * int(
-        knobs.max_words_per_experience * 1.4 + 8)  # a full library (bound), or one halfway grown
+    grown = GROWTH * (steps - 1) / 2 if not bound else float("inf")  # the library halfway through the run; full
+    library = int(min(grown, knobs.max_experiences or 40) * (EXPERIENCE_TOKENS if not bound else
+                                                             knobs.max_words_per_experience * 1.4 + 8))
+    shown = sizes["system"] + library + knobs.max_demos * (query + reply)  # what every attempt's prompt starts with
+    task = max(query - sizes["system"], 1)  # the query's own inputs, as a learning call shows them
     attempt = query + library + knobs.max_demos * (query + reply) + (turns - 1) * reply // 2
-    stages = {"rollout": stage(batch * G * turns, attempt, reply)}
+    stages = {"rollout": stage(batch * G * turns, attempt, reply, shown)}
     if learning_path == "contrast":
         pairs = batch * min(knobs.max_operations_per_group, G // 2)
         calls = pairs * ((2 if bound else 1) + (1 if knobs.max_excerpt_lines else 0))  # contrast, rewrite, excerpt
-        stages["contrast"] = stage(calls, 400 + query + library + 2 * reply, learning_reply)
+        stages["contrast"] = stage(calls, 400 + task + library + 2 * reply, learning_reply, 400)
     else:
-        stages["summary"] = stage(batch * G, _tokens([Summarizer(True).predict.signature], [{}]) + query + library +
-                                  reply, learning_reply)
-        stages["advantage"] = stage(batch, _tokens([AdvantageExtractor(True).predict.signature], [{}]) + query +
-                                    library + G * learning_reply, learning_reply)
-        stages["consolidation"] = stage(1, _tokens([Consolidator().predict.signature], [{}]) + library +
-                                        batch * knobs.max_operations_per_group * 60, learning_reply)
+        fixed = {name: _tokens([sig], [{}]) for name, sig in (("summary", Summarizer(True).predict.signature),
+                 ("advantage", AdvantageExtractor(True).predict.signature),
+                 ("consolidation", Consolidator().predict.signature))}
+        stages["summary"] = stage(batch * G, fixed["summary"] + task + library + reply, learning_reply,
+                                  fixed["summary"] + library)
+        stages["advantage"] = stage(batch, fixed["advantage"] + task + library + G * learning_reply, learning_reply,
+                                    fixed["advantage"] + library)
+        stages["consolidation"] = stage(1, fixed["consolidation"] + library + batch * knobs.max_operations_per_group
+                                        * 60, learning_reply)
     probe_attempts = (1 + knobs.max_probed_edits) * min(knobs.probe_size, sizes["trainset"])
     if knobs.probe_size:
-        stages["probe"] = stage(probe_attempts * turns, attempt, reply)
-    extra = stage(sizes["runs"] * turns, attempt, reply)  # validation and attribution, once for the run
+        stages["probe"] = stage(probe_attempts * turns, attempt, reply, shown)
+    extra = stage(sizes["runs"] * turns, attempt, reply, shown)  # validation and attribution, once for the run
     for name, s in [*stages.items(), ("validation", extra)]:
         price = sizes["prices"][0 if name in ("rollout", "probe", "validation") else 1]
-        s["cost"] = None if price is None else s["prompt_tokens"] * price["input"] + s["completion_tokens"] * price[
-            "output"]
+        s["cost"] = None if price is None else ((s["prompt_tokens"] - s["cached_tokens"]) * price["input"] + s[
+            "cached_tokens"] * price["cached_input"] + s["completion_tokens"] * price["output"])
     total = {k: steps * sum(s[k] for s in stages.values()) + extra[k]
-             for k in ("calls", "prompt_tokens", "completion_tokens")}
+             for k in ("calls", "prompt_tokens", "completion_tokens", "cached_tokens")}
     costs = [s["cost"] for s in [*stages.values(), extra]]
     total["cost"] = None if None in costs else steps * sum(costs[:-1]) + costs[-1]
     total["metric_calls"] = steps * (batch * G + probe_attempts * bool(knobs.probe_size)) + sizes["runs"]

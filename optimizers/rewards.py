@@ -109,19 +109,14 @@ def score_attempt(metric: Callable, example: dspy.Example, record: dict, timeout
 
 
 def reference_example(example: dspy.Example, group: list[dict], use_ground_truth: bool) -> dspy.Example:
-    """The example to score a group against: itself, or (without ground truth) its group's majority answers."""
+    """The example to score a group against: itself, or (without ground truth) its group's majority answers: per label,
+    the most common value of the group's outputs (the first seen wins a tie; an empty one does not vote)."""
     if use_ground_truth:
         return example
-    labels = {k: majority([(r["outputs"] or {}).get(k) for r in group]) for k in example.labels().keys()}
+    labels = {}
+    for k in example.labels().keys():
+        values = [v for r in group if (v := (r["outputs"] or {}).get(k)) not in (None, "")]
+        keyed = {json.dumps(v, sort_keys=True, default=str): v for v in reversed(values)}  # the first seen kept
+        votes = Counter(json.dumps(v, sort_keys=True, default=str) for v in values)  # counts, in order first seen
+        labels[k] = keyed[votes.most_common(1)[0][0]] if votes else None
     return dspy.Example(**example.inputs(), **labels).with_inputs(*example.inputs().keys())
-
-
-def majority(values: list[Any]) -> Any:
-    """The most common value (first seen wins ties); None values do not vote."""
-    votes = Counter(json.dumps(v, sort_keys=True, default=str) for v in values if v not in (None, ""))
-    if not votes:
-        return None
-    best = max(votes.values())
-    for v in values:
-        if v not in (None, "") and votes[json.dumps(v, sort_keys=True, default=str)] == best:
-            return v

@@ -135,31 +135,33 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
         if teacher is not None:
             raise ValueError("TrainingFreeGRPO learns from the student's own attempts and takes no teacher; to have "
                              "a stronger model make the learning calls, pass reflection_lm=")
-        plan = self.plan(student, trainset, valset, attribution_set=attribution_set)
-        ckpt = Checkpoint(plan.knobs.log_dir)
-        info = hooks.CompileInfo(knobs={name: getattr(self, name) for name in KNOBS}, params=lambda: _params(self, plan,
-                                                                                                          student))
-        with ckpt.locked(), hooks.tracked(info) as trackers:  # one compile per log_dir; trackers such as MLflow's
+        ckpt = Checkpoint(self.log_dir)
+        with ckpt.locked():  # one compile per log_dir: a second one is refused at once
+            plan = make_plan(self, student, trainset, valset, attribution_set, say=True)
+            return self._tracked(plan, student, (trainset, valset, attribution_set), ckpt)
+
+    def _tracked(self, plan: Plan, student: dspy.Module, data: tuple, ckpt: Checkpoint) -> dspy.Module:
+        """The compile of `plan`, told to the trackers (MLflow's), from its log_dir's start to the compiled program."""
+        (trainset, valset, attribution_set), params = data, lambda: _params(self, plan, student)
+        info = hooks.CompileInfo(knobs={name: getattr(self, name) for name in KNOBS}, params=params)
+        with hooks.tracked(info) as trackers:
             if saved := ckpt.start(plan.fingerprint):
                 logger.info("resuming from %s: %d finished units found", ckpt.root, saved)
             logger.warning("%s", plan.summary())
-            run = self._run(plan, student, trainset, ckpt)
+            knobs, program = plan.knobs, student.deepcopy()
+            path = knobs.learning_path if not isinstance(knobs.learning_path, str) else \
+                ContrastPath() if plan.learning_path == "contrast" else PaperPath()
+            run = Run(knobs=knobs, metric=self.metric, path=path, path_name=plan.learning_path,
+                      reflection_lm=self.reflection_lm or dspy.settings.lm or next(
+                          p.lm for _, p in program.named_predictors() if p.lm is not None),
+                      executor=Executor(knobs, self.metric, ckpt, prices=knobs.prices), program=program,
+                      targets=plan.targets, trainset=trainset,
+                      instructions=" ".join(p.signature.instructions for _, p in program.named_predictors()))
             compiled = self._learn(run, plan, (valset, attribution_set if attribution_set is not None else valset),
                                    (student, trackers))
             for tracker in trackers:
                 tracker.finish(compiled)
         return compiled
-
-    def _run(self, plan: Plan, student: dspy.Module, trainset: list, ckpt: Checkpoint) -> Run:
-        knobs, program = plan.knobs, student.deepcopy()
-        reflection = self.reflection_lm or dspy.settings.lm or next(
-            p.lm for _, p in program.named_predictors() if p.lm is not None)
-        path = knobs.learning_path if not isinstance(knobs.learning_path, str) else \
-            ContrastPath() if plan.learning_path == "contrast" else PaperPath()
-        return Run(knobs=knobs, metric=self.metric, path=path, path_name=plan.learning_path,
-                   reflection_lm=reflection, executor=Executor(knobs, self.metric, ckpt, prices=knobs.prices),
-                   program=program, targets=plan.targets, trainset=trainset,
-                   instructions=" ".join(p.signature.instructions for _, p in program.named_predictors()))
 
     def _learn(self, run: Run, plan: Plan, held_out: tuple, student_and_trackers: tuple) -> dspy.Module:
         """The epochs' steps and validations, then the attribution; the compiled copy of the student."""

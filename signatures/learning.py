@@ -21,11 +21,13 @@ class SummarizeRollout(dspy.Signature):
     attempt was judged successful; when a reference answer is given, use it to locate the first wrong step.
     Be concrete about methods and reasoning, not about this problem's particular numbers."""
 
+    # the inputs a step's calls share come first (the library, then the group's query), so that a provider that caches
+    # a repeated prompt prefix bills them once
+    experiences: str = dspy.InputField(desc="the experiences the attempt had in its prompt, one per line with its ID")
     task_input: str = dspy.InputField(desc="the query the attempt worked on")
+    reference_answer: str = dspy.InputField(desc="the correct answer")
     attempt: str = dspy.InputField(desc="the attempt's reasoning, tool calls and final output")
     outcome: str = dspy.InputField(desc="how the attempt was judged (reward and any feedback)")
-    reference_answer: str = dspy.InputField(desc="the correct answer")
-    experiences: str = dspy.InputField(desc="the experiences the attempt had in its prompt, one per line with its ID")
     summary: str = dspy.OutputField(desc="numbered steps of what the attempt did, experiences used, errors and detours")
 
 
@@ -42,12 +44,12 @@ class ExtractGroupAdvantage(dspy.Signature):
     It must help on other problems of the same kind: never mention this query's names, objects, numbers or
     answer. Return an empty list when the library already covers the lesson."""
 
-    task_input: str = dspy.InputField(desc="the query all attempts worked on")
-    reference_answer: str = dspy.InputField(desc="the correct answer")
-    attempts: str = dspy.InputField(desc="summaries of the attempts, each with its reward")
     experiences: str = dspy.InputField(desc="the current experience library, one per line with its ID")
     max_operations: int = dspy.InputField(desc="the most operations you may propose")
     max_words: int = dspy.InputField(desc="the most words an experience may have")
+    task_input: str = dspy.InputField(desc="the query all attempts worked on")
+    reference_answer: str = dspy.InputField(desc="the correct answer")
+    attempts: str = dspy.InputField(desc="summaries of the attempts, each with its reward")
     operations: list[Operation] = dspy.OutputField(desc="the proposed operations, possibly none")
 
 

@@ -25,7 +25,7 @@ from tfgrpo.testing import FakeLMServer
 
 ROOT = Path(__file__).resolve().parent.parent
 X = r"[+-]?\d+\.\d+"  # a figure as the benchmarks print them
-COVERED = {"faults.py", "learning_paths.py", "local_learning.py", "local_math.py", "local_throughput.py",
+COVERED = {"api_run.py", "faults.py", "learning_paths.py", "local_learning.py", "local_math.py", "local_throughput.py",
            "local_web.py", "peers.py", "replay.py", "rule_ceiling.py", "step_latency.py", "worth.py"}  # each has a test below
 NOT_BENCHMARKS = {"__init__.py", "ceiling.py", "common.py", "fault_child.py", "log_dir_checks.py", "stop_rows.py",
                   "trust_rows.py"}  # helpers of the benchmarks
@@ -60,6 +60,17 @@ def test_faults(tmp_path):
     assert re.fullmatch(r"faults: injected=[1-9]\d* crashes=0 corrupted=0 redone=0 resumed_equal=true", lines[-2])
     assert lines[-1] == ("silent_failures: metric_error=raised reflection_outage=not_done calls_per_bad_reply=2 "
                          "budget_without_history=stopped corrupt_run_json=refused")
+
+
+def test_api_run():
+    """The smallest API run on the provider simulator: the budget holds within the calls in flight, the plan foresees
+    the calls, no failed call enters a group."""
+    lines = run("api_run.py", "--train", "4", "--threads", "4")
+    found = re.fullmatch(rf"api_run: preset=paper calls=\d+ cost=\$\S+ budget=\$\S+ overshoot_calls=(\d+) plan_error=({X}) "
+                         rf"plan_cost_error={X} cached_share={X} failed_calls=\d+ failures_in_groups=(\d+) "
+                         rf"reference_cost=\$\S+", lines[-1])
+    assert found, lines[-1]
+    assert int(found.group(1)) <= 4 and float(found.group(2)) <= 0.25 and found.group(3) == "0"
 
 
 def test_step_latency():

@@ -97,7 +97,8 @@ def test_every_python_example_defines_what_it_uses(page):
 def test_the_usage_example_runs_and_its_metric_gives_feedback(tmp_path, monkeypatch, capsys):
     """docs/usage.md's example, run as written against the fake LM server instead of the embedded model (only
     `serving` is replaced), and its metric-with-feedback snippet."""
-    example, snippet = python_blocks(ROOT / "docs" / "usage.md")
+    blocks = python_blocks(ROOT / "docs" / "usage.md")  # (the first, with a model behind an API: tests/test_api_models)
+    example, snippet = next(b for b in blocks if "serving(" in b), blocks[-1]
     monkeypatch.chdir(tmp_path)
     with FakeLMServer() as server:
         monkeypatch.setattr(tfgrpo.lms, "serving", lambda *a, **k: contextlib.nullcontext(server.api_base))

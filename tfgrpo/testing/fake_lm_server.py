@@ -42,7 +42,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from statistics import NormalDist
 
 from tfgrpo.testing.prompts import KINDS, kind_of, output_fields
-from tfgrpo.testing.provider import Provider
+from tfgrpo.testing.provider import Provider, count_tokens
 from tfgrpo.testing.provider import message_text as _text
 from tfgrpo.testing.responder import Responder, hash_unit
 
@@ -85,6 +85,7 @@ class FakeLMServer:
     `reasoning_effort`), shown as `reasoning_content` except for OpenAI's models, which hide it and answer 400 to a
     temperature other than 1 or to `max_tokens`, as OpenAI does.
     rate_limit_rpm: at most this many requests per sliding minute; the rest get 429 with the wait as Retry-After.
+    token_chars: count a token per this many characters (a real tokenizer: about 4) instead of one per word.
     log_requests: True (or the number of latest requests to keep) lists each request's model, kind, HTTP status,
     fault, temperature, max_tokens, max_completion_tokens, other body keys (`extra`) and usage in
     `stats()["requests"]`.
@@ -98,7 +99,7 @@ class FakeLMServer:
                  fault_kinds=KINDS, hang_seconds: float = 2.0, retry_after: float = 0.01, process: bool = False,
                  prefix_cache: bool = False, cache_block: int = 64, cache_min: int = 64, prices: dict | None = None,
                  reasoning: bool | dict | None = None, rate_limit_rpm: int | None = None,
-                 log_requests: bool | int = False):
+                 log_requests: bool | int = False, token_chars: int | None = None):
         if set(faults or {}) - set(FAULTS):
             raise ValueError(f"unknown faults {sorted(set(faults) - set(FAULTS))}; known: {FAULTS}")
         if latency_dist not in ("fixed", "lognormal"):
@@ -107,7 +108,7 @@ class FakeLMServer:
                            vary_identical=vary_identical, merge_at=merge_at, faults=dict(faults or {}),
                            fault_kinds=tuple(fault_kinds), hang_seconds=hang_seconds, retry_after=retry_after)
         paid = dict(prefix_cache=prefix_cache, cache_block=cache_block, cache_min=cache_min, prices=prices,
-                    reasoning=reasoning, rate_limit_rpm=rate_limit_rpm)
+                    reasoning=reasoning, rate_limit_rpm=rate_limit_rpm, token_chars=token_chars)
         self.provider = Provider(**paid)
         self.config.update(paid, log_requests=log_requests)
         self.process, self.port = process, None
@@ -247,7 +248,8 @@ class FakeLMServer:
             elif fault == "empty":
                 text = ""
             reasoning, thought = self.provider.reasoning(body)  # (words stand in for tokens)
-            usage, spent = self.provider.usage(body, messages, len(text.split()) + reasoning, reasoning)
+            completion = count_tokens(text, self.provider.token_chars) + reasoning
+            usage, spent = self.provider.usage(body, messages, completion, reasoning)
             self._count(kind, "ok", **spent)
             self._record(body, kind, 200, fault, spent)
             message = {"role": "assistant", "content": text, **({"reasoning_content": thought} if thought else {})}

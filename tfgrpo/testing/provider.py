@@ -37,9 +37,18 @@ def message_text(content) -> str:
     return content or ""
 
 
-def prompt_words(messages: list) -> list[str]:
-    """The prompt as tokens: every word of every message, in order, tagged with its message's role."""
+def prompt_words(messages: list, token_chars: int | None = None) -> list[str]:
+    """The prompt as tokens: every word of every message (or, with `token_chars`, every run of that many characters, as
+    a real tokenizer counts about 4), in order, tagged with its message's role."""
+    if token_chars:
+        return [f"{m.get('role', '')}\x1f{text[i:i + token_chars]}" for m in messages
+                for text in [message_text(m.get("content"))] for i in range(0, len(text), token_chars)]
     return [f"{m.get('role', '')}\x1f{w}" for m in messages for w in message_text(m.get("content")).split()]
+
+
+def count_tokens(text: str, token_chars: int | None = None) -> int:
+    """A reply's tokens, counted as `prompt_words` counts a prompt's."""
+    return -(-len(text) // token_chars) if token_chars else len(text.split())
 
 
 def bare(model: str) -> str:
@@ -97,11 +106,13 @@ class Provider:
     in USD per token, a model named as on the wire or as DSPy names it, "*" for any other (or one price dict for
     all). reasoning: True for the default reasoning models (OpenAI's o-series and gpt-5 family but its -chat
     models, deepseek-reasoner), or {model name or prefix: reasoning tokens per reply}. rate_limit_rpm: requests
-    accepted per sliding minute; more get 429 with a Retry-After.
+    accepted per sliding minute; more get 429 with a Retry-After. token_chars: count a token per this many characters
+    (about 4 for English under a real tokenizer) instead of one per word.
     """
 
     def __init__(self, *, prefix_cache: bool = False, cache_block: int = 64, cache_min: int = 64,
-                 prices: dict | None = None, reasoning: bool | dict | None = None, rate_limit_rpm: int | None = None):
+                 prices: dict | None = None, reasoning: bool | dict | None = None, rate_limit_rpm: int | None = None,
+                 token_chars: int | None = None):
         self.cache = PrefixCache(cache_block, cache_min) if prefix_cache else None
         prices = dict(prices or {})
         self.prices = {"*": prices} if "input" in prices else prices
@@ -109,7 +120,7 @@ class Provider:
             if not {"input", "output"} <= set(price) or set(price) - {"input", "cached_input", "output"}:
                 raise ValueError(f"prices[{name!r}] must have 'input' and 'output' (and may have 'cached_input'), "
                                  f"in USD per token; got {sorted(price)}")
-        self.reasoning_models, self.rate_limit_rpm = reasoning, rate_limit_rpm
+        self.reasoning_models, self.rate_limit_rpm, self.token_chars = reasoning, rate_limit_rpm, token_chars
         self._lock, self._accepted = threading.Lock(), collections.deque()
 
     def refusal(self, body: dict) -> tuple[int, dict, dict] | None:
@@ -157,11 +168,11 @@ class Provider:
         """(the response's `usage`, this call's accounting) for a served request of `completion` tokens, reasoning
         included. Without a cache or a reasoning model the usage is the plain OpenAI triple."""
         if self.cache:
-            tokens = prompt_words(messages)
+            tokens = prompt_words(messages, self.token_chars)
             with self._lock:
                 prompt, cached = len(tokens), self.cache.serve(body.get("model", ""), tokens)
-        else:  # (the same count, without tagging every word)
-            prompt, cached = sum(len(message_text(m.get("content")).split()) for m in messages), 0
+        else:  # (the same count, without tagging every token)
+            prompt, cached = sum(count_tokens(message_text(m.get("content")), self.token_chars) for m in messages), 0
         usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
         if self.cache:
             usage.update(prompt_tokens_details={"cached_tokens": cached}, prompt_cache_hit_tokens=cached,

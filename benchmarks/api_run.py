@@ -1,0 +1,143 @@
+"""A compile against an API model at a known cost, on the provider simulator (no network here: `tfgrpo.testing`).
+
+The simulator stands for DeepSeek: the model `deepseek/deepseek-chat` as DSPy names it, billed at DSPy's own prices
+for it, its prompt prefixes cached and billed as DeepSeek does (64-token blocks), a token per 4 characters, and a share
+of requests answered 429 with a Retry-After (`--rate429`). The program is `dspy.Predict("question -> answer")` on
+sums the simulator answers right or wrong by a hash; the optimizer is the default construction (`auto` takes the
+`paper` preset for a model whose name gives no size), on `--threads` threads.
+
+Three compiles, each on a fresh simulator:
+  1. unbudgeted: what the run spends, against `optimizer.plan(...)` made before it (`plan_error`: its calls;
+     `plan_cost_error`: its dollars, the plan told `--reply-tokens`, the simulator's reply length), the cached share of the prompt tokens, the calls that failed after their
+     retries, and whether any of them entered a group (`failures_in_groups`: rollouts recorded as failed that got a
+     reward);
+  2. the same with `max_cost` at `--budget-share` of run 1's bill: `overshoot_calls`, the calls billed after the bill
+     first reached the budget (at most the units in flight, `--threads`);
+  3. run 2 resumed with no cost budget: it goes on from the units run 2 saved (`redone`: saved units written again;
+     its library is said beside run 1's, which the 429s it meets, drawn anew, may make differ).
+`reference_cost`: what run 1's workload costs the way the reference implementation runs it (../shared/SPEC.md: one
+more call per group with contrast, a per-group update, and no cached prefix), from run 1's own tokens.
+
+    python -m benchmarks.api_run [--train 10] [--threads 8] [--rate429 0.3] [--budget-share 0.5]
+
+The last line is `api_run: preset=paper calls=N cost=$C budget=$B overshoot_calls=K plan_error=E cached_share=S
+failed_calls=F failures_in_groups=0 reference_cost=$R`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import tempfile
+from pathlib import Path
+
+# isort: off
+import benchmarks  # noqa: F401  (before dspy: LiteLLM's bundled price map, no fetch)
+import dspy
+from benchmarks.log_dir_checks import unit_files
+from tfgrpo.optimizers import TrainingFreeGRPO
+from tfgrpo.testing import FakeLMServer, dspy_prices
+# isort: on
+
+MODEL = "deepseek/deepseek-chat"
+
+
+def metric(example, pred, trace=None):
+    return float(str(getattr(pred, "answer", "")).strip() == example.answer)
+
+
+def trainset(n: int) -> list[dspy.Example]:
+    return [dspy.Example(question=f"What is {3 * i + 7} + {5 * i + 11}?", answer=str(8 * i + 18)).with_inputs("question")
+            for i in range(n)]
+
+
+def simulator(rate429: float) -> FakeLMServer:
+    return FakeLMServer(prefix_cache=True, prices={MODEL: dspy_prices(MODEL)}, token_chars=4, log_requests=True,
+                        faults={"http429": rate429} if rate429 else {}, retry_after=0.01)
+
+
+def compile_on(server: FakeLMServer, log_dir: Path, args, **knobs):
+    """One compile on the simulator: the optimizer, its plan and the compiled program."""
+    lm = dspy.LM(MODEL, api_base=server.api_base, api_key="x", cache=False, num_retries=3, max_tokens=512)
+    with dspy.context(lm=lm):
+        optimizer = TrainingFreeGRPO(metric, num_threads=args.threads, log_dir=str(log_dir), **knobs)
+        plan = optimizer.plan(dspy.Predict("question -> answer"), trainset(args.train), reply_tokens=args.reply_tokens)
+        compiled = optimizer.compile(dspy.Predict("question -> answer"), trainset=trainset(args.train))
+    return optimizer, plan, compiled
+
+
+def billed_calls(stats: dict) -> list[float]:
+    """The bill of each served call, in the order the simulator answered them."""
+    return [r["billed_usd"] for r in stats["requests"] if r["status"] == 200]
+
+
+def overshoot(bills: list[float], budget: float) -> int:
+    """Calls billed after the running bill first reached `budget`."""
+    total = 0.0
+    for i, bill in enumerate(bills):
+        total += bill
+        if total >= budget:
+            return len(bills) - 1 - i
+    return 0
+
+
+def failures_in_groups(log_dir: Path) -> int:
+    """Rollouts recorded as failed (no answer) that nevertheless got a reward."""
+    found = 0
+    for path in log_dir.glob("steps/*/rollouts/*.json"):
+        if json.loads(path.read_text()).get("failed") and (path.parent.parent / "rewards" / path.name).exists():
+            found += 1
+    return found
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--train", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=8)
+    ap.add_argument("--rate429", type=float, default=0.3)
+    ap.add_argument("--budget-share", type=float, default=0.5)
+    ap.add_argument("--reply-tokens", type=int, default=30, help="what the plan is told a reply takes (the "
+                    "simulator's replies take 10-40 tokens; a real model's are longer)")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.ERROR)
+    root = Path(tempfile.mkdtemp(prefix="api_run-"))
+    with simulator(args.rate429) as server:  # 1. unbudgeted, against its plan
+        _, plan, compiled = compile_on(server, root / "full", args)
+        full = server.stats()
+    results = compiled.detailed_results
+    calls = sum(u.get("calls", 0) for u in results.usage.values())
+    cost = full["billed_usd"]
+    planned = plan.expected["total"]
+    steps = results.steps
+    groups_kept = sum(s.groups_kept for s in steps)
+    advantage_cost = sum(s.usage.get("advantage", {}).get("cost", 0.0) for s in steps) / max(1, groups_kept)
+    price = dspy_prices(MODEL)
+    uncached = full["prompt_tokens"] * price["input"] + full["completion_tokens"] * price["output"]
+    reference = uncached + groups_kept * advantage_cost  # one more call per group with contrast, no cached prefix
+    print(f"run 1: {calls} calls (planned {planned['calls']}), ${cost:.4f} billed (planned ${planned['cost']:.4f}), "
+          f"{full['cached_tokens']:,} of {full['prompt_tokens']:,} prompt tokens cached, "
+          f"{full['statuses'].get('429', 0)} answers 429, {sum(s.failed_calls for s in steps)} attempts failed")
+    budget = round(cost * args.budget_share, 6)
+    with simulator(args.rate429) as server:  # 2. a cost budget, charged before each unit
+        _, _, stopped = compile_on(server, root / "budgeted", args, max_cost=budget)
+        cut = server.stats()
+    saved = unit_files(root / "budgeted")
+    with simulator(args.rate429) as server:  # 3. resumed with a larger budget
+        _, _, resumed = compile_on(server, root / "budgeted", args)
+        rest = server.stats()
+    after = unit_files(root / "budgeted")
+    redone = sum(after.get(path) != sig for path, sig in saved.items())
+    print(f"run 2: stopped early: {stopped.detailed_results.stopped_early}; ${cut['billed_usd']:.4f} billed")
+    print(f"run 3: {len(billed_calls(rest))} calls, library equal to run 1's: "
+          f"{resumed.experience_library.texts() == compiled.experience_library.texts()}, redone={redone}")
+    print(f"api_run: preset={plan.preset} calls={calls} cost=${cost:.4f} budget=${budget:.4f} "
+          f"overshoot_calls={overshoot(billed_calls(cut), budget)} "
+          f"plan_error={abs(planned['calls'] - calls) / calls:.2f} plan_cost_error={abs(planned['cost'] - cost) / cost:.2f} "
+          f"cached_share={full['cached_tokens'] / full['prompt_tokens']:.2f} "
+          f"failed_calls={sum(s.failed_calls for s in steps)} failures_in_groups={failures_in_groups(root / 'full')} "
+          f"reference_cost=${reference:.4f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -41,6 +41,7 @@ unit (a refusal, an outage in its first calls) never blocks the corrected run, w
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import json
 import logging
@@ -180,25 +181,51 @@ DIGESTS = {"instructions": "the program's instructions", "trainset": "the trains
            "program_code": "the program's code (its module classes)"}
 
 
+SIMPLE = (str, int, float, bool, type(None), tuple)  # values whose repr says what they are
+
+
 def _code(obj) -> tuple[str, str | None]:
-    """(module.qualname, source) of a function, method or class, or of a callable object's class; the source is None
-    where Python cannot read it (typed into a REPL, built in), and the name then stands for it alone."""
+    """(module.qualname, what it computes with) of a function, method, class, callable object or `functools.partial`:
+    its source, and beside it what the source does not show: a partial's bound arguments, a callable object's attributes,
+    a closure's values, and the module-level constants and helper functions its code names (the helpers' source). The
+    source is None where Python cannot read it (typed into a REPL, built in): the name then stands for it alone."""
+    extra = []
+    while isinstance(obj, functools.partial):
+        extra.append(repr((obj.args, sorted(obj.keywords.items()))))
+        obj = obj.func
     target = obj if hasattr(obj, "__qualname__") else type(obj)
+    if target is not obj:
+        extra += [f"{k}={v!r}" for k, v in sorted(vars(obj).items()) if isinstance(v, SIMPLE)]
+    name = f"{getattr(target, '__module__', None)}.{target.__qualname__}"
     try:
         source = inspect.getsource(target)
     except (OSError, TypeError):
         source = None
-    return f"{getattr(target, '__module__', None)}.{target.__qualname__}", source
+    for fn in [target] if inspect.isfunction(target) else [v for v in vars(target).values() if inspect.isfunction(v)]:
+        extra += [repr(c.cell_contents) for c in fn.__closure__ or () if isinstance(c.cell_contents, SIMPLE)]
+        for used in fn.__code__.co_names:
+            value = fn.__globals__.get(used)
+            if isinstance(value, SIMPLE):
+                extra.append(f"{used}={value!r}")
+            elif inspect.isfunction(value) and value.__module__ == fn.__module__ and value is not fn:
+                with contextlib.suppress(OSError, TypeError):
+                    extra.append(inspect.getsource(value))
+    return name, "\n".join([source or "", *extra]) if source or extra else None
 
 
 def code_fingerprint(metric, program) -> dict[str, str]:
     """The fingerprint entries of the code a run calls, which its instructions and data do not show: the metric's
-    qualified name and a digest of its source, and a digest of the source of the program's module classes (its own
-    class, `forward` included, and that of every module inside it). An edit of either changes what the saved
-    rewards and attempts mean, so a resume after one is refused."""
+    qualified name and a digest of what it computes with (`_code`), and a digest of the same for the program's module
+    classes (its own class, `forward` and the module helpers it calls included, and that of every module inside it)
+    with the plain settings each module holds (`Agent("normal")` against `Agent("wrong")`). An edit of either changes
+    what the saved rewards and attempts mean, so a resume after one is refused."""
     name, source = _code(metric)
-    classes = {type(module) for _, module in program.named_sub_modules()}
-    return {"metric": name, "metric_code": digest(source), "program_code": digest(dict(map(_code, classes)))}
+    modules = list(program.named_sub_modules())
+    classes = dict(map(_code, {type(module) for _, module in modules}))
+    settings = {path: {k: repr(v) for k, v in sorted(vars(module).items()) if not k.startswith("_")
+                       and isinstance(v, SIMPLE)} for path, module in modules
+                if not type(module).__module__.startswith("dspy.")}  # (DSPy's own: their signatures say it all)
+    return {"metric": name, "metric_code": digest(source), "program_code": digest([classes, settings])}
 
 
 def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:

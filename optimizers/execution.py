@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import re
 import threading
@@ -33,7 +34,7 @@ import dspy
 from dspy.utils.exceptions import LMError
 
 from tfgrpo.base.util import digest, jsonable
-from tfgrpo.optimizers.checkpoint import Checkpoint
+from tfgrpo.optimizers.checkpoint import Checkpoint, RunMismatchError
 from tfgrpo.optimizers.knobs import Knobs
 from tfgrpo.optimizers.parallel import (POLICY_STAGES, ROLE, Budget, BudgetExhausted, Failed, StageBars,
                                         TooManyFailuresError, UsageMeter, Workers, add_usage)
@@ -228,6 +229,40 @@ class Executor:
             self._done(stage, value.error if isinstance(value, Failed) else None)
             return value
         return self.map(stage, one, units)
+
+    def recheck(self, program: dspy.Module, trainset: list) -> None:
+        """Before a resume reuses saved work, check that today's metric and program would have made it: up to 3 saved
+        attempts are scored again, and one is run again through the program with each predictor answering what it
+        answered then (no LM call). Another reward, or other inputs to a predictor, or other outputs, is a change the
+        fingerprint cannot see (a setting the metric or program holds elsewhere): `RunMismatchError`, nothing reused."""
+        paths = sorted(self.ckpt.root.glob("steps/*/rollouts/*.json")) if self.ckpt.root is not None else []
+        saved = [(p, json.loads(p.read_text())) for p in paths[:20]]
+        saved = [(p, r) for p, r in saved if not r["error"] and "characters cut ...]" not in json.dumps(r["trace"])]
+        where = f"{self.ckpt.root} holds work that today's {{}} would not have made ({{}}): the resume would reuse it as " \
+                "if it had; use a new log_dir (or delete this one), or restore the {} as it was"
+        for path, record in saved[:3] if self.knobs.use_ground_truth else []:
+            reward = json.loads((path.parent.parent / "rewards" / path.name).read_text())["reward"] if (
+                path.parent.parent / "rewards" / path.name).exists() else None
+            again = score_attempt(self.metric, trainset[int(path.stem.split("_")[0])], record, self.knobs.metric_timeout_s)
+            if reward is not None and "timeout" not in again and abs(again["reward"] - reward) > 1e-9:
+                raise RunMismatchError(where.format("metric", f"{path.name}: reward {reward} then, "
+                                                    f"{again['reward']} now", "metric"))
+        if saved:  # the program as that rollout ran it (its LM copy's rollout ID, which a program may read)
+            path, record = saved[0]
+            step, (query, g) = int(path.parent.parent.name), path.stem.split("_")
+            replay, asked = with_own_lms(program, rollout_id=rollout_id(self.knobs.seed, step, int(g)),
+                                         temperature=self.knobs.temperature)[0], []
+            for name, predictor in replay.named_predictors():
+                def answer(name=name, calls=[c for c in record["trace"] if c["predictor"] == name], **inputs):
+                    asked.append({"predictor": name, "inputs": jsonable(inputs)})
+                    return dspy.Prediction(**calls.pop(0)["outputs"]) if calls else dspy.Prediction()
+                predictor.forward = answer
+            _, rec = run_program(replay, trainset[int(query)])
+            if rec["outputs"] != record["outputs"] or asked != [{k: c[k] for k in ("predictor", "inputs")}
+                                                                 for c in record["trace"]]:
+                raise RunMismatchError(where.format("program", f"{path.name}, given the same replies, now asks "
+                                                    f"{asked[:2]} and answers {rec['outputs'] or rec['error']}",
+                                                    "program"))
 
     # -- the failure rule --------------------------------------------------------------------------------------------
     def expect(self, groups: list) -> None:

@@ -76,18 +76,13 @@ class PaperPath(LearningPath):
 
     stages = ("summary", "advantage", "consolidation")
 
-    @staticmethod
-    def _answer_key(run, group: Group) -> str:
-        """The ground truth shown to learning calls: the labels the program also outputs (else all labels)."""
-        if not run.knobs.use_ground_truth:
-            return ""
-        labels = dict(group.example.labels())
-        produced = {k for a in group.attempts for k in (a.outputs or {})}
-        return clip(format_fields({k: v for k, v in labels.items() if k in produced} or labels), 2000)
-
     def learn(self, run, library, group):
         knobs, ex = run.knobs, run.executor
-        rendered, answer_key = library.render() or EMPTY_LIBRARY, self._answer_key(run, group)
+        labels, produced = dict(group.example.labels()), {k for a in group.attempts for k in (a.outputs or {})}
+        # the ground truth shown to the learning calls: the labels the program also outputs (else all of them)
+        answer_key = clip(format_fields({k: v for k, v in labels.items() if k in produced} or labels), 2000) \
+            if knobs.use_ground_truth else ""
+        rendered = library.render() or EMPTY_LIBRARY
         task = format_fields(group.example.inputs())
         summarizer, extractor = Summarizer(knobs.use_ground_truth), AdvantageExtractor(knobs.use_ground_truth)
         summarizer.set_lm(run.reflection_lm)

@@ -91,11 +91,12 @@ class Plan:
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 
-def make_plan(optimizer, student: dspy.Module, trainset: list, valset: list | None = None,
-              attribution_set: list | None = None, *, reply_tokens: int | None = None, say: bool = False) -> Plan:
+def make_plan(optimizer, student: dspy.Module, data: tuple, *, reply_tokens: int | None = None,
+              say: bool = False) -> Plan:
     """Every check compile makes, the resolved knobs and path, the fingerprint and the estimate (see the module
-    docstring); raises what compile would raise, with nothing called or written. `say`: log the preset and path chosen
-    (compile does)."""
+    docstring) for `data` (trainset, valset, attribution set); raises what compile would raise, with nothing called or
+    written. `say`: log the preset and path chosen (compile does)."""
+    trainset, valset, attribution_set = data
     check_program(student)
     held_out = attribution_set if attribution_set is not None else valset
     if attribution_set is not None and not optimizer.attribution:

@@ -99,7 +99,7 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
         """What `compile` with these arguments will do, with no LM call and nothing written: every check compile makes
         (a refusal raises the same error), the preset and learning path chosen, the budget, and the expected calls,
         tokens and dollars (`Plan`; `reply_tokens`: your guess of a reply's length). `print(plan.summary())`."""
-        return make_plan(self, student, trainset, valset, attribution_set, reply_tokens=reply_tokens)
+        return make_plan(self, student, (trainset, valset, attribution_set), reply_tokens=reply_tokens)
 
     # -- the outer loop -------------------------------------------------------------------------------------------
     def compile(self, student: dspy.Module, *, trainset: list, teacher=None, valset: list | None = None,
@@ -137,7 +137,7 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
                              "a stronger model make the learning calls, pass reflection_lm=")
         ckpt = Checkpoint(self.log_dir)
         with ckpt.locked():  # one compile per log_dir: a second one is refused at once
-            plan = make_plan(self, student, trainset, valset, attribution_set, say=True)
+            plan = make_plan(self, student, (trainset, valset, attribution_set), say=True)
             return self._tracked(plan, student, (trainset, valset, attribution_set), ckpt)
 
     def _tracked(self, plan: Plan, student: dspy.Module, data: tuple, ckpt: Checkpoint) -> dspy.Module:
@@ -145,8 +145,7 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
         (trainset, valset, attribution_set), params = data, lambda: _params(self, plan, student)
         info = hooks.CompileInfo(knobs={name: getattr(self, name) for name in KNOBS}, params=params)
         with hooks.tracked(info) as trackers:
-            if saved := ckpt.start(plan.fingerprint):
-                logger.info("resuming from %s: %d finished units found", ckpt.root, saved)
+            saved = ckpt.start(plan.fingerprint)
             logger.warning("%s", plan.summary())
             knobs, program = plan.knobs, student.deepcopy()
             path = knobs.learning_path if not isinstance(knobs.learning_path, str) else \
@@ -157,6 +156,9 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
                       executor=Executor(knobs, self.metric, ckpt, prices=knobs.prices), program=program,
                       targets=plan.targets, trainset=trainset,
                       instructions=" ".join(p.signature.instructions for _, p in program.named_predictors()))
+            if saved:  # what the fingerprint cannot see: the saved work is checked against today's metric and program
+                logger.info("resuming from %s: %d finished units found", ckpt.root, saved)
+                run.executor.recheck(program, trainset)
             compiled = self._learn(run, plan, (valset, attribution_set if attribution_set is not None else valset),
                                    (student, trackers))
             for tracker in trackers:
@@ -202,10 +204,13 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
                         "go to the later epoch); %d experiences", best[0].epoch, best[0].val_score, len(epochs),
                         len(best[1].library))
         learned, worth = self._attribution(run, student, learned, attribution_set, stopped)
+        run_usage = {"policy": {}, "reflection": {}}  # the whole run's, the steps reused from log_dir included
+        for stage, used in ((stage, used) for stats in steps for stage, used in stats.usage.items()):
+            add_usage(run_usage[ROLE.get(stage, "reflection")], used)
         compiled = with_learned(student, run.targets, *learned)
         compiled.detailed_results = TrainingFreeGRPOResult(
             steps=steps, epochs=epochs, best_val_score=best[0].val_score if best else None,
-            best_epoch=best[0].epoch if best else None, usage=run.executor.spent, run_usage=_run_usage(steps),
+            best_epoch=best[0].epoch if best else None, usage=run.executor.spent, run_usage=run_usage,
             reused_units=run.executor.ckpt.reused, stopped_early=stopped, worth=worth)
         compiled._compiled = True
         _say_spent(compiled.detailed_results, run.executor.direct_calls)
@@ -296,15 +301,6 @@ def _learned_out(knobs: Knobs, stats: StepResult) -> str | None:
         return f"nothing left to learn: the program solved all {len(probe['queries'])} probe queries of step " \
                f"{stats.step}"
     return None
-
-
-def _run_usage(steps: list[StepResult]) -> dict[str, dict]:
-    """What the whole run spent by role, the steps reused from log_dir included (what the budgets count)."""
-    usage: dict[str, dict] = {"policy": {}, "reflection": {}}
-    for stats in steps:
-        for stage, used in stats.usage.items():
-            add_usage(usage[ROLE.get(stage, "reflection")], used)
-    return usage
 
 
 def _say_spent(result: TrainingFreeGRPOResult, direct_calls: int) -> None:

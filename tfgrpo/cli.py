@@ -20,7 +20,7 @@ from rich.logging import RichHandler
 from rich.progress import Progress
 from rich.table import Table
 
-from tfgrpo.base.util import write_atomic
+from tfgrpo.base.util import digest, write_atomic
 from tfgrpo.cli_help import HELP_OPTIONS, VERSION, HelpCommand, HelpGroup, reference_text
 from tfgrpo.cli_learned import (API_BASE, CONFIG_OR_NAME, FILE_OR_NAME, evaluate_shipped, print_demos, print_provenance,
                                  shipped)
@@ -249,7 +249,9 @@ def _evaluate(config: Config, parts, policy, examples: list, programs: dict, pro
         summary[f"paired_{key}"] = paired_difference(rows["baseline"], rows["compiled"], seed=e.seed, key=key)
     if parts.judge is not None:
         summary["judge_calls"] = parts.judge.calls
-    summary["evalset"] = {"name": t.evalset, "offset": t.eval_offset, "limit": t.eval_limit}
+    trained = {digest(x.toDict()) for x in _load(parts.load, t.trainset, limit=t.train_limit, offset=t.train_offset)}
+    summary["evalset"] = {"name": t.evalset, "offset": t.eval_offset, "limit": t.eval_limit,
+                          "in_trainset": sum(digest(x.toDict()) in trained for x in examples)}
     write_atomic(out / "summary.json", json.dumps(summary, indent=2))
     log_evaluation(summary, out)  # into the command's MLflow run, if it has one
     _print_summary(summary)
@@ -258,7 +260,13 @@ def _evaluate(config: Config, parts, policy, examples: list, programs: dict, pro
 
 def _print_summary(summary: dict) -> None:
     extras = list(summary["baseline"].get("metrics") or {})
-    table = Table(title="held-out evaluation (same problems, same runs)")
+    shared = summary.get("evalset", {}).get("in_trainset", 0)
+    title = "held-out evaluation" if not shared else \
+        f"evaluation: {shared} of the problems are also in the trainset, so it is not held out"
+    table = Table(title=f"{title} (same problems, same runs)")
+    if shared:
+        console.print(f"[yellow]warning: {shared} evaluation problem(s) are also training problems: the scores below "
+                      "are not held out (task.evalset and task.trainset overlap)")
     for col in ("program", "problems", "k", "Mean@k", "Pass@k", *extras, "tool calls", "tokens in/out", "errors",
                 "seconds"):
         table.add_column(col)

@@ -28,6 +28,7 @@ import json
 import logging
 import re
 import threading
+import time
 from typing import Any, Callable
 
 import dspy
@@ -113,7 +114,7 @@ class Executor:
         self.direct_calls = 0  # LM calls of the program outside its predictors (they get no library)
         self._lock, self._cond = threading.Lock(), threading.Condition()
         self.name = self.prefix = ""
-        self.meters, self.failures, self.work, self.tally = {}, {}, None, lambda usage: None
+        self.meters, self.failures, self.finished, self.work, self.tally = {}, {}, {}, None, lambda usage: None
 
     @contextlib.contextmanager
     def scope(self, name: str, groups: list = (), *, prefix: str = "", tally: Callable[[dict], None] | None = None):
@@ -121,7 +122,7 @@ class Executor:
         failure counts (`check`), and the groups (`groups`, each on a thread of its own) whose stages `settle` waits
         on. `tally(usage)` is told after each unit; learning calls are saved under `prefix` (the step's folder). An
         enclosing `dspy.track_usage()` receives every call of the scope once, as it ends."""
-        self.prefix, self.name, self.meters, self.failures = prefix, name, {}, {}
+        self.prefix, self.name, self.meters, self.failures, self.finished = prefix, name, {}, {}, {}
         self.tally, outer, bars = tally or (lambda usage: None), dspy.settings.usage_tracker, StageBars()
         self.expect(groups)
         with Workers(self.knobs.num_threads, progress=self.knobs.progress or bars, meters=self.meters) as self.work:
@@ -167,7 +168,9 @@ class Executor:
         return value
 
     def _done(self, stage: str, error: str | None) -> None:
-        """A unit of `stage` has ended (`error`: it failed): counted, and the scope's usage told to its tally."""
+        """A unit of `stage` has ended (`error`: it failed): counted, timed (`finished`: when the stage's latest unit
+        ended), and the scope's usage told to its tally."""
+        self.finished[stage] = time.time()
         with self._lock:
             errors, total = self.failures.get(stage, ([], 0))
             self.failures[stage] = (errors + ([error] if error else []), total + 1)

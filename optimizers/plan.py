@@ -6,7 +6,8 @@ chosen, the budget, and what the run is expected to send, in calls, tokens and d
 
 The estimate assumes that every group has reward contrast (so every learning call is made: an upper bound for them)
 and that no reply fails; prompts are the program's own, rendered by DSPy's chat adapter for the training queries, with
-a library that grows by `GROWTH` experiences a step (the paper's reference re-run: 27 in 6 steps); replies are counted
+a library that grows by `GROWTH` experiences a step (the paper's reference re-run: 27 in 6 steps), and a tool loop
+(ReAct) that answers halfway through its `max_iters` turns (a guess, not a measurement); replies are counted
 at `reply_tokens` (default: half the policy LM's `max_tokens` for the program, `LEARNING_REPLY` for a learning call).
 Dollars are those tokens at the models' prices; where the price map gives a cheaper price for cached prompt tokens
 (DeepSeek, OpenAI), the part of each prompt that a stage's calls share (instructions, library, demos: they come first)
@@ -286,7 +287,8 @@ def estimate(knobs: Knobs, program: dspy.Module, data: tuple, lms: dict, *, lear
     policy = lms["policy"][0]
     signatures = [p.signature for _, p in program.named_predictors()]
     sizes = {"query": _tokens(signatures, [x.inputs() for x in trainset]), "system": _tokens(signatures, [{}]),
-             "turns": _turns(program), "trainset": len(trainset), "reply": reply_tokens,
+             "turns": _turns(program), "expected_turns": _turns(program, expected=True), "trainset": len(trainset),
+             "reply": reply_tokens,
              "cap": policy.kwargs.get("max_tokens") or policy.kwargs.get("max_completion_tokens") or 1024,
              "runs": knobs.num_train_epochs * len(valset or []) + attribution_runs(knobs, len(trainset),
                                                                                    len(held_out or []))["runs"],
@@ -298,7 +300,8 @@ def estimate(knobs: Knobs, program: dspy.Module, data: tuple, lms: dict, *, lear
 def _tally(knobs: Knobs, sizes: dict, learning_path: str, bound: bool) -> dict:
     """The estimate (expected, or with `bound` the upper bound) from the prompt `sizes` measured once."""
     tries = TRIES if bound else 1
-    steps, G, turns, query = knobs.total_steps(sizes["trainset"]), knobs.num_generations, sizes["turns"], sizes["query"]
+    steps, G, query = knobs.total_steps(sizes["trainset"]), knobs.num_generations, sizes["query"]
+    turns = sizes["turns"] if bound else sizes["expected_turns"]
 
     def stage(calls: int, prompt: int, reply: int, shared: int = 0) -> dict:  # `shared`: the prefix its calls share
         return {"calls": calls * tries, "prompt_tokens": calls * prompt * tries, "completion_tokens": calls * reply * tries,
@@ -361,11 +364,13 @@ def attribution_runs(knobs: Knobs, trainset_size: int, queries: int) -> dict:
             "method": "shapley" if shapley else "leave-one-out"}
 
 
-def _turns(program: dspy.Module) -> int:
+def _turns(program: dspy.Module, expected: bool = False) -> int:
     """LM calls per attempt: one per predictor, and a module with a loop of `max_iters` turns (ReAct, an agent) its
-    turns: ReAct's `max_iters` calls and its extract, an agent's `max_iters` and its answer."""
+    turns: ReAct's `max_iters` calls and its extract, an agent's `max_iters` and its answer; `expected`: a loop that
+    ends with its answer halfway (a guess: a loop stops when the model answers)."""
     loops = [m for _, m in program.named_sub_modules() if isinstance(getattr(m, "max_iters", None), int)]
-    return len(program.named_predictors()) + sum(m.max_iters - isinstance(m, dspy.ReAct) for m in loops)
+    return len(program.named_predictors()) + sum((m.max_iters + 1) // 2 if expected else m.max_iters
+                                                 - isinstance(m, dspy.ReAct) for m in loops)
 
 
 def _tokens(signatures: list, examples: list) -> int:

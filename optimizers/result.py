@@ -138,6 +138,7 @@ class StepResult(_Record):
             reused.
         failed_calls: Attempts whose LM call failed after its retries (a rate limit, a timeout, a lost connection):
             they have no answer, so they were left out of their groups and not scored.
+        solved: Attempts that fully solved their own query (reward 1).
     """
 
     step: int
@@ -167,6 +168,7 @@ class StepResult(_Record):
     evidence: dict[str, bool] = field(default_factory=dict)
     usage_before_resume: dict[str, dict[str, float]] = field(default_factory=dict)
     failed_calls: int = 0
+    solved: int = 0
 
 
 @dataclass(frozen=True)
@@ -261,6 +263,9 @@ class TrainingFreeGRPOResult(_Record):
         reused_units: Units of work read back from `log_dir` instead of computed again.
         stopped_early: Why the run stopped before its last step (a budget ran out, say), or None.
         worth: With `attribution`, what each kept item is worth on held-out queries (`WorthResult`); else None.
+        limits: What limited the run: `attempts_solved` (the rollouts that solved their own query, of all answered),
+            `best_written` (the demo candidate that solved most of its probe's queries: step, solved, of) against
+            `kept` (the kept program on the last probe), a `verdict`, the `calls` per stage and why it `stopped`.
     """
 
     steps: list[StepResult]
@@ -272,3 +277,4 @@ class TrainingFreeGRPOResult(_Record):
     reused_units: int
     stopped_early: str | None
     worth: WorthResult | None = None
+    limits: dict = field(default_factory=dict)

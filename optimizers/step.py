@@ -103,8 +103,8 @@ def step(run: Run, state: State, epoch: int, batch: list[int], reserve: list[int
         s: add_usage(dict(before.get(s, {})), u) for s, u in usage.items()}})
     with ex.scope(f"step {index}", batch, prefix=Keys.step(index), tally=tally):
         groups, results, timeouts = _groups(run, state, batch, list(reserve))
-        seconds = {"learning": time.time() - t0}
         lessons = run.path.finish(run, state.library, [(g, r) for g, r in zip(groups, results) if g.informative])
+        seconds = {**{s: t - t0 for s, t in ex.finished.items()}, "learning": time.time() - t0}
         verdict = judge(run, state, index, groups, lessons)
         stages = ("rollout", *run.path.stages, *(("probe",) if verdict.record else ()))
         usage = {s: ex.meter(s).totals() for s in stages}
@@ -209,7 +209,7 @@ def _record(run: Run, new: State, epoch: int, made: tuple, spent: tuple) -> Step
         mean_reward=statistics.fmean(a.reward for a in attempts) if attempts else 0.0, groups=len(groups),
         groups_kept=len(informative), frac_skipped_zero_std=1 - len(informative) / len(groups),
         rollout_failures=sum(bool(a.error) for a in attempts) + made_attempts - len(attempts),
-        failed_calls=made_attempts - len(attempts),
+        failed_calls=made_attempts - len(attempts), solved=sum(a.reward >= 1 for a in attempts),
         tool_calls_mean=statistics.fmean(a.attempt.tool_calls for a in attempts) if attempts else 0.0,
         learning_failures=counts.get("learning_failures", 0),
         operations_proposed=counts.get("operations_proposed", len(lessons.proposals)),

@@ -211,9 +211,10 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
         compiled.detailed_results = TrainingFreeGRPOResult(
             steps=steps, epochs=epochs, best_val_score=best[0].val_score if best else None,
             best_epoch=best[0].epoch if best else None, usage=run.executor.spent, run_usage=run_usage,
-            reused_units=run.executor.ckpt.reused, stopped_early=stopped, worth=worth)
+            reused_units=run.executor.ckpt.reused, stopped_early=stopped, worth=worth,
+            limits=_limits(steps, run.executor.spent, stopped))
         compiled._compiled = True
-        _say_spent(compiled.detailed_results, run.executor.direct_calls)
+
         return compiled
 
     @staticmethod
@@ -303,17 +304,42 @@ def _learned_out(knobs: Knobs, stats: StepResult) -> str | None:
     return None
 
 
-def _say_spent(result: TrainingFreeGRPOResult, direct_calls: int) -> None:
-    """The run's spend, at WARNING level so that a Python user sees it."""
-    parts = []
-    for role, u in result.usage.items():
-        if u.get("calls"):
-            cost = f", ${u['cost']:.4f}" if "cost" in u else ""
-            cached = f" ({u['cached_tokens']:,} cached)" if u.get("cached_tokens") else ""
-            parts.append(f"{role} {u['calls']} calls, {u.get('prompt_tokens', 0):,}{cached} + "
-                         f"{u.get('completion_tokens', 0):,} tokens{cost}")
-    stopped = f"; stopped early: {result.stopped_early}" if result.stopped_early else ""
-    logger.warning("compile spent: %s%s", "; ".join(parts) or "nothing new (every unit reused)", stopped)
+def _limits(steps: list[StepResult], usage: dict, stopped: str | None) -> dict:
+    """What limited the run, logged at WARNING level with what it spent: how many attempts solved their own query,
+    the best winning attempt written (the demo candidate that solved most of its probe's queries) against the program
+    kept (its solved share on the last probe), the calls per stage, and why it stopped."""
+    attempts = [(s.step, c) for s in steps for c in (s.probe or {}).get("candidates", []) if c["edit"].startswith("demo")]
+    best = max(attempts, key=lambda sc: sc[1]["successes"] / max(sc[1]["queries_run"], 1), default=None)
+    last = next((s for s in reversed(steps) if s.probe and s.probe.get("queries")), None)
+    kept = next((c for c in (last.probe["candidates"] if last else []) if c["kept"] and c["edit"].startswith("demo")),
+                None)
+    limits = {"attempts_solved": [sum(s.solved for s in steps),
+                                  sum(s.metric_calls - (s.probe or {}).get("attempts_run", 0) for s in steps)],
+              "best_written": {"step": best[0], "solved": best[1]["successes"], "of": best[1]["queries_run"]}
+              if best else None,
+              "kept": {"step": last.step, "solved": kept["successes"] if kept else last.probe["base_successes"],
+                       "of": len(last.probe["queries"])} if last else None,
+              "calls": {stage: sum(s.usage.get(stage, {}).get("calls", 0) for s in steps)
+                        for stage in dict.fromkeys(st for s in steps for st in s.usage)},
+              "stopped": stopped or "ran every step"}
+    shares = [x["solved"] / max(x["of"], 1) for x in (limits["best_written"], limits["kept"]) if x]
+    limits["verdict"] = ("no winning attempt was probed: the rollouts wrote nothing to keep" if not best else
+                         "the run kept the best its rollouts wrote: more or better attempts would be needed to do better"
+                         if len(shares) == 2 and shares[1] >= shares[0] else
+                         "a better attempt was written than the one kept")
+    parts = [f"{role} {u['calls']} calls, {u.get('prompt_tokens', 0):,}"
+             + (f" ({u['cached_tokens']:,} cached)" if u.get("cached_tokens") else "")
+             + f" + {u.get('completion_tokens', 0):,} tokens" + (f", ${u['cost']:.4f}" if "cost" in u else "")
+             for role, u in usage.items() if u.get("calls")]
+    logger.warning("compile spent: %s; calls by stage %s; %s", "; ".join(parts) or "nothing new (every unit reused)",
+                   limits["calls"], limits["stopped"])
+    if best or last:
+        shown = {k: f"{v['solved']} of {v['of']} probe queries (step {v['step']})" for k, v in limits.items()
+                 if k in ("best_written", "kept") and v}
+        logger.warning("what limited the run: %d of %d attempts solved their own query; best winning attempt written "
+                       "%s, program kept %s: %s", *limits["attempts_solved"], shown.get("best_written", "none"),
+                       shown.get("kept", "none"), limits["verdict"])
+    return limits
 
 
 def _params(optimizer: TrainingFreeGRPO, plan: Plan, program) -> dict[str, str]:

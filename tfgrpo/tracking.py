@@ -10,7 +10,8 @@ valset and best program. A TrainingFreeGRPO compile adds to whatever run is acti
     per epoch                   val/score, at the epoch's last step
     once                        the knobs as params; library.json, library.md, program.json, steps.jsonl and
                                 learning_curve.png as artifacts; val/best_score; the tags tfgrpo.kept_epoch
-                                (whose library the program carries) and tfgrpo.stopped_early (a budget's reason)
+                                (whose library the program carries), tfgrpo.stopped_early (a budget's reason) and
+                                tfgrpo.limited_by (what limited the run)
 
 The optimizer does not import this module: `MLFLOW`, the tracker, is registered under the entry point group
 `tfgrpo.trackers` (pyproject.toml), and a compile reports its steps, validations and result to it through
@@ -209,6 +210,8 @@ class CompileTracker:
             if results.best_val_score is not None:
                 self.client.log_metric(self.run_id, "val/best_score", results.best_val_score)
             self.client.set_tag(self.run_id, "tfgrpo.kept_epoch", kept_epoch(results))
+            if getattr(results, "limits", None):  # what limited the run, in a sentence
+                self.client.set_tag(self.run_id, "tfgrpo.limited_by", results.limits["verdict"])
             if results.stopped_early:
                 self.client.set_tag(self.run_id, "tfgrpo.stopped_early", results.stopped_early)
         except Exception as exc:

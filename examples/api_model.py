@@ -30,10 +30,13 @@ def main():
     endpoint = {"api_base": args.api_base, "api_key": "x"} if args.api_base else {}
 
     # -- the API quick start (README, docs/usage.md, docs/api.md) --
-    trainset = [dspy.Example(question=f"What is {3 * i + 7} + {5 * i + 11}?", answer=str(8 * i + 18))
-                .with_inputs("question") for i in range(20)]  # your data: any list of dspy.Example
+    trainset = [  # your data: any list of dspy.Example
+        dspy.Example(question=f"What is {i} + {2 * i}?", answer=str(3 * i))
+        .with_inputs("question")
+        for i in range(20)
+    ]
     program = dspy.ChainOfThought("question -> answer")  # your program: any dspy.Module
-    dspy.configure(lm=dspy.LM("deepseek/deepseek-chat", **endpoint))
+    dspy.configure(lm=dspy.LM("deepseek/deepseek-chat", **endpoint))  # key: DEEPSEEK_API_KEY
     optimizer = TrainingFreeGRPO(
         exact,
         reflection_lm=dspy.LM("deepseek/deepseek-reasoner", **endpoint),

@@ -160,11 +160,12 @@ class Executor:
             failed = isinstance(value, dict) and value.get("failed")
             self.budget.release(stage, share, own.totals(), 0 if failed else metric_calls)
         direct = sum(e["direct"] for entries in list(own.usage_data.values()) for e in entries)
-        if direct and not self.direct_calls:
+        with self._lock:  # said once per run, whichever unit's thread sees it first
+            first, self.direct_calls = direct and not self.direct_calls, self.direct_calls + direct
+        if first:
             logger.warning("The program called an LM outside its predictors (dspy.settings.lm(...) or an LM of its own, "
                            "called directly): tfgrpo puts what it learns into the predictors' instructions and demos, "
                            "so those calls get none of it. Make them through a dspy.Predict to have them learn too.")
-        self.direct_calls += direct
         return value
 
     def _done(self, stage: str, error: str | None) -> None:

@@ -103,13 +103,13 @@ def run_program(program: dspy.Module, example: dspy.Example) -> tuple[dspy.Predi
 class Executor:
     """Runs every unit of work of a run (see the module docstring): `attempt` (a program on an example, scored in the
     same unit or later by `score`), `scored` (attempts scored: the probe, validation, the attribution) and `call` (a
-    learning call), each checkpointed, charged to `budget` and metered by stage; `map` and `each` run any function on
-    the scope's pool. Open a `scope()` around each step, validation or attribution."""
+    learning call), each checkpointed, charged to the run's `budget` (the knobs' budgets) and metered by stage, priced
+    by the knobs' `prices` or LiteLLM's map; `map` runs any function on the scope's pool (`work.each`: one thread per
+    group). Open a `scope()` around each step, validation or attribution."""
 
-    def __init__(self, knobs: Knobs, metric: Callable, ckpt: Checkpoint | None = None, *, budget: Budget | None = None,
-                 prices: dict | None = None):
+    def __init__(self, knobs: Knobs, metric: Callable, ckpt: Checkpoint | None = None):
         self.knobs, self.metric, self.ckpt = knobs, metric, ckpt or Checkpoint(None)
-        self.budget, self.custom_prices, self.prices = budget or Budget(knobs), prices, {}
+        self.budget, self.custom_prices, self.prices = Budget(knobs), knobs.prices, {}
         self.spent: dict[str, dict] = {"policy": {}, "reflection": {}}  # by this process, every scope
         self.direct_calls = 0  # LM calls of the program outside its predictors (they get no library)
         self._lock, self._cond = threading.Lock(), threading.Condition()

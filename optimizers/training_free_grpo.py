@@ -153,7 +153,7 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
             run = Run(knobs=knobs, metric=self.metric, path=path, path_name=plan.learning_path,
                       reflection_lm=self.reflection_lm or dspy.settings.lm or next(
                           p.lm for _, p in program.named_predictors() if p.lm is not None),
-                      executor=Executor(knobs, self.metric, ckpt, prices=knobs.prices), program=program,
+                      executor=Executor(knobs, self.metric, ckpt), program=program,
                       targets=plan.targets, trainset=trainset,
                       instructions=" ".join(p.signature.instructions for _, p in program.named_predictors()))
             if saved:  # what the fingerprint cannot see: the saved work is checked against today's metric and program

@@ -57,16 +57,38 @@ class Verdict:
 
 def judge(run, state, step: int, groups: list[Group], lessons: Lessons) -> Verdict:
     """The verdict on a step's lessons and winning attempts: the probe's with `probe_size`, else every operation of the
-    plan and (with `max_demos`) the demos by group advantage."""
+    plan and (with `max_demos`) the demos by group advantage. With `probe_min_power`, a probe that could not tell a
+    better candidate from a useless one at the step's solve rate is skipped: no edit is kept unprobed, the free demo
+    slots are filled by group advantage (as BootstrapFewShot fills them), and the record says why (the run stops)."""
     knobs = run.knobs
     evidence = solved_by(groups, knobs.num_generations - knobs.num_explore_generations, state.evidence)
-    if knobs.probe_size:
+    attempts = [a.reward >= 1 for g in groups for a in g.attempts]
+    rate = statistics.fmean(attempts) if attempts else 0.0
+    power = probe_power(rate, knobs.probe_size)
+    if knobs.probe_size and power >= knobs.probe_min_power:
         return probe_edits(run, state, step, groups, lessons.plan)
+    skipped = {"skipped": f"a probe of {knobs.probe_size} queries has power {power:.2f} < probe_min_power="
+                          f"{knobs.probe_min_power} at the step's solve rate {rate:.0%}", "solve_rate": rate,
+               "power": power, "unprobed": len(lessons.plan)} if knobs.probe_size else None
     if knobs.max_demos:
         new = demo_candidates([g for g in groups if g.informative], step)
+        if skipped:  # the demos the program has were kept for a reason: only free slots are filled
+            held = {d["query"] for d in state.demos}
+            new = best_demos([d for d in new if d["query"] not in held], knobs.max_demos - len(state.demos))
         demos = best_demos(state.demos + new, knobs.max_demos)
-        return Verdict(plan=lessons.plan, demos=demos, evidence={} if demos != state.demos else evidence)
-    return Verdict(plan=lessons.plan, demos=state.demos, evidence=evidence)
+        return Verdict(plan=[] if skipped else lessons.plan, demos=demos,
+                       evidence={} if demos != state.demos else evidence, record=skipped)
+    return Verdict(plan=[] if skipped else lessons.plan, demos=state.demos, evidence=evidence, record=skipped)
+
+
+def probe_power(solve_rate: float, size: int) -> float:
+    """How well a probe of `size` queries tells a candidate that halves the program's failures from a useless one, at
+    the program's `solve_rate`: the chance the first solves more probe queries than the program, less the chance the
+    second does (independent binomial counts; near 1 where the program solves nothing, 0 where it solves everything)."""
+    better = solve_rate + (1 - solve_rate) / 2
+    base, good = ([math.comb(size, k) * r ** k * (1 - r) ** (size - k) for k in range(size + 1)]
+                  for r in (solve_rate, better))
+    return sum((good[j] - base[j]) * sum(base[:j]) for j in range(size + 1))  # P(good > base) - P(useless > base)
 
 
 # -- demos ------------------------------------------------------------------------------------------------------------
@@ -305,18 +327,13 @@ def probe_edits(run, state, step: int, groups: list[Group], plan: list[Operation
         evidence = {qi: qi in probe.solved[1 + best] for qi in probe.tried[1 + best]}  # the new program's
     else:
         evidence.update({qi: qi in probe.solved[0] for qi in probe.tried[0]})
-    found = _found(state, step, probe, run.trainset) if knobs.max_demos else []
+    # demo candidates for the next step, found on the way: attempts that solved their probe query made by a program
+    # without demos (a fresh sample of what the model writes; with a demo in the prompt it is mostly that demo again)
+    free = [not state.demos] + [not state.demos and c.demo is None for c in candidates]
+    found = [{"query": query_key(run.trainset[qi], qi), "step": step, "reward": 1.0, "advantage": 0.0, "trace": trace}
+             for p, ok in enumerate(free) if ok and knobs.max_demos for qi, trace in probe.traces[p].items()]
     return Verdict(plan=kept_ops, demos=demos, evidence=evidence, record={"unprobed": unprobed, **probe.record()},
                    found=found)
-
-
-def _found(state, step: int, probe: Probe, trainset: list) -> list[dict]:
-    """Demo candidates for the next step, found on the way: the probe's attempts that solved their query, made by a
-    program without demos (the current one, or one with a candidate rule). Each is a fresh sample of what the model
-    writes; an attempt made with a demo in the prompt is mostly that demo again."""
-    demo_free = [not state.demos] + [not state.demos and c.demo is None for c in probe.candidates]
-    return [{"query": query_key(trainset[qi], qi), "step": step, "reward": 1.0, "advantage": 0.0, "trace": trace}
-            for p, free in enumerate(demo_free) if free for qi, trace in probe.traces[p].items()]
 
 
 def _candidates(knobs, state, step: int, groups: list[Group], plan: list[Operation]) -> tuple[list[Candidate], int]:

@@ -88,9 +88,11 @@ def knob(default: Any, check: Check, doc: str, *, fingerprinted: bool = False) -
 # 34, 31, 34 of 48 over three seeds; run again as tfgrpo-default, 37, 2, 25; configs/local.toml); "medium" and "heavy"
 # are the same settings with larger budgets (not measured apart); "paper" is the paper's setting for capable models
 # (measured by the paper on DeepSeek-V3.1; here only against a simulated provider), its budget the paper's run: 3 epochs
-# of 100 queries x 5 attempts, and a valset. Issue 54's mechanisms (probe_alpha, num_explore_generations,
-# stop_when_nothing_to_learn) stay off here: as part of "light" they scored 21, 10, 24 of the same 48.
-SMALL_MODEL = dict(num_generations=4, batch_size=4, max_operations_per_group=1, max_demos=2, probe_size=8)
+# of 100 queries x 5 attempts, and a valset. Issue 54's probe_alpha and num_explore_generations stay off here: as part
+# of "light" they scored 21, 10, 24 of the same 48. Issue 66's stops are on: a probe skipped where it has no power
+# (probe_min_power) and a step with nothing to learn end the run (docs/measurements.md, "Stopping where calls cannot pay").
+SMALL_MODEL = dict(num_generations=4, batch_size=4, max_operations_per_group=1, max_demos=2, probe_size=8,
+                   probe_min_power=0.4, stop_when_nothing_to_learn=True)
 PRESETS = {
     "light": dict(SMALL_MODEL, num_train_epochs=1, max_metric_calls=150),
     "medium": dict(SMALL_MODEL, num_train_epochs=3, max_metric_calls=300),
@@ -194,6 +196,13 @@ class Knobs:
         "evidence: on the probe queries that exactly one of the two programs solves, the candidate must win a "
         "one-sided sign test at this level (0.15: 3 wins and no loss pass, 1 win against 0 does not). 1.0: any net "
         "gain in full successes is enough."))
+    probe_min_power: float = knob(0.0, number(0, 1), doc=(  # how far to go, like a budget: a resume may change it
+        "With probe_size, probe only where the probe can tell edits apart: at the step's solve rate (its attempts "
+        "that fully succeeded), the chance that a candidate halving the program's failures solves more of the "
+        "probe_size queries than the program, less the chance that a useless one does, must reach this. Below it "
+        "(a task the model already half solves: at 60% a probe of 8 has 0.33) the probe is skipped, no edit is kept "
+        "unprobed, the free demo slots are filled by group advantage and the run stops: more calls cannot pay. "
+        "0: always probe."))
     # learning that goes on once something is learned
     num_explore_generations: int = knob(0, integer(0), fingerprinted=True, doc=(
         "Of the num_generations attempts per query, how many run without the learned demos (the program as given, "

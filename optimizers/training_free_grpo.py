@@ -292,7 +292,10 @@ def _ranked(knobs: Knobs, order: list[int], at: int, evidence: dict[int, bool], 
 
 
 def _learned_out(knobs: Knobs, stats: StepResult) -> str | None:
-    """Why the run stops with nothing left to learn (`stop_when_nothing_to_learn`), or None."""
+    """Why the run stops with nothing left to learn (`stop_when_nothing_to_learn`) or a probe skipped for its power
+    (`probe_min_power`), or None."""
+    if (stats.probe or {}).get("skipped"):  # probe_min_power: a probe here could not tell its candidates apart
+        return f"more calls cannot pay: {stats.probe['skipped']} in step {stats.step}"
     if not knobs.stop_when_nothing_to_learn:
         return None
     if not stats.groups_kept:

@@ -534,3 +534,33 @@ def test_focus_on_failures_puts_the_queries_the_program_fails_first():
     assert _ranked(focus, order, 0, evidence, used={3}) == [0, 3, 4, 2]  # this epoch's used ones go after
     plain = Knobs(batch_size=2, max_resampled_queries=2)
     assert _ranked(plain, order, 2, evidence, used=set()) == [3, 2, 1, 0]
+
+
+def test_probe_power_falls_as_the_program_solves_more():
+    from tfgrpo.optimizers.judge import probe_power
+
+    assert probe_power(0.0, 8) > 0.99 and probe_power(1.0, 8) == 0.0 and probe_power(0.5, 0) == 0.0
+    powers = [probe_power(r / 10, 8) for r in range(11)]
+    assert powers == sorted(powers, reverse=True)
+    assert abs(probe_power(0.6, 8) - 0.33) < 0.01  # the figure the knob's documentation gives
+    assert probe_power(0.6, 16) > probe_power(0.6, 8)  # a larger probe resolves more
+
+
+def test_a_probe_without_power_is_skipped_demos_fill_free_slots_and_the_run_stops(tmp_path):
+    lm = ScriptedLM(learner())  # the student solves half its attempts: a probe of 3 cannot tell edits apart there
+    compiled = compile_with(lm, dspy.Predict("question -> answer"), trainset=make_trainset(12), batch_size=4,
+                            learning_path="paper", probe_size=3, max_demos=2, probe_min_power=0.5,
+                            log_dir=str(tmp_path / "ckpt"))
+    result = compiled.detailed_results
+    step = result.to_dict()["steps"][0]
+    assert len(result.steps) == 1 and result.stopped_early.startswith("more calls cannot pay")
+    assert step["probe"]["skipped"].startswith("a probe of 3 queries has power") and step["probe"]["power"] < 0.5
+    assert step["metric_calls"] == 16 and step["usage"]["probe"].get("calls", 0) == 0  # no probe attempt ran
+    assert len(compiled.experience_library) == 0 and step["operations_proposed"] > 0  # nothing kept unprobed
+    assert len(step["demos"]) == 2  # two of the model's own solved attempts, by group advantage
+    assert LESSON not in compiled.predictors()[0].signature.instructions
+    # with the gate open the same run probes
+    opened = compile_with(ScriptedLM(learner()), dspy.Predict("question -> answer"), trainset=make_trainset(12),
+                          batch_size=4, learning_path="paper", probe_size=3, max_demos=2, max_steps=1,
+                          log_dir=str(tmp_path / "open"))
+    assert opened.detailed_results.to_dict()["steps"][0]["probe"]["queries"]

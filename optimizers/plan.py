@@ -86,7 +86,10 @@ class Plan:
                  f"{self.models['reflection']!r}",
                  f"expected: {total['calls']:,} calls, {total['prompt_tokens']:,} prompt + "
                  f"{total['completion_tokens']:,} completion tokens ({total['cached_tokens']:,} prompt tokens cached), "
-                 f"{cost}, {total['metric_calls']:,} metric calls (every group with contrast)", f"budget: {limits}"]
+                 f"{cost}, {total['metric_calls']:,} metric calls (every group with contrast, every step run)",
+                 f"budget: {limits}" + ("; the run may stop sooner where more calls cannot pay (probe_min_power, "
+                                        "stop_when_nothing_to_learn)" if self.knobs.probe_min_power or
+                                        self.knobs.stop_when_nothing_to_learn else "")]
         if self.resume.get("saved_units"):
             lines.append(f"resume: {self.resume['saved_units']} finished unit(s) in log_dir are reused")
         return "\n".join(lines + [f"note: {n}" for n in self.notes])

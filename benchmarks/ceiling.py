@@ -4,10 +4,15 @@ A 1.5B student copies a demo's search program, so the held-out puzzles the demo'
 numbers swapped for each held-out puzzle's, run in the sandbox) bound what the student can reach by copying it. The
 peers report prints this ceiling beside the student's own score, per arm: a lead that is only a better template
 shows as a higher ceiling, not as a student that does more than copy.
+
+`python -m benchmarks.ceiling RUN_DIR` does the same for every distinct program a run's rollouts and probes wrote
+(its log_dir's saved attempts) and prints the best one's count beside the kept demos': whether a run was limited by
+what its rollouts wrote or by what it chose. Last line: `written: programs=N best_written=X kept=Y of=24`.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 from pathlib import Path
@@ -56,3 +61,39 @@ def ceiling(seed_dir: Path, puzzles: list) -> list[bool] | None:
     solved = [any(solves(d["code"], d["numbers"], puzzle_numbers(p.numbers)) for d in demos) for p in puzzles]
     cache.write_text(json.dumps(solved))
     return solved
+
+
+def written(log_dir: Path) -> dict[str, list[int]]:
+    """Every distinct program a run's saved attempts wrote (rollouts, probes), with the numbers of its puzzle."""
+    found = {}
+    for path in sorted(log_dir.rglob("*.json")):
+        try:
+            unit = json.loads(path.read_text())
+            code, numbers = unit["outputs"]["code"], unit["trace"][0]["inputs"]["numbers"]
+        except (ValueError, KeyError, IndexError, TypeError):  # not an attempt (a step record, the run's fingerprint)
+            continue
+        if isinstance(code, str) and code.strip():
+            found.setdefault(strip_fences(code), numbers)
+    return found
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run_dir", type=Path, help="a run's folder: its log_dir (checkpoint) and program.json")
+    ap.add_argument("--eval", default="game24_test")
+    ap.add_argument("--limit", type=int, default=24)
+    args = ap.parse_args()
+    from tfgrpo.tasks.game24.datasets import load_game24
+
+    puzzles = [puzzle_numbers(p.numbers) for p in load_game24(args.eval, limit=args.limit)]
+    programs = written(args.run_dir)
+    counts = sorted((sum(solves(code, numbers, p) for p in puzzles) for code, numbers in programs.items()), reverse=True)
+    program = next(iter(args.run_dir.rglob("program.json")), None)
+    demos = demos_of(program) if program else []
+    kept = sum(any(solves(d["code"], d["numbers"], p) for d in demos) for p in puzzles)
+    print(f"# the {len(programs)} distinct programs written solve {counts[:10]}... of {len(puzzles)} run directly")
+    print(f"written: programs={len(programs)} best_written={counts[0] if counts else 0} kept={kept} of={len(puzzles)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -26,8 +26,8 @@ from tfgrpo.testing import FakeLMServer
 ROOT = Path(__file__).resolve().parent.parent
 X = r"[+-]?\d+\.\d+"  # a figure as the benchmarks print them
 COVERED = {"api_run.py", "faults.py", "learning_paths.py", "local_learning.py", "local_math.py", "local_throughput.py",
-           "local_web.py", "peers.py", "replay.py", "rule_ceiling.py", "step_latency.py", "worth.py"}  # each has a test below
-NOT_BENCHMARKS = {"__init__.py", "ceiling.py", "common.py", "fault_child.py", "log_dir_checks.py", "stop_rows.py",
+           "local_web.py", "peers.py", "replay.py", "rule_ceiling.py", "step_latency.py", "worth.py", "ceiling.py"}  # each has a test below
+NOT_BENCHMARKS = {"__init__.py", "common.py", "fault_child.py", "log_dir_checks.py", "stop_rows.py",
                   "trust_rows.py"}  # helpers of the benchmarks
 
 
@@ -325,6 +325,38 @@ def test_benchmarks_import_only_the_public_api():
     for name, deps in imports.items():
         for dep in deps:
             assert name not in imports.get(dep, set()), f"benchmarks.{name} and benchmarks.{dep} import each other"
+
+
+SEARCH = """from itertools import permutations
+def solve(nums):
+    def go(items):
+        if len(items) == 1:
+            return items[0][1] if abs(items[0][0] - 24) < 1e-6 else None
+        for i, j in permutations(range(len(items)), 2):
+            (a, x), (b, y) = items[i], items[j]
+            rest = [items[k] for k in range(len(items)) if k not in (i, j)]
+            for v, e in [(a + b, f"({x}+{y})"), (a - b, f"({x}-{y})"), (a * b, f"({x}*{y})")] + (
+                    [(a / b, f"({x}/{y})")] if b else []):
+                if (found := go(rest + [(v, e)])):
+                    return found
+    return go([(n, str(n)) for n in nums])
+print(solve(nums))"""
+
+
+def test_ceiling_counts_what_the_written_programs_solve(tmp_path):
+    """Two attempts a run wrote (a full search and a sum), each run in the sandbox on the held-out puzzles; the kept
+    demo is the sum: the line says the run was limited by what it chose, not by what it wrote."""
+    attempts = {"0_0": ("nums = [4, 5, 11, 12]\n" + SEARCH, [4, 5, 11, 12]),
+                "0_1": ("nums = [1, 6, 9, 12]\nprint('+'.join(map(str, nums)))", [1, 6, 9, 12])}
+    where = tmp_path / "checkpoint" / "steps" / "0000" / "rollouts"
+    where.mkdir(parents=True)
+    for name, (code, numbers) in attempts.items():
+        (where / f"{name}.json").write_text(json.dumps({"outputs": {"code": code}, "trace": [{"inputs": {"numbers": numbers}}]}))
+    (tmp_path / "checkpoint" / "run.json").write_text(json.dumps({"fingerprint": "not an attempt"}))
+    sum_demo = {"numbers": [1, 6, 9, 12], "code": attempts["0_1"][0]}
+    (tmp_path / "program.json").write_text(json.dumps({"write_program": {"demos": [sum_demo]}}))
+    lines = run("ceiling.py", str(tmp_path), "--limit", "3")
+    assert lines[-1] == "written: programs=2 best_written=3 kept=0 of=3", lines
 
 
 def test_worth(fake, tmp_path):

@@ -73,9 +73,11 @@ def test_the_run_uses_the_preset_and_says_which(caplog):
 
 def test_the_default_construction_on_the_embedded_model_is_the_main_arm():
     """configs/local.toml's arm of benchmarks/peers.py (tfgrpo-probed-wide+demos with its shared knobs) and the
-    default construction (tfgrpo-default) make the same run for the embedded 1.5B: every knob that changes what a run
-    computes is equal, and the preset's budget (max_metric_calls, which the arm measured before presets existed did not
-    have, and which is charged before each attempt) never stops a run of three steps of 4 x 4 attempts and their probes."""
+    default construction (tfgrpo-default) make the same run for the embedded 1.5B until the default's stops (issue 66:
+    probe_min_power, stop_when_nothing_to_learn, which change how far a run goes, not what a step computes): every knob
+    that changes what a run computes is equal, and the preset's budget (max_metric_calls, which the arm measured before
+    presets existed did not have, and which is charged before each attempt) never stops a run of three steps of 4 x 4
+    attempts and their probes."""
     from benchmarks.peers import TFGRPO_ARMS
     from tfgrpo.optimizers.knobs import fingerprinted_knobs
 

@@ -85,13 +85,13 @@ def knob(default: Any, check: Check, doc: str, *, fingerprinted: bool = False) -
 
 # The presets of `auto`, each a budget and the settings measured best for it; a knob passed explicitly wins. "light" is
 # the configuration confirmed on held-out puzzles for the embedded 1.5B (benchmarks/peers.py's tfgrpo-probed-wide+demos:
-# 34, 31, 34 of 48 over three seeds; run again as tfgrpo-default, 37, 2, 25; configs/local.toml); "medium" and "heavy"
+# 34, 31, 34 of 48 over three seeds; run again, 37, 2, 25; configs/local.toml); "medium" and "heavy"
 # are the same settings with larger budgets (not measured apart); "paper" is the paper's setting for capable models
 # (measured by the paper on DeepSeek-V3.1; here only against a simulated provider), its budget the paper's run: 3 epochs
 # of 100 queries x 5 attempts, and a valset. Issue 54's probe_alpha and num_explore_generations stay off here: as part
 # of "light" they scored 21, 10, 24 of the same 48. Issue 66's stops are on: a probe skipped where it has no power
 # (probe_min_power) and a step with nothing to learn end the run (docs/demos-and-probes.md, "Stopping where calls
-# cannot pay"; GSM8K: 29, 32, 26 of 48 in 16-47 metric calls, against 30, 34, 29 in 99 without them).
+# cannot pay"; GSM8K: 29, 32, 26 of 48 in 16-47 metric calls, 30, 34, 29 in 99 without; Game of 24 13, 37, 37 in 63-110).
 SMALL_MODEL = dict(num_generations=4, batch_size=4, max_operations_per_group=1, max_demos=2, probe_size=8,
                    probe_min_power=0.4, stop_when_nothing_to_learn=True)
 PRESETS = {

@@ -17,6 +17,7 @@ import json
 import re
 from pathlib import Path
 
+from tfgrpo.tasks.game24.datasets import load_game24
 from tfgrpo.tasks.game24.program import last_line, strip_fences
 from tfgrpo.tasks.game24.verify import check, puzzle_numbers
 from tfgrpo.tasks.sandbox import run_python
@@ -48,6 +49,11 @@ def solves(code: str, demo_numbers, numbers: list[int]) -> bool:
     return check(numbers, last_line(result.stdout))[0]
 
 
+def any_solves(demos: list[dict], numbers: list[int]) -> bool:
+    """Does any of these demos' own program solve the puzzle with these numbers?"""
+    return any(solves(d["code"], d["numbers"], numbers) for d in demos)
+
+
 def ceiling(seed_dir: Path, puzzles: list) -> list[bool] | None:
     """Per held-out puzzle: does any kept demo's own program solve it? Cached in seed_dir/ceiling.json; None for a
     program without demos."""
@@ -58,7 +64,7 @@ def ceiling(seed_dir: Path, puzzles: list) -> list[bool] | None:
     demos = demos_of(program) if program.exists() else []
     if not demos:
         return None
-    solved = [any(solves(d["code"], d["numbers"], puzzle_numbers(p.numbers)) for d in demos) for p in puzzles]
+    solved = [any_solves(demos, puzzle_numbers(p.numbers)) for p in puzzles]
     cache.write_text(json.dumps(solved))
     return solved
 
@@ -83,14 +89,12 @@ def main() -> None:
     ap.add_argument("--eval", default="game24_test")
     ap.add_argument("--limit", type=int, default=24)
     args = ap.parse_args()
-    from tfgrpo.tasks.game24.datasets import load_game24
-
     puzzles = [puzzle_numbers(p.numbers) for p in load_game24(args.eval, limit=args.limit)]
     programs = written(args.run_dir)
     counts = sorted((sum(solves(code, numbers, p) for p in puzzles) for code, numbers in programs.items()), reverse=True)
     program = next(iter(args.run_dir.rglob("program.json")), None)
     demos = demos_of(program) if program else []
-    kept = sum(any(solves(d["code"], d["numbers"], p) for d in demos) for p in puzzles)
+    kept = sum(any_solves(demos, p) for p in puzzles)
     print(f"# the {len(programs)} distinct programs written solve {counts[:10]}... of {len(puzzles)} run directly")
     print(f"written: programs={len(programs)} best_written={counts[0] if counts else 0} kept={kept} of={len(puzzles)}")
 

@@ -62,14 +62,10 @@ def judge(run, state, step: int, groups: list[Group], lessons: Lessons) -> Verdi
     slots are filled by group advantage (as BootstrapFewShot fills them), and the record says why (the run stops)."""
     knobs = run.knobs
     evidence = solved_by(groups, knobs.num_generations - knobs.num_explore_generations, state.evidence)
-    attempts = [a.reward >= 1 for g in groups for a in g.attempts]
-    rate = statistics.fmean(attempts) if attempts else 0.0
-    power = probe_power(rate, knobs.probe_size)
-    if knobs.probe_size and power >= knobs.probe_min_power:
+    skipped = unresolvable(knobs, groups)
+    if knobs.probe_size and not skipped:
         return probe_edits(run, state, step, groups, lessons.plan)
-    skipped = {"skipped": f"a probe of {knobs.probe_size} queries has power {power:.2f} < probe_min_power="
-                          f"{knobs.probe_min_power} at the step's solve rate {rate:.0%}", "solve_rate": rate,
-               "power": power, "unprobed": len(lessons.plan)} if knobs.probe_size else None
+    skipped = {**skipped, "unprobed": len(lessons.plan)} if skipped else None
     if knobs.max_demos:
         new = demo_candidates([g for g in groups if g.informative], step)
         if skipped:  # the demos the program has were kept for a reason: only free slots are filled
@@ -79,6 +75,18 @@ def judge(run, state, step: int, groups: list[Group], lessons: Lessons) -> Verdi
         return Verdict(plan=[] if skipped else lessons.plan, demos=demos,
                        evidence={} if demos != state.demos else evidence, record=skipped)
     return Verdict(plan=[] if skipped else lessons.plan, demos=state.demos, evidence=evidence, record=skipped)
+
+
+def unresolvable(knobs, groups: list[Group]) -> dict | None:
+    """Why a probe of the step's edits would be skipped (`probe_min_power`): its power at the step's solve rate (the
+    share of its attempts with reward 1) is below the knob; None when it would run, or none is asked for."""
+    attempts = [a.reward >= 1 for g in groups for a in g.attempts]
+    rate = statistics.fmean(attempts) if attempts else 0.0
+    power = probe_power(rate, knobs.probe_size)
+    if not knobs.probe_size or power >= knobs.probe_min_power:
+        return None
+    return {"skipped": f"a probe of {knobs.probe_size} queries has power {power:.2f} < probe_min_power="
+                       f"{knobs.probe_min_power} at the step's solve rate {rate:.0%}", "solve_rate": rate, "power": power}
 
 
 def probe_power(solve_rate: float, size: int) -> float:

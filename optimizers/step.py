@@ -7,9 +7,10 @@ step changes). `step(run, state, epoch, batch, reserve)` reads top to bottom:
     state   = state.apply(verdict)                              # validated and applied in code, to a copy
 
 A group goes through its stages at its own pace: its learning calls start as soon as its own attempts are scored,
-while other groups still roll out; every unit runs through the run's `Executor` (execution.py), which checkpoints,
-meters, charges the budget and counts failures. An attempt whose LM call failed is left out of its group. Each stage
-makes new values and never writes into what an earlier one made.
+while other groups still roll out (with `probe_min_power`, once every group's are: where the step's solve rate leaves
+the probe no power, no lesson could be kept, and none is asked for); every unit runs through the run's `Executor`
+(execution.py), which checkpoints, meters, charges the budget and counts failures. An attempt whose LM call failed is
+left out of its group. Each stage makes new values and never writes into what an earlier one made.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import dspy
 
 from tfgrpo.optimizers.checkpoint import Keys
 from tfgrpo.optimizers.execution import CONTEXT_REFUSALS, Executor, add_usage, rollout_id, with_own_lms
-from tfgrpo.optimizers.judge import Verdict, judge
+from tfgrpo.optimizers.judge import Verdict, judge, unresolvable
 from tfgrpo.optimizers.knobs import Knobs
 from tfgrpo.optimizers.learning_paths import LearningPath, Lessons
 from tfgrpo.optimizers.parallel import TooManyFailuresError
@@ -103,7 +104,7 @@ def step(run: Run, state: State, epoch: int, batch: list[int], reserve: list[int
         s: add_usage(dict(before.get(s, {})), u) for s, u in usage.items()}})
     with ex.scope(f"step {index}", batch, prefix=Keys.step(index), tally=tally):
         groups, results, timeouts = _groups(run, state, batch, list(reserve))
-        lessons = run.path.finish(run, state.library, [(g, r) for g, r in zip(groups, results) if g.informative])
+        lessons = run.path.finish(run, state.library, [(g, r) for g, r in zip(groups, results) if r is not None])
         seconds = {**{s: t - t0 for s, t in ex.finished.items()}, "learning": time.time() - t0}
         verdict = judge(run, state, index, groups, lessons)
         stages = ("rollout", *run.path.stages, *(("probe",) if verdict.record else ()))
@@ -122,22 +123,25 @@ def _groups(run: Run, state: State, batch: list[int], reserve: list[int]) -> tup
     contrast, the reserve's queries next (dynamic sampling). Then the checks over all of them."""
     ex, programs = run.executor, _rollout_programs(run, state)
     done, queries = [], batch
+    waits = bool(run.knobs.probe_size and run.knobs.probe_min_power)  # the learning calls wait for the solve rate
     while queries:
         ex.expect(queries)
-        done += ex.work.each(lambda qi: _group(run, state, programs, qi), queries)
+        done += ex.work.each(lambda qi: _group(run, state, programs, qi, learn=not waits), queries)
         missing = max(len(batch) - sum(g.informative for g, _, _ in done), 0)
         queries, reserve = reserve[:missing], reserve[missing:]
-    groups, timeouts = [g for g, _, _ in done], [t for _, _, ts in done for t in ts]
+    groups, results, timeouts = [g for g, _, _ in done], [r for _, r, _ in done], [t for _, _, ts in done for t in ts]
     ex.check("rollout")
     _check_attempts(run, state.step, groups, timeouts)
+    if waits and not unresolvable(run.knobs, groups):  # (where the probe is skipped, no lesson could be kept)
+        results = ex.work.each(lambda g: run.path.learn(run, state.library, g) if g.informative else None, groups)
     for stage in run.path.stages:  # every unit of every stage has run
         ex.check(stage)
-    return groups, [r for _, r, _ in done], timeouts
+    return groups, results, timeouts
 
 
-def _group(run: Run, state: State, programs: list, qi: int) -> tuple[Group, Any, list[str]]:
+def _group(run: Run, state: State, programs: list, qi: int, learn: bool = True) -> tuple[Group, Any, list[str]]:
     """One query, straight through: its G attempts, the rewards of those that answered, and what the path learns from
-    the group (None without contrast); and the metric calls that timed out."""
+    the group (None without contrast, or not yet: `learn=False`); and the metric calls that timed out."""
     ex, knobs, index, example = run.executor, run.knobs, state.step, run.trainset[qi]
     try:
         G = knobs.num_generations
@@ -153,7 +157,7 @@ def _group(run: Run, state: State, programs: list, qi: int) -> tuple[Group, Any,
         scores = ex.map("reward", lambda g: ex.score(Keys.reward(index, qi, g), attempts[g], reference), answered)
         group = Group(index=qi, key=query_key(example, qi), example=example, size=G, attempts=tuple(
             Scored(attempts[g], s["reward"], s["feedback"], g) for g, s in zip(answered, scores)))
-        result = run.path.learn(run, state.library, group) if group.informative else None
+        result = run.path.learn(run, state.library, group) if learn and group.informative else None
         return group, result, [s["timeout"] for s in scores if "timeout" in s]
     finally:
         ex.leave(qi)

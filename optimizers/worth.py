@@ -18,6 +18,7 @@ compile runs none twice. A run whose LM call failed has no answer: it counts as 
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import statistics
@@ -83,6 +84,7 @@ class Attribution:
         """The items' worth, and what the compiled program keeps: `learned`, or its pruned part (with `prune`)."""
         with self.executor.scope("attribution"):
             knobs, ids = self.executor.knobs, [i for _, i, _ in learned.items()]
+            ci = functools.partial(bootstrap_ci, seed=knobs.seed, resamples=2000)  # a 95% CI over the queries
             if not ids:
                 logger.info("Attribution: nothing was learned, so there is nothing to measure")
                 return WorthResult(method="leave-one-out", queries=0, score=0.0, items=[], library=0.0,
@@ -95,7 +97,7 @@ class Attribution:
             shapley = len(ids) > knobs.attribution_max_items
             per_item = _shapley(scores, ids, knobs) if shapley else {i: _minus(full, scores.of(set(ids) - {i})) for i in ids}
             items = [ItemWorth(kind=kind, id=i, text=text, worth=statistics.fmean(per_item[i]),
-                               ci95=_ci(per_item[i], knobs.seed)) for kind, i, text in learned.items()]
+                               ci95=ci(per_item[i])) for kind, i, text in learned.items()]
             dropped = _backward(scores, items) if knobs.prune else []
             check_record, kept, checked = None, learned, 0
             if dropped:
@@ -104,13 +106,13 @@ class Attribution:
                 diffs = _minus(on_check.of(set(ids) - set(dropped)), on_check.of(set(ids)))
                 better = statistics.fmean(diffs) >= 0
                 check_record = {"queries": len(check), "dropped": dropped, "difference": statistics.fmean(diffs),
-                                "ci95": _ci(diffs, knobs.seed), "kept": "pruned" if better else "unpruned"}
+                                "ci95": ci(diffs), "kept": "pruned" if better else "unpruned"}
                 kept, checked = (pruned if better else learned), on_check.made
             gain, over_control = _minus(full, none), _minus(full, control)
             result = WorthResult(
                 method="shapley" if shapley else "leave-one-out", queries=len(choose), score=_mean(full),
-                items=items, library=statistics.fmean(gain), library_ci95=_ci(gain, knobs.seed),
-                control=statistics.fmean(over_control), control_ci95=_ci(over_control, knobs.seed),
+                items=items, library=statistics.fmean(gain), library_ci95=ci(gain),
+                control=statistics.fmean(over_control), control_ci95=ci(over_control),
                 pruned=dropped if kept is not learned else [], prune_check=check_record,
                 program_runs=scores.made + checked)
             return result, kept
@@ -221,8 +223,4 @@ def _mean(values: list[float | None]) -> float:
 def _minus(a: list[float | None], b: list[float | None]) -> list[float]:
     """Per query, a - b; 0 where either has no answer (its LM call failed)."""
     return [x - y if x is not None and y is not None else 0.0 for x, y in zip(a, b)]
-
-
-def _ci(values: list[float], seed: int) -> tuple[float, float]:
-    return bootstrap_ci(values, seed=seed, resamples=2000)
 

@@ -49,8 +49,8 @@ def test_run_writes_every_artifact_and_report_rebuilds_from_them(tmp_path):
         assert result.exit_code == 0, result.output
         calls = server.stats()["calls"]
     run = tmp_path / "run"
-    for name in ("program.json", "library.json", "steps.jsonl", "learning_curve.png", "eval/baseline.jsonl",
-                 "eval/compiled.jsonl", "eval/summary.json"):
+    for name in ("program.json", "library.json", "steps.jsonl", "limits.json", "learning_curve.png",
+                 "eval/baseline.jsonl", "eval/compiled.jsonl", "eval/summary.json"):
         assert (run / name).exists(), name
     assert "compiled - baseline" in result.output and "95% bootstrap CI" in result.output
     summary = json.loads((run / "eval" / "summary.json").read_text())
@@ -65,6 +65,9 @@ def test_run_writes_every_artifact_and_report_rebuilds_from_them(tmp_path):
     assert report.exit_code == 0, report.output
     md = (tmp_path / "rep" / "report.md").read_text()
     assert "| run | baseline | 5 x 2 |" in md and "| run | compiled | 5 x 2 |" in md
+    limits = json.loads((run / "limits.json").read_text())  # what limited the run, in a line of the report
+    assert f"- run: {limits['attempts_solved'][0]} of {limits['attempts_solved'][1]} attempts solved" in md
+    assert f"Stopped: {limits['stopped']}." in md and limits["verdict"] in md
     assert (tmp_path / "rep" / "report.png").exists()
     assert calls > 0  # the fake server did answer the run
 

@@ -188,6 +188,10 @@ def _compile(config: Config, parts, policy, reflection) -> Path:
     console.print(f"compiled in {time.time() - started:.0f} s: {len(compiled.experience_library)} experiences, "
                   f"{demos} demos")
     results = compiled.detailed_results.to_dict() if o.method != "direct" else None  # a TrainingFreeGRPOResult, as data
+    if results is not None and results.get("limits"):  # what limited the run, for `tfgrpo report`
+        write_atomic(run_dir / "limits.json", json.dumps(results["limits"], indent=2, ensure_ascii=False))
+    else:
+        (run_dir / "limits.json").unlink(missing_ok=True)
     run_usage = results["run_usage"] if results is not None else {}
     for role, u in (results["usage"] if results is not None else {}).items():
         cached = f" ({u['cached_tokens']:,} from the server's prompt cache)" if u.get("cached_tokens") else ""

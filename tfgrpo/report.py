@@ -39,9 +39,20 @@ def load_run(run_dir: Path) -> dict:
     steps = [json.loads(x) for x in steps_path.read_text().splitlines() if x.strip()] if steps_path.exists() else []
     library = run_dir / "library.json"
     size = len(json.loads(library.read_text())["experiences"]) if library.exists() else None
-    worth = run_dir / "worth.json"
+    worth, limits = run_dir / "worth.json", run_dir / "limits.json"
     return {"name": run_dir.name, "evals": evals, "steps": steps, "library_size": size,
-            "worth": json.loads(worth.read_text()) if worth.exists() else None}
+            "worth": json.loads(worth.read_text()) if worth.exists() else None,
+            "limits": json.loads(limits.read_text()) if limits.exists() else None}
+
+
+def limits_line(name: str, limits: dict) -> str:
+    """What limited a run (the compile's `detailed_results.limits`) in one line."""
+    shown = {k: f"{v['solved']} of {v['of']} probe queries (step {v['step']})" if v else "none"
+             for k, v in ((k, limits.get(k)) for k in ("best_written", "kept"))}
+    calls = ", ".join(f"{stage} {n}" for stage, n in limits.get("calls", {}).items())
+    return (f"- {name}: {limits['attempts_solved'][0]} of {limits['attempts_solved'][1]} attempts solved their own "
+            f"query; best winning attempt written {shown['best_written']}, program kept {shown['kept']}: "
+            f"{limits['verdict']}. Calls by stage: {calls or 'none'}. Stopped: {limits['stopped']}.")
 
 
 def worth_markdown(worth: dict) -> str:
@@ -95,6 +106,8 @@ def build_report(run_dirs: list[Path], out: Path) -> tuple[Path, Path | None]:
     with_steps = {r["name"]: r["steps"] for r in runs if r["steps"]}
     plot = learning_curve(with_steps, out / "report.png", title="learning dynamics") if with_steps else None
     text = "# tfgrpo report\n\n" + markdown(runs)
+    if lines := [limits_line(r["name"], r["limits"]) for r in runs if r["limits"]]:
+        text += "\nWhat limited each run:\n\n" + "\n".join(lines) + "\n"
     for run in runs:
         if run["worth"]:
             text += f"\n## {run['name']}\n\n" + worth_markdown(run["worth"])

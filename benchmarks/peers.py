@@ -89,6 +89,8 @@ EXPLORED = {
     "tfgrpo-solver-excerpts-wide-dropped": "probed on 8, the line holding the query's values dropped, not masked",
     "tfgrpo-solver-excerpts-wide-lists-unmasked": "probed on 8, the query's values masked one by one",
     "tfgrpo-default-before-66": "the default before issue 66's stops (probe_min_power, stop_when_nothing_to_learn)",
+    "tfgrpo-default-first-stops": "issue 66's first stops: the probe's power judged only after a step's rollouts, "
+                                  "and that step's learning calls made anyway (tfgrpo-default replays its draws)",
 }
 PEER_ARMS = ("baseline", "bootstrap", "bootstrap-rs", "bootstrap-rs-solved", "infer-rules", "knn",
              "knn-bootstrapped", "simba", "simba-solved", "gepa", "mipro")

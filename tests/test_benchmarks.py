@@ -26,7 +26,8 @@ from tfgrpo.testing import FakeLMServer
 ROOT = Path(__file__).resolve().parent.parent
 X = r"[+-]?\d+\.\d+"  # a figure as the benchmarks print them
 COVERED = {"api_run.py", "faults.py", "learning_paths.py", "local_learning.py", "local_math.py", "local_throughput.py",
-           "local_web.py", "peers.py", "replay.py", "rule_ceiling.py", "step_latency.py", "worth.py", "ceiling.py"}  # each has a test below
+           "local_web.py", "peers.py", "replay.py", "rule_ceiling.py", "step_latency.py", "worth.py", "ceiling.py",
+           "resume_saved.py"}  # each has a test below
 NOT_BENCHMARKS = {"__init__.py", "common.py", "fault_child.py", "log_dir_checks.py", "stop_rows.py",
                   "trust_rows.py"}  # helpers of the benchmarks
 
@@ -380,3 +381,14 @@ def test_worth(fake, tmp_path):
     assert any(line.startswith("# | E1") for line in lines) and any(line.startswith("# | D1") for line in lines)
     calls = fake.stats()["calls"]
     assert run("worth.py", *args)[-1] == lines[-1] and fake.stats()["calls"] == calls
+
+
+def test_resume_saved_replays_a_saved_run_under_the_current_rules_with_no_lm_call(tmp_path):
+    """The saved GSM8K run skipped its probe in step 0 (solve rate 62%) after 6 learning calls; the current code asks
+    for none there, and keeps the same program (the script stops on any LM call the saved run never made)."""
+    source = ROOT / "benchmarks" / "results" / "peers" / "gsm8k" / "tfgrpo-default-first-stops"
+    lines = run("resume_saved.py", "--task", "gsm8k", "--seeds", "0", "--source", str(source), "--out", str(tmp_path))
+    assert lines[-1].startswith("resumed: task=gsm8k seed=0 steps=1 calls=19 metric_calls=16 not_asked=6 program=same ")
+    where = tmp_path / "gsm8k" / "tfgrpo-default" / "seed0"
+    assert (where / "eval.jsonl").read_text() == (source / "seed0" / "eval.jsonl").read_text()
+    assert json.loads((where / "compile.json").read_text())["calls"] == 19

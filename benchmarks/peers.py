@@ -89,8 +89,10 @@ EXPLORED = {
     "tfgrpo-solver-excerpts-wide-dropped": "probed on 8, the line holding the query's values dropped, not masked",
     "tfgrpo-solver-excerpts-wide-lists-unmasked": "probed on 8, the query's values masked one by one",
     "tfgrpo-default-before-66": "the default before issue 66's stops (probe_min_power, stop_when_nothing_to_learn)",
-    "tfgrpo-default-first-stops": "issue 66's first stops: the probe's power judged only after a step's rollouts, "
-                                  "and that step's learning calls made anyway (tfgrpo-default replays its draws)",
+    "tfgrpo-default-first-stops": "issue 66's first stops: a step's learning calls made before its probe was "
+                                  "skipped (tfgrpo-default replays these draws without them)",
+    "tfgrpo-default-stop-ahead": "the same draws stopped one step sooner, where the program a probe kept left the "
+                                 "next probe no power (replayed; it lost the free demo slot's fill: left off)",
 }
 PEER_ARMS = ("baseline", "bootstrap", "bootstrap-rs", "bootstrap-rs-solved", "infer-rules", "knn",
              "knn-bootstrapped", "simba", "simba-solved", "gepa", "mipro")

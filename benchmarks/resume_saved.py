@@ -2,9 +2,9 @@
 
 Each seed's checkpoint of a saved `benchmarks.peers` arm is copied and the default construction (`tfgrpo-default`)
 compiles again from it: every attempt, reward, learning call and probe attempt the saved run made is reused, so the
-same draws meet the current rules. Where the current code stops sooner (issue 66: the probe's power judged after a
-probe, for the program it kept), the later steps are not run; a step whose probe is skipped asks for no lesson
-(step.py), so the learning calls the saved run made there are not counted. An LM call the saved run does not cover
+same draws meet the current rules. Where the current code stops sooner, the later steps are not run; a step whose
+probe is skipped asks for no lesson (step.py, issue 66), so the learning calls the saved run made there are not
+counted. An LM call the saved run does not cover
 stops the script: the replay would no longer be the same draws.
 
 The program each seed keeps is written beside its checkpoint; where it is the saved one, so is its held-out

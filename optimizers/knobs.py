@@ -203,9 +203,7 @@ class Knobs:
         "probe_size queries than the program, less the chance that a useless one does, must reach this. Below it "
         "(a task the model already half solves: at 60% a probe of 8 has 0.33) the probe is skipped, no edit is kept "
         "unprobed, the free demo slots are filled by group advantage and the run stops: more calls cannot pay. The "
-        "step's learning calls wait for its solve rate (none is made where the probe is skipped), and the run stops "
-        "one step sooner when the program a probe kept solved so many of its queries that the next probe would have "
-        "no power. 0: always probe."))
+        "step's learning calls wait for its solve rate: none is made where the probe is skipped. 0: always probe."))
     # learning that goes on once something is learned
     num_explore_generations: int = knob(0, integer(0), fingerprinted=True, doc=(
         "Of the num_generations attempts per query, how many run without the learned demos (the program as given, "

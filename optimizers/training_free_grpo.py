@@ -27,7 +27,6 @@ from dspy.teleprompt.teleprompt import Teleprompter
 from tfgrpo.base import hooks
 from tfgrpo.optimizers.checkpoint import Checkpoint, Keys
 from tfgrpo.optimizers.execution import BudgetExhausted, Executor, with_own_lms
-from tfgrpo.optimizers.judge import probe_power
 from tfgrpo.optimizers.knobs import KNOBS, Knobs, args_doc
 from tfgrpo.optimizers.learning_paths import ContrastPath, PaperPath
 from tfgrpo.optimizers.parallel import ROLE, StageBars, add_usage
@@ -298,13 +297,6 @@ def _learned_out(knobs: Knobs, stats: StepResult) -> str | None:
     probe = stats.probe or {}
     if probe.get("skipped"):  # probe_min_power: a probe here could not tell its candidates apart
         return f"more calls cannot pay: {probe['skipped']} in step {stats.step}"
-    if knobs.probe_min_power and probe.get("queries"):  # the next step's probe, at the rate of the program handed on
-        solved, of = max(((c["successes"], c["queries_run"]) for c in probe["candidates"] if c["kept"]),
-                         key=lambda s: s[0] / max(s[1], 1), default=(probe["base_successes"], len(probe["queries"])))
-        if (power := probe_power(solved / max(of, 1), knobs.probe_size)) < knobs.probe_min_power:
-            return f"more calls cannot pay: the program kept in step {stats.step} solved {solved} of {of} probe " \
-                   f"queries, where a probe of {knobs.probe_size} has power {power:.2f} < probe_min_power=" \
-                   f"{knobs.probe_min_power}"
     if not knobs.stop_when_nothing_to_learn:
         return None
     if not stats.groups_kept:

@@ -256,13 +256,15 @@ class Knobs:
         "USD for every LM call of the run (rollouts, learning calls, probes, validation, attribution), priced from "
         "tokens by LiteLLM's price map or `prices`. Each unit of work is charged before it starts: when the next one "
         "would not fit beside those in flight, the run stops there, keeps the library so far and says so "
-        "(`stopped_early`); a resume with a larger budget goes on without redoing finished work. Refused when no "
-        "price is known for the policy or reflection model."))
+        "(`stopped_early`); a resume with a larger budget goes on without redoing finished work. A step the budget "
+        "left cannot pay for (its rollouts and a probe of the program and one edit, at what an attempt has cost so "
+        "far) is not started. Refused when no price is known for the policy or reflection model."))
     max_total_tokens: int | None = knob(None, optional(integer(1)), doc=(
         "Prompt plus completion tokens of all calls, charged before each unit of work as `max_cost` is."))
     max_metric_calls: int | None = knob(None, optional(integer(1)), doc=(
         "Attempts scored by the metric, GEPA's budget: rollouts, probe attempts, validation and attribution runs, "
-        "charged before each attempt starts (an attempt whose LM call failed is not scored and does not count)."))
+        "charged before each attempt starts (an attempt whose LM call failed is not scored and does not count); a "
+        "step the calls left cannot pay for is not started, as with `max_cost`."))
     prices: dict | None = knob(None, optional(Check(_valid_prices, "a dict of model -> {\"input\": USD, \"output\": "
                                                                  "USD[, \"cached_input\": USD]} per million tokens")),
                                doc=(

@@ -327,16 +327,30 @@ class Budget:
             if used.get("calls"):
                 self.done.setdefault(stage, []).append((cost, tokens))
 
-    def reached(self) -> str | None:
-        """Why no more work fits, when a budget is spent; else None (checked between steps)."""
+    def reached(self, attempts: int = 0) -> str | None:
+        """Why no more work fits (checked between steps): a budget is spent, or too little of one is left for the
+        `attempts` the next step needs at least (each a metric call, costing what a finished attempt did on average);
+        else None."""
+        with self._lock:
+            done = self.done.get("rollout") or [x for units in self.done.values() for x in units] or [(0.0, 0)]
+            need = {"cost": attempts * statistics.fmean(c for c, _ in done), "metric_calls": attempts,
+                    "tokens": attempts * statistics.fmean(t for _, t in done)}
         for name, limit in self.limits.items():
             if limit is not None and self.spent[name] >= limit:
                 return self._why(name, "", 0)
+        for name, limit in self.limits.items():
+            if limit is not None and need[name] and self.spent[name] + need[name] > limit:
+                return self._why(name, "", need[name], attempts)
         return None
 
-    def _why(self, name: str, stage: str, share: float) -> str:
+    def _why(self, name: str, stage: str, share: float, attempts: int = 0) -> str:
         knob = {"cost": "max_cost", "tokens": "max_total_tokens", "metric_calls": "max_metric_calls"}[name]
         show = (lambda v: f"${v:.4f}" if v >= 0.01 else f"${v:.6f}") if name == "cost" else (lambda v: f"{v:,.0f}")
+        if attempts:  # the next step cannot be paid for
+            left = show(self.limits[name] - self.spent[name])
+            return (f"budget {knob}={self.limits[name]:g} cannot pay for another step: {left} left, a step needs "
+                    f"~{show(share)} ({attempts} attempts: its rollouts, and a probe of the program and one edit, "
+                    f"where it probes); more calls cannot pay")
         what = {"cost": "spent", "tokens": "tokens used", "metric_calls": "metric calls made"}[name]
         nxt = f"; the next {stage} unit (~{show(share)}) would pass it" if stage else ""
         used = self.spent[name] + self.in_flight[name]  # (those in flight are as good as spent)

@@ -227,6 +227,9 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
             if state.step == total:
                 return state, None
             ranked, size = _ranked(knobs, order, at, state.evidence, used), len(order[at: at + knobs.batch_size])
+            fresh = not run.executor.ckpt.get(Keys.usage(state.step), unit=False)  # (a resumed step pays less)
+            if fresh and (short := run.executor.budget.reached(size * knobs.num_generations + 2 * knobs.probe_size)):
+                return state, short  # a step it cannot finish would learn nothing
             state, stats = step(run, state, epoch, ranked[:size], ranked[size:])
             used.update(stats.queries or ranked[:size])
             steps.append(stats)

@@ -335,16 +335,32 @@ def test_a_token_budget_holds_inside_a_step_and_a_resume_with_a_larger_one_redoe
 def test_metric_call_budget_counts_rollouts_and_validation_and_is_charged_before_each_attempt():
     valset = [dspy.Example(question="What is 1 + 2?", answer="3").with_inputs("question")]
     # 2 queries x G = 4: 8 scored attempts per step, 2 steps an epoch, then 1 validation example
-    for budget, steps, epochs in ((8, 1, 0), (12, 1, 0), (17, 2, 1), (34, 4, 2)):
+    for budget, steps, epochs, spent in ((8, 1, 0, 8), (12, 1, 0, 8), (17, 2, 1, 17), (34, 4, 2, 34)):
         lm = ScriptedLM(learner())
         compiled = compile_with(lm, dspy.Predict("question -> answer"), num_train_epochs=2,
                                 batch_size=2, max_metric_calls=budget, valset=valset)
         results = compiled.detailed_results
         assert [s.metric_calls for s in results.steps] == [8] * steps and len(results.epochs) == epochs, budget
-        assert count(lm, "student") == budget  # never one more than the budget
+        assert count(lm, "student") == spent <= budget  # never one more than the budget
         assert (results.stopped_early is None) == (budget == 34), results.stopped_early  # 34: the whole run
-        if results.stopped_early:
+        if budget == 12:  # 4 left, a step needs 8: none is started that could not finish
+            assert results.stopped_early.startswith("budget max_metric_calls=12 cannot pay for another step: 4 left, "
+                                                    "a step needs ~8 (8 attempts")
+        elif results.stopped_early:
             assert results.stopped_early.startswith(f"budget max_metric_calls={budget} reached: {budget} metric calls")
+
+
+def test_a_step_the_token_budget_left_cannot_pay_for_is_not_started():
+    one = compile_with(ScriptedLM(learner()), dspy.Predict("question -> answer"), batch_size=2, max_steps=1)
+    step = one.detailed_results.steps[0].usage
+    total = sum(u["prompt_tokens"] + u["completion_tokens"] for u in step.values())
+    rollouts = step["rollout"]["prompt_tokens"] + step["rollout"]["completion_tokens"]
+    lm = ScriptedLM(learner())  # what step 0 spends and half of another step's rollouts
+    compiled = compile_with(lm, dspy.Predict("question -> answer"), batch_size=2, max_total_tokens=total + rollouts // 2)
+    results = compiled.detailed_results
+    assert len(results.steps) == 1 and count(lm, "student") == 8
+    assert results.stopped_early.startswith(f"budget max_total_tokens={total + rollouts // 2} cannot pay for another "
+                                            f"step: {rollouts // 2:,} left, a step needs ~{rollouts:,} (8 attempts")
 
 
 def test_max_steps_stops_part_way_through_an_epoch_and_a_resume_with_more_goes_on(tmp_path):

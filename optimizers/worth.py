@@ -223,4 +223,3 @@ def _mean(values: list[float | None]) -> float:
 def _minus(a: list[float | None], b: list[float | None]) -> list[float]:
     """Per query, a - b; 0 where either has no answer (its LM call failed)."""
     return [x - y if x is not None and y is not None else 0.0 for x, y in zip(a, b)]
-

@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from tfgrpo.optimizers.judge import probe_power
+
 POOL = Path(__file__).resolve().parent / "results" / "replay" / "pool.json"
 FLAT = 24  # what a flat a op b op c op d search solves of the 48 harder training puzzles
 
@@ -46,6 +48,8 @@ class Setting:
     max_resampled_queries: int = 0
     found_candidates: bool = True  # the probe's successes without demos, probed in the next step
     stop_when_nothing_to_learn: bool = False
+    probe_min_power: float = 0.0  # the probe skipped (free slot filled by group advantage) and the run ended below it
+    first_generations: int | None = None  # issue 66, item 3: more attempts per query in the first step
     max_metric_calls: int | None = None
     num_train_epochs: int = 1
     num_generations: int = 4
@@ -67,6 +71,9 @@ CONFIGS = {  # each mechanism alone on top of the arm before issue 54, then the 
 CONFIGS.update({f"light-{name}": replace(CONFIGS["light"], **{knob: off}) for name, knob, off in (
     ("sign_test", "probe_alpha", 1.0), ("explore", "num_explore_generations", 0),
     ("found_candidates", "found_candidates", False), ("stop", "stop_when_nothing_to_learn", False))})
+# issue 66: the default now (light as measured on held-out puzzles, with its stops), and with more first-step attempts
+CONFIGS["default"] = Setting(stop_when_nothing_to_learn=True, probe_min_power=0.4, max_metric_calls=150)
+CONFIGS.update({f"default+first_G={g}": replace(CONFIGS["default"], first_generations=g) for g in (6, 8)})
 
 
 def sign_test_p(wins: int, losses: int) -> float:
@@ -76,10 +83,9 @@ def sign_test_p(wins: int, losses: int) -> float:
 
 def replay(pool: list[dict], s: Setting, rng: random.Random) -> tuple[int | None, int]:
     """One compile: the kept demo's program (an index of the pool, None without one) and its metric calls."""
-    n, G = len(pool[0]["train"]), s.num_generations
-    demo, evidence, found, calls = None, {}, [], 0
+    n = len(pool[0]["train"])
+    demo, evidence, found, calls, first = None, {}, [], 0, True
     reward = lambda p, q: pool[p]["train"][q]  # noqa: E731
-    explore_from = G - s.num_explore_generations
     for epoch in range(s.num_train_epochs):
         order = list(range(n))
         rng.shuffle(order)
@@ -88,6 +94,8 @@ def replay(pool: list[dict], s: Setting, rng: random.Random) -> tuple[int | None
             if s.focus_on_failures:
                 ranked.sort(key=lambda q: {False: 0, None: 1, True: 2}[evidence.get(q)])
             queries, reserve, groups = ranked[:s.batch_size], ranked[s.batch_size:s.batch_size + s.max_resampled_queries], []
+            G, first = (s.first_generations or s.num_generations) if first else s.num_generations, False
+            explore_from = G - s.num_explore_generations
             while queries:  # 1. rollouts (dynamic sampling: more queries while groups lack contrast)
                 for q in queries:
                     progs = [demo if demo is not None and g < explore_from else rng.randrange(len(pool)) for g in range(G)]
@@ -98,6 +106,12 @@ def replay(pool: list[dict], s: Setting, rng: random.Random) -> tuple[int | None
             if demo is not None:
                 for q, _, rs in groups:
                     evidence[q] = statistics.fmean(r >= 1 for r in rs[:explore_from]) >= 0.5
+            if s.probe_min_power and probe_power(statistics.fmean(r >= 1 for _, _, rs in groups for r in rs),
+                                                 s.probe_size) < s.probe_min_power:
+                if demo is None:  # the free slot: the full success with the highest group advantage
+                    wins = [(r - statistics.fmean(rs), p) for _, ps, rs in groups for p, r in zip(ps, rs) if r >= 1]
+                    demo = max(wins, key=lambda w: w[0])[1] if wins else None
+                return demo, calls
             kept, probe_calls, base_solved, found = _probe(pool, s, rng, demo, evidence, groups, found)
             calls += probe_calls
             if kept is not None:
@@ -113,11 +127,13 @@ def replay(pool: list[dict], s: Setting, rng: random.Random) -> tuple[int | None
 def _probe(pool, s: Setting, rng, demo, evidence, groups, found):
     """The probe stage: (the kept demo and its evidence, or None), calls, whether the current program solved every
     probe query, and the demo candidates found for the next step."""
-    n, G, explore_from = len(pool[0]["train"]), s.num_generations, s.num_generations - s.num_explore_generations
+    n = len(pool[0]["train"])
     cands = []
     for q, progs, rs in groups:
         if len(set(rs)) < 2:
             continue
+        G = len(progs)
+        explore_from = G - s.num_explore_generations
         idx = range(G)
         if s.num_explore_generations and demo is not None and len(set(rs[:explore_from])) == 1:
             idx = range(explore_from, G)  # the demo's own uniform copies are no candidate

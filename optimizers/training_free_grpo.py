@@ -228,8 +228,9 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
                 return state, None
             ranked, size = _ranked(knobs, order, at, state.evidence, used), len(order[at: at + knobs.batch_size])
             fresh = not run.executor.ckpt.get(Keys.usage(state.step), unit=False)  # (a resumed step pays less)
-            if fresh and (short := run.executor.budget.reached(size * knobs.num_generations + 2 * knobs.probe_size)):
-                return state, short  # a step it cannot finish would learn nothing
+            need = size * knobs.num_generations + 2 * min(knobs.probe_size, len(run.trainset))
+            if fresh and (short := run.executor.budget.reached(need)):  # a step it cannot finish would learn nothing
+                return state, short
             state, stats = step(run, state, epoch, ranked[:size], ranked[size:])
             used.update(stats.queries or ranked[:size])
             steps.append(stats)

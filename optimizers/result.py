@@ -265,7 +265,8 @@ class TrainingFreeGRPOResult(_Record):
         worth: With `attribution`, what each kept item is worth on held-out queries (`WorthResult`); else None.
         limits: What limited the run: `attempts_solved` (the rollouts that solved their own query, of all answered),
             `best_written` (the demo candidate that solved most of its probe's queries: step, solved, of) against
-            `kept` (the kept program on the last probe), a `verdict`, the `calls` per stage and why it `stopped`.
+            `kept` (the kept program on the last probe), a `verdict`, the `calls` per stage, why it `stopped`, and
+            the `summary` sentence the log and `tfgrpo report` print.
     """
 
     steps: list[StepResult]

@@ -334,6 +334,11 @@ def _limits(steps: list[StepResult], usage: dict, stopped: str | None) -> dict:
                          "the run kept the best its rollouts wrote: more or better attempts would be needed to do better"
                          if len(shares) == 2 and shares[1] >= shares[0] else
                          "a better attempt was written than the one kept")
+    shown = {k: f"{v['solved']} of {v['of']} probe queries (step {v['step']})" if v else "none"
+             for k, v in ((k, limits[k]) for k in ("best_written", "kept"))}
+    limits["summary"] = (f"{limits['attempts_solved'][0]} of {limits['attempts_solved'][1]} attempts solved their own "
+                         f"query; best winning attempt written {shown['best_written']}, program kept {shown['kept']}: "
+                         f"{limits['verdict']}")
     parts = [f"{role} {u['calls']} calls, {u.get('prompt_tokens', 0):,}"
              + (f" ({u['cached_tokens']:,} cached)" if u.get("cached_tokens") else "")
              + f" + {u.get('completion_tokens', 0):,} tokens" + (f", ${u['cost']:.4f}" if "cost" in u else "")
@@ -341,11 +346,7 @@ def _limits(steps: list[StepResult], usage: dict, stopped: str | None) -> dict:
     logger.warning("compile spent: %s; calls by stage %s; %s", "; ".join(parts) or "nothing new (every unit reused)",
                    limits["calls"], limits["stopped"])
     if best or last:
-        shown = {k: f"{v['solved']} of {v['of']} probe queries (step {v['step']})" for k, v in limits.items()
-                 if k in ("best_written", "kept") and v}
-        logger.warning("what limited the run: %d of %d attempts solved their own query; best winning attempt written "
-                       "%s, program kept %s: %s", *limits["attempts_solved"], shown.get("best_written", "none"),
-                       shown.get("kept", "none"), limits["verdict"])
+        logger.warning("what limited the run: %s", limits["summary"])
     return limits
 
 

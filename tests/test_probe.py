@@ -566,4 +566,3 @@ def test_a_probe_without_power_is_skipped_demos_fill_free_slots_and_the_run_stop
                           batch_size=4, learning_path="paper", probe_size=3, max_demos=2, max_steps=1,
                           log_dir=str(tmp_path / "open"))
     assert opened.detailed_results.to_dict()["steps"][0]["probe"]["queries"]
-

@@ -46,13 +46,9 @@ def load_run(run_dir: Path) -> dict:
 
 
 def limits_line(name: str, limits: dict) -> str:
-    """What limited a run (the compile's `detailed_results.limits`) in one line."""
-    shown = {k: f"{v['solved']} of {v['of']} probe queries (step {v['step']})" if v else "none"
-             for k, v in ((k, limits.get(k)) for k in ("best_written", "kept"))}
+    """What limited a run (the compile's `detailed_results.limits`) in one line: its summary, as the log said it."""
     calls = ", ".join(f"{stage} {n}" for stage, n in limits.get("calls", {}).items())
-    return (f"- {name}: {limits['attempts_solved'][0]} of {limits['attempts_solved'][1]} attempts solved their own "
-            f"query; best winning attempt written {shown['best_written']}, program kept {shown['kept']}: "
-            f"{limits['verdict']}. Calls by stage: {calls or 'none'}. Stopped: {limits['stopped']}.")
+    return f"- {name}: {limits['summary']}. Calls by stage: {calls or 'none'}. Stopped: {limits['stopped']}."
 
 
 def worth_markdown(worth: dict) -> str:

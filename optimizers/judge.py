@@ -67,12 +67,10 @@ def judge(run, state, step: int, groups: list[Group], lessons: Lessons) -> Verdi
         return probe_edits(run, state, step, groups, lessons.plan)
     skipped = {**skipped, "unprobed": len(lessons.plan)} if skipped else None
     if knobs.max_demos:
-        if skipped:  # the demos the program has were kept for a reason: only free slots are filled, by what the
-            held = {d["query"] for d in state.demos}  # program solves most reliably (see demo_candidates)
-            new = best_demos([d for d in demo_candidates(groups, step) if d["query"] not in held],
-                             knobs.max_demos - len(state.demos), "solve_rate")
-        else:
-            new = demo_candidates([g for g in groups if g.informative], step)
+        new = demo_candidates([g for g in groups if g.informative], step)
+        if skipped:  # the demos the program has were kept for a reason: only free slots are filled
+            held = {d["query"] for d in state.demos}
+            new = best_demos([d for d in new if d["query"] not in held], knobs.max_demos - len(state.demos))
         demos = best_demos(state.demos + new, knobs.max_demos)
         return Verdict(plan=[] if skipped else lessons.plan, demos=demos,
                        evidence={} if demos != state.demos else evidence, record=skipped)
@@ -119,8 +117,7 @@ def demo_candidates(groups: list[Group], step: int, *, min_reward: float = 1.0,
         best = max(attempts, key=lambda a: (a.reward, -a.g))
         if best.reward >= min_reward and best.reward > 0 and not best.error and best.trace:
             found.append({"query": group.key, "step": step, "reward": best.reward,
-                          "advantage": best.reward - statistics.fmean(group.rewards),
-                          "solve_rate": statistics.fmean(a.reward >= 1 for a in group.attempts), "trace": best.trace})
+                          "advantage": best.reward - statistics.fmean(group.rewards), "trace": best.trace})
     return found
 
 

@@ -74,6 +74,12 @@ CONFIGS.update({f"light-{name}": replace(CONFIGS["light"], **{knob: off}) for na
 # issue 66: the default now (light as measured on held-out puzzles, with its stops), and with more first-step attempts
 CONFIGS["default"] = Setting(stop_when_nothing_to_learn=True, probe_min_power=0.4, max_metric_calls=150)
 CONFIGS.update({f"default+first_G={g}": replace(CONFIGS["default"], first_generations=g) for g in (6, 8)})
+# and with a cheaper probe: fewer queries (its power falls too, so it is skipped sooner) or one candidate per step
+CONFIGS.update({f"default+probe_size={n}": replace(CONFIGS["default"], probe_size=n) for n in (4, 6)})
+CONFIGS["default+max_probed_edits=1"] = replace(CONFIGS["default"], max_probed_edits=1)
+# the calls a smaller probe saves, spent on more first-step attempts (item 3)
+CONFIGS.update({f"default+probe_size={n}+first_G=8": replace(CONFIGS["default"], probe_size=n, first_generations=8)
+                for n in (4, 6)})
 
 
 def sign_test_p(wins: int, losses: int) -> float:

@@ -75,10 +75,6 @@ TFGRPO_ARMS = {  # arm -> knobs on top of the shared ones; every arm that keeps 
     # "light" preset measured as tfgrpo-compound+demos was worse on held-out puzzles and was withdrawn)
     "tfgrpo-default": None,
 }
-# the default construction with knobs of its own on top (issue 66: a cheaper setting for the `light` preset, chosen on
-# training puzzles by benchmarks.replay and confirmed here)
-DEFAULT_WITH = {"tfgrpo-default+probe4": {"probe_size": 4}}
-TFGRPO_ARMS.update(dict.fromkeys(DEFAULT_WITH))
 # arms made for one task; elsewhere they are not in the menu. knn-bootstrapped: KNN over the student's own solved
 # traces instead of GSM8K's reference solutions (on the Game of 24 `knn` already retrieves from such a pool)
 ONLY_FOR = {"tfgrpo-probed-ties+demos": "gsm8k", "knn-bootstrapped": "gsm8k"}
@@ -99,6 +95,8 @@ EXPLORED = {
                                  "next probe no power (replayed; it lost the free demo slot's fill: left off)",
     "tfgrpo-default-reliable-fill": "the same draws, a skipped probe's free demo slots filled by the queries the "
                                     "program solved most often, not by group advantage (replayed; no gain: left off)",
+    "tfgrpo-default+probe4": "the default construction with probe_size=4, chosen on training puzzles by "
+                             "benchmarks.replay (fresh draws; not confirmed: lower, and no cheaper: left off)",
 }
 PEER_ARMS = ("baseline", "bootstrap", "bootstrap-rs", "bootstrap-rs-solved", "infer-rules", "knn",
              "knn-bootstrapped", "simba", "simba-solved", "gepa", "mipro")
@@ -152,8 +150,7 @@ def compile_arm(arm: str, student, reward, trainset: list, lm: dspy.LM, seed: in
     G, threads, T, budget = args.generations, args.threads, len(trainset), args.match_calls
     if TFGRPO_ARMS.get(arm, {}) is None:  # the default construction: nothing but what runs it here
         return TrainingFreeGRPO(reward, seed=seed, num_threads=threads, constrained_decoding="json_object",
-                                log_dir=str(where / "checkpoint"), **DEFAULT_WITH.get(arm, {})).compile(
-                                    student, trainset=trainset)
+                                log_dir=str(where / "checkpoint")).compile(student, trainset=trainset)
     if arm in TFGRPO_ARMS:
         shared = dict(num_generations=G, num_train_epochs=1, batch_size=args.batch, seed=seed, learning_path="contrast",
                       constrained_decoding="json_object", max_operations_per_group=1, num_threads=threads,

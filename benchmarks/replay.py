@@ -92,7 +92,7 @@ def sign_test_p(wins: int, losses: int) -> float:
 def replay(pool: list[dict], s: Setting, rng: random.Random) -> tuple[int | None, int]:
     """One compile: the kept demo's program (an index of the pool, None without one) and its metric calls."""
     n = len(pool[0]["train"])
-    demo, evidence, found, calls, first = None, {}, [], 0, True
+    demo, evidence, found, calls = None, {}, [], 0
     reward = lambda p, q: pool[p]["train"][q]  # noqa: E731
     for epoch in range(s.num_train_epochs):
         order = list(range(n))
@@ -102,7 +102,7 @@ def replay(pool: list[dict], s: Setting, rng: random.Random) -> tuple[int | None
             if s.focus_on_failures:
                 ranked.sort(key=lambda q: {False: 0, None: 1, True: 2}[evidence.get(q)])
             queries, reserve, groups = ranked[:s.batch_size], ranked[s.batch_size:s.batch_size + s.max_resampled_queries], []
-            G, first = (s.first_generations or s.num_generations) if first else s.num_generations, False
+            G = (s.first_generations or s.num_generations) if epoch == at == 0 else s.num_generations
             explore_from = G - s.num_explore_generations
             while queries:  # 1. rollouts (dynamic sampling: more queries while groups lack contrast)
                 for q in queries:

@@ -70,6 +70,15 @@ def test_run_writes_every_artifact_and_report_rebuilds_from_them(tmp_path):
     assert f"Stopped: {limits['stopped']}." in md and limits["verdict"] in md
     assert (tmp_path / "rep" / "report.png").exists()
     assert calls > 0  # the fake server did answer the run
+    # a saved file cut short, edited or written by another version: a clear error that names it, and exit code 2
+    for name, text, said in (("limits.json", '{"verdict": "x"}', "lacks summary, stopped"),
+                             ("worth.json", "{not json", "not readable as JSON"),
+                             ("steps.jsonl", '{"step": 0}\n{"step": 1, "mean', "steps.jsonl, line 2")):
+        good = (run / name).read_text() if (run / name).exists() else None
+        (run / name).write_text(text)
+        bad = runner.invoke(app, ["report", str(run), "--out", str(tmp_path / "rep2")])
+        assert bad.exit_code == 2 and name in bad.output and said in bad.output, bad.output
+        (run / name).write_text(good) if good is not None else (run / name).unlink()
 
 
 def test_dry_run_calls_nothing(tmp_path):

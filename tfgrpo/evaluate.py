@@ -113,4 +113,11 @@ def write_rows(rows: list[dict], path: Path) -> None:
 
 
 def read_rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The rows of a results file (JSON lines); a ValueError naming the file and line for one that does not parse."""
+    rows = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        try:
+            rows += [json.loads(line)] if line.strip() else []
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}, line {n}: not readable as JSON ({exc}); it was cut short or edited") from None
+    return rows

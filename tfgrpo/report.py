@@ -30,19 +30,37 @@ def _learning_cost(steps: list[dict]) -> tuple[int, int]:
     return prompt, completion
 
 
+WORTH_KEYS = ("method", "queries", "score", "program_runs", "items", "pruned", "library", "library_ci95", "control",
+              "control_ci95")
+
+
+def _saved(path: Path, keys: tuple[str, ...] = ()) -> dict | None:
+    """A saved JSON object with `keys`, or None where the file is absent; a clear ValueError for one that is not."""
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not readable as JSON ({exc}); it was cut short or edited: delete it, or compile "
+                         "again into a new folder") from None
+    missing = [k for k in keys if k not in data] if isinstance(data, dict) else ["(a JSON object)"]
+    if missing:
+        raise ValueError(f"{path}: lacks {', '.join(missing)}: written by another version of tfgrpo, or edited; "
+                         "delete it, or compile again into a new folder")
+    return data
+
+
 def load_run(run_dir: Path) -> dict:
     run_dir = Path(run_dir)
     evals = {p.stem: read_rows(p) for p in sorted((run_dir / "eval").glob("*.jsonl"))}
     if not evals:
         raise ValueError(f"{run_dir}: no eval/*.jsonl results (run `tfgrpo evaluate` first)")
-    steps_path = run_dir / "steps.jsonl"
-    steps = [json.loads(x) for x in steps_path.read_text().splitlines() if x.strip()] if steps_path.exists() else []
-    library = run_dir / "library.json"
-    size = len(json.loads(library.read_text())["experiences"]) if library.exists() else None
-    worth, limits = run_dir / "worth.json", run_dir / "limits.json"
-    return {"name": run_dir.name, "evals": evals, "steps": steps, "library_size": size,
-            "worth": json.loads(worth.read_text()) if worth.exists() else None,
-            "limits": json.loads(limits.read_text()) if limits.exists() else None}
+    steps = read_rows(run_dir / "steps.jsonl") if (run_dir / "steps.jsonl").exists() else []
+    library = _saved(run_dir / "library.json", ("experiences",))
+    return {"name": run_dir.name, "evals": evals, "steps": steps,
+            "library_size": len(library["experiences"]) if library else None,
+            "worth": _saved(run_dir / "worth.json", WORTH_KEYS),
+            "limits": _saved(run_dir / "limits.json", ("summary", "stopped"))}
 
 
 def limits_line(name: str, limits: dict) -> str:

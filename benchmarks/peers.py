@@ -97,6 +97,10 @@ EXPLORED = {
                                     "program solved most often, not by group advantage (replayed; no gain: left off)",
     "tfgrpo-default+probe4": "the default construction with probe_size=4, chosen on training puzzles by "
                              "benchmarks.replay (fresh draws; not confirmed: lower, and no cheaper: left off)",
+    "tfgrpo-default-whole-groups": "the default before its first look (a step's whole groups before the probe "
+                                   "gate; the same draws as tfgrpo-default)",
+    "tfgrpo-default-look-contrast-fill": "the first look with a skipped probe's free slots filled from groups with "
+                                         "contrast only (replayed; fewer demos kept: superseded)",
 }
 PEER_ARMS = ("baseline", "bootstrap", "bootstrap-rs", "bootstrap-rs-solved", "infer-rules", "knn",
              "knn-bootstrapped", "simba", "simba-solved", "gepa", "mipro")

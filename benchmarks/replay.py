@@ -52,6 +52,7 @@ class Setting:
     stop_when_nothing_to_learn: bool = False
     probe_min_power: float = 0.0  # the probe skipped (free slot filled by group advantage) and the run ended below it
     first_generations: int | None = None  # issue 66, item 3: more attempts per query in the first step
+    first_look: bool = True  # with probe_min_power, G >= 4: the gate first judged on half of each group (step.py)
     max_metric_calls: int | None = None
     num_train_epochs: int = 1
     num_generations: int = 4
@@ -75,6 +76,7 @@ CONFIGS.update({f"light-{name}": replace(CONFIGS["light"], **{knob: off}) for na
     ("found_candidates", "found_candidates", False), ("stop", "stop_when_nothing_to_learn", False))})
 # issue 66: the default now (light as measured on held-out puzzles, with its stops), and with more first-step attempts
 CONFIGS["default"] = Setting(stop_when_nothing_to_learn=True, probe_min_power=0.4, max_metric_calls=150)
+CONFIGS["default-first_look"] = replace(CONFIGS["default"], first_look=False)  # whole groups before the gate
 CONFIGS.update({f"default+first_G={g}": replace(CONFIGS["default"], first_generations=g) for g in (6, 8)})
 # and with a cheaper probe: fewer queries (its power falls too, so it is skipped sooner) or one candidate per step
 CONFIGS.update({f"default+probe_size={n}": replace(CONFIGS["default"], probe_size=n) for n in (4, 6)})
@@ -111,6 +113,11 @@ def replay(pool: list[dict], s: Setting, rng: random.Random) -> tuple[int | None
                     calls += G
                 missing = max(s.batch_size - sum(len(set(r)) > 1 for _, _, r in groups), 0)
                 queries, reserve = reserve[:missing], reserve[missing:]
+            half = G // 2  # the first look: where half of each group leaves the probe no power, the rest is not made
+            if s.first_look and s.probe_min_power and G >= 4 and not s.max_resampled_queries and probe_power(
+                    statistics.fmean(r >= 1 for _, _, rs in groups for r in rs[:half]), s.probe_size) < s.probe_min_power:
+                calls -= sum(len(rs) - half for _, _, rs in groups)
+                groups = [(q, ps[:half], rs[:half]) for q, ps, rs in groups]
             if demo is not None:
                 for q, _, rs in groups:
                     evidence[q] = statistics.fmean(r >= 1 for r in rs[:explore_from]) >= 0.5

@@ -4,8 +4,9 @@ Each seed's checkpoint of a saved `benchmarks.peers` arm is copied and the defau
 compiles again from it: every attempt, reward, learning call and probe attempt the saved run made is reused, so the
 same draws meet the current rules. Where the current code stops sooner, the later steps are not run; a step whose
 probe is skipped asks for no lesson (step.py, issue 66), so the learning calls the saved run made there are not
-counted. An LM call the saved run does not cover
-stops the script: the replay would no longer be the same draws.
+counted, nor (prorated) the rollout calls of attempts a step that ended at its first look no longer makes. Delete a
+saved step's `done.json` to have the current code decide it again. An LM call the saved run does not cover stops the
+script: the replay would no longer be the same draws.
 
 The program each seed keeps is written beside its checkpoint; where it is the saved one, so is its held-out
 `eval.jsonl`, and `python -m benchmarks.peers --out OUT --task T --arms tfgrpo-default` then evaluates only the
@@ -41,16 +42,20 @@ class NoCalls(dspy.LM):
                          "the replay is no longer the same draws")
 
 
-def not_asked(steps: list) -> dict:
-    """The learning calls (and their tokens) that saved steps whose probe was skipped made, and the current code does
-    not ask for."""
+def not_asked(steps: list, checkpoint: Path) -> dict:
+    """The calls (and their tokens) that the saved steps made and the current code does not ask for: the learning calls
+    of a step whose probe was skipped, and the share of a step's rollout calls for the attempts it no longer makes (a
+    step that ended at its first look: prorated by attempts, since the saved usage is per stage, not per attempt)."""
     cut = {"calls": 0, "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
     for stats in steps:
+        saved = len(list((checkpoint / "steps" / f"{stats.step:04d}" / "rollouts").glob("*.json")))
+        made = stats.metric_calls - (stats.probe or {}).get("attempts_run", 0)
+        share = {"rollout": 1 - made / saved if saved > made else 0.0}
         if (stats.probe or {}).get("skipped"):
-            for stage, used in stats.usage.items():
-                if stage not in ("rollout", "probe"):
-                    for k in cut:
-                        cut[k] += used.get(k, 0)
+            share.update({stage: 1.0 for stage in stats.usage if stage not in ("rollout", "probe")})
+        for stage, used in stats.usage.items():
+            for k in cut:
+                cut[k] += round(used.get(k, 0) * share.get(stage, 0.0))
     return cut
 
 
@@ -68,7 +73,7 @@ def resume(task: str, seed: int, source: Path, out: Path, args) -> str:
     result = compiled.detailed_results
     run = {k: sum(u.get(k, 0) for u in result.run_usage.values())
            for k in ("calls", "prompt_tokens", "completion_tokens", "cached_tokens")}
-    cut = not_asked(result.steps)
+    cut = not_asked(result.steps, where / "checkpoint")
     save_program(compiled, where / "program.json")
     same = json.loads((where / "program.json").read_text()) == json.loads((saved / "program.json").read_text())
     if same and (saved / "eval.jsonl").exists():

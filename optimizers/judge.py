@@ -59,7 +59,8 @@ def judge(run, state, step: int, groups: list[Group], lessons: Lessons) -> Verdi
     """The verdict on a step's lessons and winning attempts: the probe's with `probe_size`, else every operation of the
     plan and (with `max_demos`) the demos by group advantage. With `probe_min_power`, a probe that could not tell a
     better candidate from a useless one at the step's solve rate is skipped: no edit is kept unprobed, the free demo
-    slots are filled by group advantage (as BootstrapFewShot fills them), and the record says why (the run stops)."""
+    slots are filled as BootstrapFewShot fills them, with full successes (by group advantage: those of groups with
+    contrast first, then those of groups that all succeeded), and the record says why (the run stops)."""
     knobs = run.knobs
     evidence = solved_by(groups, knobs.num_generations - knobs.num_explore_generations, state.evidence)
     skipped = unresolvable(knobs, groups)
@@ -67,7 +68,8 @@ def judge(run, state, step: int, groups: list[Group], lessons: Lessons) -> Verdi
         return probe_edits(run, state, step, groups, lessons.plan)
     skipped = {**skipped, "unprobed": len(lessons.plan)} if skipped else None
     if knobs.max_demos:
-        new = demo_candidates([g for g in groups if g.informative], step)
+        # (where the probe is skipped, as BootstrapFewShot: any group's full success, those with contrast first)
+        new = demo_candidates([g for g in groups if g.informative or skipped], step)
         if skipped:  # the demos the program has were kept for a reason: only free slots are filled
             held = {d["query"] for d in state.demos}
             new = best_demos([d for d in new if d["query"] not in held], knobs.max_demos - len(state.demos))
@@ -102,8 +104,8 @@ def probe_power(solve_rate: float, size: int) -> float:
 # -- demos ------------------------------------------------------------------------------------------------------------
 def demo_candidates(groups: list[Group], step: int, *, min_reward: float = 1.0,
                     explore_from: int | None = None) -> list[dict]:
-    """Per informative group: its best attempt, if its reward reaches `min_reward` (1: it fully succeeded; a probe
-    judges candidates by what they do elsewhere, so it takes any that scored), with its group advantage.
+    """Per group given: its best attempt, if its reward reaches `min_reward` (1: it fully succeeded; a probe judges
+    candidates by what they do elsewhere, so it takes any that scored), with its group advantage.
 
     `explore_from`: attempts from this index on ran without the demos (`num_explore_generations`). Then what the
     current program does on every one of its attempts alike is no candidate (a small model's copy of its demo: the

@@ -91,7 +91,8 @@ def knob(default: Any, check: Check, doc: str, *, fingerprinted: bool = False) -
 # of 100 queries x 5 attempts, and a valset. Issue 54's probe_alpha and num_explore_generations stay off here: as part
 # of "light" they scored 21, 10, 24 of the same 48. Issue 66's stops are on: a probe skipped where it has no power
 # (probe_min_power) and a step with nothing to learn end the run (docs/demos-and-probes.md, "Stopping where calls
-# cannot pay"; GSM8K: 29, 32, 26 of 48 in 16-47 metric calls, 30, 34, 29 in 99 without; Game of 24 13, 37, 37 in 63-110).
+# cannot pay"; GSM8K: 29, 32, 26 of 48 in 16-47 metric calls, 30, 34, 29 in 99 without; Game of 24 13, 37, 37 in 63-110;
+# with the gate's first look on half of each group, the same draws: GSM8K 33, 34, 22 in 8-40, Game of 24 13, 37, 37 in 55-102).
 SMALL_MODEL = dict(num_generations=4, batch_size=4, max_operations_per_group=1, max_demos=2, probe_size=8,
                    probe_min_power=0.4, stop_when_nothing_to_learn=True)
 PRESETS = {
@@ -203,7 +204,9 @@ class Knobs:
         "probe_size queries than the program, less the chance that a useless one does, must reach this. Below it "
         "(a task the model already half solves: at 60% a probe of 8 has 0.33) the probe is skipped, no edit is kept "
         "unprobed, the free demo slots are filled by group advantage and the run stops: more calls cannot pay. The "
-        "step's learning calls wait for its solve rate: none is made where the probe is skipped. 0: always probe."))
+        "step's learning calls wait for its solve rate: none is made where the probe is skipped. With "
+        "num_generations of 4 or more a step looks first at half of each group's attempts, and makes the rest only "
+        "where that solve rate leaves the probe power. 0: always probe."))
     # learning that goes on once something is learned
     num_explore_generations: int = knob(0, integer(0), fingerprinted=True, doc=(
         "Of the num_generations attempts per query, how many run without the learned demos (the program as given, "

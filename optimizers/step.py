@@ -7,8 +7,9 @@ step changes). `step(run, state, epoch, batch, reserve)` reads top to bottom:
     state   = state.apply(verdict)                              # validated and applied in code, to a copy
 
 A group goes through its stages at its own pace: its learning calls start as soon as its own attempts are scored,
-while other groups still roll out (with `probe_min_power`, once every group's are: where the step's solve rate leaves
-the probe no power, no lesson could be kept, and none is asked for); every unit runs through the run's `Executor`
+while other groups still roll out. With `probe_min_power` the step looks first: half of each group's attempts, then the
+rest only where their solve rate leaves the probe power; the learning calls wait for the whole groups (where the probe
+is skipped, no lesson could be kept, and none is asked for). Every unit runs through the run's `Executor`
 (execution.py), which checkpoints, meters, charges the budget and counts failures. An attempt whose LM call failed is
 left out of its group. Each stage makes new values and never writes into what an earlier one made.
 """
@@ -120,13 +121,26 @@ def step(run: Run, state: State, epoch: int, batch: list[int], reserve: list[int
 
 def _groups(run: Run, state: State, batch: list[int], reserve: list[int]) -> tuple[list[Group], list, list[str]]:
     """Every query's group, each straight through its stages on its own thread; while fewer groups than the batch have
-    contrast, the reserve's queries next (dynamic sampling). Then the checks over all of them."""
-    ex, programs = run.executor, _rollout_programs(run, state)
-    done, queries = [], batch
+    contrast, the reserve's queries next (dynamic sampling). Then the checks over all of them.
+
+    With the probe gate (`probe_min_power`, num_generations of 4 or more) the batch's groups are made in two halves:
+    where the first half's solve rate already leaves the probe no power, the step ends with those half groups (the
+    probe would be skipped on the whole groups too, bar a draw's luck), at half the attempts."""
+    ex, programs, G = run.executor, _rollout_programs(run, state), run.knobs.num_generations
     waits = bool(run.knobs.probe_size and run.knobs.probe_min_power)  # the learning calls wait for the solve rate
+    done, queries = [], batch
+    if waits and G >= 4:  # the first look
+        ex.expect(batch)
+        done = ex.work.each(lambda qi: _group(run, state, programs, qi, G // 2), batch)
+        if unresolvable(run.knobs, [g for g, _, _ in done]):
+            queries = []
+            logger.info("Step %d: the first %d attempts of each group leave the probe no power: the step ends there",
+                        state.step, G // 2)
     while queries:
         ex.expect(queries)
-        done += ex.work.each(lambda qi: _group(run, state, programs, qi, learn=not waits), queries)
+        halves = {g.index: (g, ts) for g, _, ts in done if g.index in queries}  # (the first look's)
+        done = [d for d in done if d[0].index not in halves] + ex.work.each(
+            lambda qi: _group(run, state, programs, qi, G, halves.get(qi)), queries)
         missing = max(len(batch) - sum(g.informative for g, _, _ in done), 0)
         queries, reserve = reserve[:missing], reserve[missing:]
     groups, results, timeouts = [g for g, _, _ in done], [r for _, r, _ in done], [t for _, _, ts in done for t in ts]
@@ -139,26 +153,33 @@ def _groups(run: Run, state: State, batch: list[int], reserve: list[int]) -> tup
     return groups, results, timeouts
 
 
-def _group(run: Run, state: State, programs: list, qi: int, learn: bool = True) -> tuple[Group, Any, list[str]]:
-    """One query, straight through: its G attempts, the rewards of those that answered, and what the path learns from
-    the group (None without contrast, or not yet: `learn=False`); and the metric calls that timed out."""
+def _group(run: Run, state: State, programs: list, qi: int, size: int,
+           before: tuple[Group, list[str]] | None = None) -> tuple[Group, Any, list[str]]:
+    """One query, straight through: its attempts up to `size` (after those of `before`, its group so far, and the metric
+    calls of it that timed out), the rewards of those that answered, and what the path learns from the group (None
+    without contrast, or not yet: with `probe_min_power` the learning waits for the step's solve rate); and the metric
+    calls that timed out."""
     ex, knobs, index, example = run.executor, run.knobs, state.step, run.trainset[qi]
+    first, timeouts = before or (None, [])
     try:
-        G = knobs.num_generations
-        attempts = ex.map("rollout", lambda g: Attempt.from_record(
-            ex.attempt("rollout", Keys.rollout(index, qi, g), programs[g], example)), list(range(G)))
-        failed = [g for g, a in enumerate(attempts) if a.error]
+        gens = list(range(first.size if first else 0, size))
+        attempts = dict(zip(gens, ex.map("rollout", lambda g: Attempt.from_record(
+            ex.attempt("rollout", Keys.rollout(index, qi, g), programs[g], example)), gens)))
+        failed = [g for g, a in attempts.items() if a.error]
         ex.settle("rollout", qi, bool(failed))
         for g in failed:  # the stage's failure check passed: they stand, and a resume replays the same group (had it
             if not ex.ckpt.get(Keys.rollout(index, qi, g), unit=False):  # failed, a resume would retry them)
                 ex.ckpt.put(Keys.rollout(index, qi, g), attempts[g].to_record())
-        answered = [g for g, a in enumerate(attempts) if not a.failed]  # a failed LM call is no answer
+        answered = [g for g, a in attempts.items() if not a.failed]  # a failed LM call is no answer
+        # (a group made in halves has a probe, so the ground truth: the first half's rewards stand)
         reference = reference_example(example, [attempts[g].to_record() for g in answered], knobs.use_ground_truth)
         scores = ex.map("reward", lambda g: ex.score(Keys.reward(index, qi, g), attempts[g], reference), answered)
-        group = Group(index=qi, key=query_key(example, qi), example=example, size=G, attempts=tuple(
-            Scored(attempts[g], s["reward"], s["feedback"], g) for g, s in zip(answered, scores)))
-        result = run.path.learn(run, state.library, group) if learn and group.informative else None
-        return group, result, [s["timeout"] for s in scores if "timeout" in s]
+        group = Group(index=qi, key=query_key(example, qi), example=example, size=size, attempts=(
+            *(first.attempts if first else ()),
+            *(Scored(attempts[g], s["reward"], s["feedback"], g) for g, s in zip(answered, scores))))
+        waits = knobs.probe_size and knobs.probe_min_power
+        result = run.path.learn(run, state.library, group) if group.informative and not waits else None
+        return group, result, [*timeouts, *(s["timeout"] for s in scores if "timeout" in s)]
     finally:
         ex.leave(qi)
 

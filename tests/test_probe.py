@@ -555,7 +555,8 @@ def test_a_probe_without_power_is_skipped_demos_fill_free_slots_and_the_run_stop
     step = result.to_dict()["steps"][0]
     assert len(result.steps) == 1 and result.stopped_early.startswith("more calls cannot pay")
     assert step["probe"]["skipped"].startswith("a probe of 3 queries has power") and step["probe"]["power"] < 0.5
-    assert step["metric_calls"] == 16 and step["usage"]["probe"].get("calls", 0) == 0  # no probe attempt ran
+    # the first look (2 of each group's 4 attempts) already left the probe no power: the step ended there
+    assert step["metric_calls"] == 8 and step["usage"]["probe"].get("calls", 0) == 0  # and no probe attempt ran
     assert len(compiled.experience_library) == 0 and step["operations_proposed"] == 0  # no lesson could be kept:
     assert not any(step["usage"].get(s, {}).get("calls") for s in ("summary", "advantage", "consolidation"))  # none
     assert not any(kind_of(c["messages"]) != "student" for c in lm.calls)  # was asked for
@@ -566,3 +567,32 @@ def test_a_probe_without_power_is_skipped_demos_fill_free_slots_and_the_run_stop
                           batch_size=4, learning_path="paper", probe_size=3, max_demos=2, max_steps=1,
                           log_dir=str(tmp_path / "open"))
     assert opened.detailed_results.to_dict()["steps"][0]["probe"]["queries"]
+
+
+def test_where_the_first_look_leaves_the_probe_power_the_groups_are_made_whole(tmp_path):
+    lm = ScriptedLM(learner())  # half solved: a probe of 3 has power 0.25 there, enough for probe_min_power=0.2
+    compiled = compile_with(lm, dspy.Predict("question -> answer"), trainset=make_trainset(12), batch_size=4,
+                            learning_path="paper", probe_size=3, max_demos=2, probe_min_power=0.2, max_steps=1,
+                            log_dir=str(tmp_path / "ckpt"))
+    step = compiled.detailed_results.to_dict()["steps"][0]
+    assert step["probe"]["queries"] and "skipped" not in step["probe"]
+    rollouts = [(c["messages"][-1]["content"], c["kwargs"]["rollout_id"]) for c in lm.calls
+                if kind_of(c["messages"]) == "student" and c["kwargs"].get("rollout_id") is not None]
+    step_zero = [r for r in rollouts if r[0] in {m for m, _ in rollouts[:8]}]  # the batch's questions
+    assert len(step_zero) == len(set(step_zero)) == 16 == step["usage"]["rollout"]["calls"]  # 4 whole groups of 4:
+    # the first look's 8 attempts reused, none made twice (the probe's queries are outside the batch)
+    assert step["groups"] == 4 and step["operations_proposed"] >= 1  # lessons asked for once the groups were whole
+
+
+def test_where_the_probe_is_skipped_free_slots_take_full_successes_of_groups_without_contrast_too(tmp_path):
+    def always_right(messages, kwargs):  # every attempt solves its query: no group has contrast
+        return student_answer(messages, {**kwargs, "rollout_id": 0}) if kind_of(messages) == "student" else \
+            learner()(messages, kwargs)
+
+    compiled = compile_with(ScriptedLM(always_right), dspy.Predict("question -> answer"), trainset=make_trainset(12),
+                            batch_size=4, learning_path="paper", probe_size=3, max_demos=2, probe_min_power=0.5,
+                            log_dir=str(tmp_path / "ckpt"))
+    step = compiled.detailed_results.to_dict()["steps"][0]
+    assert step["probe"]["skipped"] and step["groups_kept"] == 0 and step["metric_calls"] == 8
+    assert len(step["demos"]) == 2  # as BootstrapFewShot keeps its first solved traces
+    assert len(compiled.predictors()[0].demos) == 2

@@ -88,3 +88,20 @@ def bootstrap_ci(values: list[float], *, seed: int = 0, resamples: int = 10_000)
     rng = random.Random(seed)
     means = sorted(statistics.fmean(rng.choices(values, k=len(values))) for _ in range(resamples))
     return means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+
+
+def read_jsonl_rows(path: Path) -> list[tuple[int, dict]]:
+    """Parse a JSONL file with the json module: (1-based line, row) pairs, blank lines skipped."""
+    rows = []
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}, line {number}: not valid JSON ({exc.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}, line {number}: expected a JSON object")
+            rows.append((number, row))
+    return rows

@@ -15,7 +15,7 @@ from typing import Callable
 
 import dspy
 
-from tfgrpo.base.util import bootstrap_ci, write_atomic
+from tfgrpo.base.util import bootstrap_ci, read_jsonl_rows, write_atomic
 from tfgrpo.optimizers.execution import Executor, with_own_lms
 from tfgrpo.optimizers.knobs import Knobs
 from tfgrpo.optimizers.parallel import metered
@@ -114,10 +114,4 @@ def write_rows(rows: list[dict], path: Path) -> None:
 
 def read_rows(path: Path) -> list[dict]:
     """The rows of a results file (JSON lines); a ValueError naming the file and line for one that does not parse."""
-    rows = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        try:
-            rows += [json.loads(line)] if line.strip() else []
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}, line {n}: not readable as JSON ({exc}); it was cut short or edited") from None
-    return rows
+    return [row for _, row in read_jsonl_rows(Path(path))]

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import dspy
 
 from tfgrpo.optimizers.rewards import metric_takes_trace
-from tfgrpo.tasks.math.datasets import read_jsonl_rows
+from tfgrpo.base.util import read_jsonl_rows
 
 FORMS = "'module:name' or 'path/to/file.py:name'"
 

@@ -15,7 +15,6 @@ Local files go through ``datasets.load_dataset("json", ...)``, which never touch
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 
 import dspy
 
+from tfgrpo.base.util import read_jsonl_rows
 from tfgrpo.tasks.math.metric import extract_answer
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -84,23 +84,6 @@ def _line_number(path: Path, row_index: int) -> int:
                 if seen == row_index:
                     return number
     return row_index + 1  # not found (e.g. a JSON array file): fall back to the record number
-
-
-def read_jsonl_rows(path: Path) -> list[tuple[int, dict]]:
-    """Parse a JSONL file with the json module: (1-based line, row) pairs, blank lines skipped."""
-    rows = []
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}, line {number}: not valid JSON ({exc.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}, line {number}: expected a JSON object")
-            rows.append((number, row))
-    return rows
 
 
 def _as_text(value: Any) -> str | None:

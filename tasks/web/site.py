@@ -27,7 +27,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
-from tfgrpo.tasks.math.datasets import read_jsonl_rows
+from tfgrpo.base.util import read_jsonl_rows
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 BUILTIN_CORPORA = {"hotpotqa": DATA_DIR / "hotpotqa" / "corpus.jsonl"}
@@ -47,7 +47,7 @@ def corpus_path(name_or_path: str | Path) -> Path:
 def read_corpus(path: Path) -> list[dict]:
     """The corpus rows; a row without a title or text, or a repeated title, is an error naming its line."""
     docs, seen = [], set()
-    for number, row in read_jsonl_rows(Path(path)):  # the math sets' reader: bad JSON names its line
+    for number, row in read_jsonl_rows(Path(path)):  # the shared JSONL reader: bad JSON names its line
         title, text = (str(row.get(k) or "").strip() for k in ("title", "text"))
         if not title or not text:
             raise ValueError(f"{path}, line {number}: a document needs a non-empty 'title' and 'text'")

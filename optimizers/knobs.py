@@ -203,10 +203,11 @@ class Knobs:
         "that fully succeeded), the chance that a candidate halving the program's failures solves more of the "
         "probe_size queries than the program, less the chance that a useless one does, must reach this. Below it "
         "(a task the model already half solves: at 60% a probe of 8 has 0.33) the probe is skipped, no edit is kept "
-        "unprobed, the free demo slots are filled by group advantage and the run stops: more calls cannot pay. The "
-        "step's learning calls wait for its solve rate: none is made where the probe is skipped. With "
-        "num_generations of 4 or more a step looks first at half of each group's attempts, and makes the rest only "
-        "where that solve rate leaves the probe power. 0: always probe."))
+        "unprobed, the free demo slots take full successes (those of groups with contrast first, as BootstrapFewShot "
+        "takes solved traces) and the run stops: more calls cannot pay. The step's learning calls wait for its "
+        "solve rate: none is made where the probe is skipped. With num_generations of 4 or more a step looks first "
+        "at half of each group's attempts, and makes the rest only where that solve rate leaves the probe power. "
+        "0: always probe."))
     # learning that goes on once something is learned
     num_explore_generations: int = knob(0, integer(0), fingerprinted=True, doc=(
         "Of the num_generations attempts per query, how many run without the learned demos (the program as given, "

@@ -57,27 +57,15 @@ TFGRPO_ARMS = {  # arm -> knobs on top of the shared ones; every arm that keeps 
     # demos probed on every training query outside the batch (8 of 12): room to tell a flat search from a bracketed
     # one; the main job (configs/local.toml: three steps of 4)
     "tfgrpo-probed-wide+demos": {"max_demos": 2, "probe_size": 8},
-    # experiences only: a rule carries the better attempt's whole program (query values masked), probed on 8 queries
-    "tfgrpo-solver-excerpts-wide": {"max_excerpt_lines": 40, "excerpt_whole_attempt": True, "probe_size": 8},
-    # the same experiences beside probed demos: the two mechanisms that each cleared the baseline, together
-    "tfgrpo-solver-excerpts-wide+demos": {"max_excerpt_lines": 40, "excerpt_whole_attempt": True, "probe_size": 8,
-                                          "max_demos": 2},
-    # a probe keeps a demo that ties a program already solving some of it: for a task the model half solves (GSM8K)
-    "tfgrpo-probed-ties+demos": {"max_demos": 2, "probe_size": 4, "keep_tied_demos": True},
     # configs/local-onestep.toml: one step of 6 queries, each edit probed on 4 of the others
     "tfgrpo-onestep+demos": {"max_demos": 2, "probe_size": 4, "batch_size": 6, "max_steps": 1},
-    # issue 54: the probe keeps a demo only on a sign test (probe_alpha), half of each group explores without the
-    # demos, probe successes become the next step's candidates, the run ends when nothing is left to learn
-    "tfgrpo-compound+demos": {"max_demos": 2, "probe_size": 8, "probe_alpha": 0.15, "num_explore_generations": 2,
-                              "stop_when_nothing_to_learn": True, "max_metric_calls": 120},
     # TrainingFreeGRPO(metric) as a user makes it, given only a seed, threads and the server's JSON form: its `auto`
-    # preset picks every other knob for the 1.5B (configs/local.toml); the same run as tfgrpo-probed-wide+demos (the
-    # "light" preset measured as tfgrpo-compound+demos was worse on held-out puzzles and was withdrawn)
+    # preset picks every other knob for the 1.5B (configs/local.toml)
     "tfgrpo-default": None,
 }
 # arms made for one task; elsewhere they are not in the menu. knn-bootstrapped: KNN over the student's own solved
 # traces instead of GSM8K's reference solutions (on the Game of 24 `knn` already retrieves from such a pool)
-ONLY_FOR = {"tfgrpo-probed-ties+demos": "gsm8k", "knn-bootstrapped": "gsm8k"}
+ONLY_FOR = {"knn-bootstrapped": "gsm8k"}
 # Arms measured once and superseded, kept on disk with their results (the README tells what each taught): the report
 # prints them as explored, apart from the menu, and never takes one as the best other arm.
 EXPLORED = {
@@ -88,6 +76,13 @@ EXPLORED = {
     "tfgrpo-solver-excerpts": "the whole attempt as the excerpt, probed on 4 queries",
     "tfgrpo-solver-excerpts-wide-dropped": "probed on 8, the line holding the query's values dropped, not masked",
     "tfgrpo-solver-excerpts-wide-lists-unmasked": "probed on 8, the query's values masked one by one",
+    "tfgrpo-solver-excerpts-wide": "a rule carries the better attempt's whole program, query values masked, probed on "
+                                   "8 (max_excerpt_lines, excerpt_whole_attempt: behind probed demos, removed)",
+    "tfgrpo-solver-excerpts-wide+demos": "the same beside probed demos (behind probed demos alone, removed)",
+    "tfgrpo-probed-ties+demos": "a demo kept when it ties a program solving some probe queries (keep_tied_demos: "
+                                "no gain on GSM8K, removed)",
+    "tfgrpo-compound+demos": "a demo kept on a sign test (probe_alpha=0.15), half of each group without the demos "
+                             "(num_explore_generations=2): lower on held-out puzzles, removed",
     "tfgrpo-default-before-66": "the default before issue 66's stops (probe_min_power, stop_when_nothing_to_learn)",
     "tfgrpo-default-first-stops": "issue 66's first stops: a step's learning calls made before its probe was "
                                   "skipped (tfgrpo-default replays these draws without them)",

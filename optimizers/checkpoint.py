@@ -228,11 +228,20 @@ def code_fingerprint(metric, program) -> dict[str, str]:
     return {"metric": name, "metric_code": digest(source), "program_code": digest([classes, settings])}
 
 
+# Knobs an earlier version had, with the value that computes what this version computes: a run recorded with that
+# value resumes; one recorded with another value made work this version cannot continue.
+RETIRED_KNOBS = {"probe_alpha": 1.0, "keep_tied_demos": False, "num_explore_generations": 0, "focus_on_failures": False,
+                 "max_resampled_queries": 0, "max_excerpt_lines": 0, "excerpt_whole_attempt": False}
+
+
 def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """One line per setting that differs between two fingerprints: "knob temperature: 0.7 -> 1.5". An entry the
     old fingerprint lacks (recorded by an earlier version, before that setting existed) is not compared, nor is a
-    knob it lacks."""
+    knob it lacks; a retired knob at the value this version computes with is no difference."""
     changes = []
+    if isinstance(old.get("knobs"), dict):
+        old = {**old, "knobs": {k: v for k, v in old["knobs"].items()
+                                if not (k in RETIRED_KNOBS and v == RETIRED_KNOBS[k])}}
     for key in sorted(set(old) & set(new)):
         if old[key] == new[key]:
             continue

@@ -50,10 +50,10 @@ CONTEXT_REFUSALS = ("contextwindowexceeded", "context length", "context_length_e
 
 
 # -- running a program ------------------------------------------------------------------------------------------------
-def with_own_lms(program: dspy.Module, **overrides: Any) -> tuple[dspy.Module, list[dspy.BaseLM]]:
+def with_own_lms(program: dspy.Module, **overrides: Any) -> dspy.Module:
     """A deep copy of `program` whose predictors call private copies of their LMs (the predictor's own, else
-    `dspy.settings.lm`), with `overrides` (such as rollout_id, temperature) set on the copies; and the copies. A
-    temperature is not set on a model that takes only its own (`fixed_temperature`)."""
+    `dspy.settings.lm`), with `overrides` (such as rollout_id, temperature) set on the copies. A temperature is not set
+    on a model that takes only its own (`fixed_temperature`)."""
     program = program.deepcopy()
     copies: dict[int, dspy.BaseLM] = {}
     for name, predictor in program.named_predictors():
@@ -64,7 +64,7 @@ def with_own_lms(program: dspy.Module, **overrides: Any) -> tuple[dspy.Module, l
             keep = fixed_temperature(base) is not None
             copies[id(base)] = base.copy(**{k: v for k, v in overrides.items() if not (keep and k == "temperature")})
         predictor.lm = copies[id(base)]
-    return program, list(copies.values())
+    return program
 
 
 def fixed_temperature(lm: dspy.BaseLM) -> float | None:
@@ -212,18 +212,18 @@ class Executor:
 
     def call(self, stage: str, name: str, fn: Callable[[], Any]) -> Any:
         """One learning call on the pool (see `calls`)."""
-        return self.calls(stage, [(name, fn)])[0]
+        return self.calls(stage, {name: fn})[0]
 
-    def calls(self, stage: str, units: list[tuple[str, Callable[[], Any]]]) -> list[Any]:
-        """Learning calls on the scope's pool, in order: each the value saved under the scope's `prefix/name`, or `fn()`
+    def calls(self, stage: str, units: dict[str, Callable[[], Any]]) -> list[Any]:
+        """Learning calls on the scope's pool, in order (`units`: name -> fn): each the value saved under the scope's
+        `prefix/name`, or `fn()`
         (charged, metered under `stage`) saved; one that raises is returned as a `Failed` and counted as a failure of
         its stage."""
-        def one(unit):
-            name, fn = unit
+        def one(name: str) -> Any:
             key = f"{self.prefix}/{name}"
             if (value := self.ckpt.get(key)) is None:
                 try:
-                    value = self._unit(stage, fn)
+                    value = self._unit(stage, units[name])
                 except BudgetExhausted:
                     raise
                 except Exception as exc:  # a failed learning call is counted, not fatal
@@ -232,7 +232,7 @@ class Executor:
                     self.ckpt.put(key, value)
             self._done(stage, value.error if isinstance(value, Failed) else None)
             return value
-        return self.map(stage, one, units)
+        return self.map(stage, one, list(units))
 
     def recheck(self, program: dspy.Module, trainset: list) -> None:
         """Before a resume reuses saved work, check that today's metric and program would have made it: up to 3 saved
@@ -255,7 +255,7 @@ class Executor:
             path, record = saved[0]
             step, (query, g) = int(path.parent.parent.name), path.stem.split("_")
             replay, asked = with_own_lms(program, rollout_id=rollout_id(self.knobs.seed, step, int(g)),
-                                         temperature=self.knobs.temperature)[0], []
+                                         temperature=self.knobs.temperature), []
             for name, predictor in replay.named_predictors():
                 def answer(name=name, calls=[c for c in record["trace"] if c["predictor"] == name], **inputs):
                     asked.append({"predictor": name, "inputs": jsonable(inputs)})

@@ -14,8 +14,8 @@ small policy model copies it faithfully everywhere.
 A probe ranks programs by full successes (reward 1) first and mean reward second; partial credit alone misleads it (on
 the Game of 24, demos chosen by mean partial reward taught the 1.5B to print any expression of the four numbers and it
 then solved 0 of 48 held-out puzzles). A library operation is kept when it ranks no lower than the current program; a
-demo, or an experience carrying an excerpt (code the policy will copy), only when it adds full successes (by a sign
-test at `probe_alpha`), and only the best such candidate of each kind is kept; of two edits of one experience (a rewrite,
+demo, or an experience carrying an excerpt (code the policy will copy), only when it wins more probe queries than it
+loses against the current program, and only the best such candidate of each kind is kept; of two edits of one experience (a rewrite,
 a retirement) only the better. A probe slot left over retires one current experience in turn, when the program ranks no
 lower without it. The candidates run query by query, and one whose verdict is known runs no more queries. A probe query
 on which an attempt's LM call failed leaves the probe, for every program alike, so the comparison stays paired.
@@ -35,7 +35,7 @@ from tfgrpo.base.util import digest
 from tfgrpo.optimizers.checkpoint import Keys
 from tfgrpo.optimizers.execution import Executor, rollout_id, with_own_lms
 from tfgrpo.optimizers.learning_paths import Lessons
-from tfgrpo.optimizers.result import Group, solved_by
+from tfgrpo.optimizers.result import Group
 from tfgrpo.programs.inject import with_learned
 from tfgrpo.programs.render import query_key
 from tfgrpo.signatures.operations import Operation
@@ -45,12 +45,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Verdict:
-    """What the judge hands on: the operations to apply, the demos, what is known of the queries the program it hands on
-    solves (query -> solved), the probe's record (None when no probe ran) and demo candidates for the next step."""
+    """What the judge hands on: the operations to apply, the demos, the probe's record (None when no probe ran) and demo
+    candidates for the next step."""
 
     plan: list[Operation]
     demos: list[dict]
-    evidence: dict[int, bool]
     record: dict | None = None
     found: list[dict] = field(default_factory=list)
 
@@ -62,7 +61,6 @@ def judge(run, state, step: int, groups: list[Group], lessons: Lessons) -> Verdi
     slots are filled as BootstrapFewShot fills them, with full successes (by group advantage: those of groups with
     contrast first, then those of groups that all succeeded), and the record says why (the run stops)."""
     knobs = run.knobs
-    evidence = solved_by(groups, knobs.num_generations - knobs.num_explore_generations, state.evidence)
     skipped = unresolvable(knobs, groups)
     if knobs.probe_size and not skipped:
         return probe_edits(run, state, step, groups, lessons.plan)
@@ -74,9 +72,8 @@ def judge(run, state, step: int, groups: list[Group], lessons: Lessons) -> Verdi
             held = {d["query"] for d in state.demos}
             new = best_demos([d for d in new if d["query"] not in held], knobs.max_demos - len(state.demos))
         demos = best_demos(state.demos + new, knobs.max_demos)
-        return Verdict(plan=[] if skipped else lessons.plan, demos=demos,
-                       evidence={} if demos != state.demos else evidence, record=skipped)
-    return Verdict(plan=[] if skipped else lessons.plan, demos=state.demos, evidence=evidence, record=skipped)
+        return Verdict(plan=[] if skipped else lessons.plan, demos=demos, record=skipped)
+    return Verdict(plan=[] if skipped else lessons.plan, demos=state.demos, record=skipped)
 
 
 def unresolvable(knobs, groups: list[Group]) -> dict | None:
@@ -102,21 +99,12 @@ def probe_power(solve_rate: float, size: int) -> float:
 
 
 # -- demos ------------------------------------------------------------------------------------------------------------
-def demo_candidates(groups: list[Group], step: int, *, min_reward: float = 1.0,
-                    explore_from: int | None = None) -> list[dict]:
+def demo_candidates(groups: list[Group], step: int, *, min_reward: float = 1.0) -> list[dict]:
     """Per group given: its best attempt, if its reward reaches `min_reward` (1: it fully succeeded; a probe judges
-    candidates by what they do elsewhere, so it takes any that scored), with its group advantage.
-
-    `explore_from`: attempts from this index on ran without the demos (`num_explore_generations`). Then what the
-    current program does on every one of its attempts alike is no candidate (a small model's copy of its demo: the
-    demo it already has); the best of the other attempts is."""
+    candidates by what they do elsewhere, so it takes any that scored), with its group advantage."""
     found = []
     for group in groups:
-        attempts = group.attempts
-        own = {a.reward for a in attempts if explore_from is not None and a.g < explore_from}
-        if explore_from is not None and len(own) == 1 and any(a.g >= explore_from for a in attempts):
-            attempts = tuple(a for a in attempts if a.g >= explore_from)  # the current program's copies teach nothing
-        best = max(attempts, key=lambda a: (a.reward, -a.g))
+        best = max(group.attempts, key=lambda a: (a.reward, -a.g))
         if best.reward >= min_reward and best.reward > 0 and not best.error and best.trace:
             found.append({"query": group.key, "step": step, "reward": best.reward,
                           "advantage": best.reward - statistics.fmean(group.rewards), "trace": best.trace})
@@ -154,37 +142,22 @@ class Candidate:
         return {i for op in self.operations if op.action != "add" for i in op.ids}
 
 
-def sign_test_p(wins: int, losses: int) -> float:
-    """One-sided sign test: the chance of `wins` or more wins in `wins + losses` fair coin tosses (1.0 for none)."""
-    n = wins + losses
-    return sum(math.comb(n, k) for k in range(wins, n + 1)) / 2 ** n if n else 1.0
-
-
-def keeps(candidate: Candidate, score: tuple[int, float], base: tuple[int, float], paired: tuple[int, int] = (0, 0), *,
-          keep_ties: bool = False, alpha: float = 1.0) -> bool:
-    """A demo, or an experience that carries code (an excerpt), must win more probe queries than it loses (`paired`:
-    its wins, solved by it and not by the current program, and its losses, the reverse) by a one-sided sign test at
-    level `alpha`; any other operation must rank no lower (successes, then mean reward). With `keep_ties`, a demo that
-    ranks no lower is kept as well when the current program already solves at least one probe query."""
-    if candidate.demo is not None and keep_ties and base[0] >= 1 and score >= base:
-        return True
+def keeps(candidate: Candidate, score: tuple[int, float], base: tuple[int, float], wins: int = 0, losses: int = 0
+          ) -> bool:
+    """A demo, or an experience that carries code (an excerpt), must win more probe queries than it loses (`wins`:
+    those solved by it and not by the current program; `losses`: the reverse); any other operation must rank no lower
+    (successes, then mean reward)."""
     if candidate.shows_code:
-        wins, losses = paired
-        return wins > losses and sign_test_p(wins, losses) <= alpha
+        return wins > losses
     return score >= base
 
 
-def probe_queries(trainset_size: int, batch: list[int], size: int, *, seed: int, step: int,
-                  unsolved: set[int] = frozenset()) -> list[int]:
+def probe_queries(trainset_size: int, batch: list[int], size: int, *, seed: int, step: int) -> list[int]:
     """`size` training queries outside the step's batch (all of the trainset when the batch covers it), drawn
-    the same way on a resume. With `unsolved` (queries the current program is known to fail: `focus_on_failures`),
-    up to half of them are such failures, where an edit can show a gain; the rest are drawn from the others."""
+    the same way on a resume."""
     pool = [i for i in range(trainset_size) if i not in set(batch)] or list(range(trainset_size))
     rng = random.Random(int(digest([seed, step, "probe"]), 16))
-    failing = [i for i in pool if i in unsolved]
-    chosen = rng.sample(failing, min(len(failing), (size + 1) // 2)) if failing else []
-    others = [i for i in pool if i not in set(chosen)]
-    return sorted(chosen + rng.sample(others, min(size - len(chosen), len(others))))
+    return sorted(rng.sample(pool, min(size, len(pool))))
 
 
 @dataclass
@@ -196,8 +169,6 @@ class Probe:
 
     candidates: list[Candidate]
     queries: list[int]
-    alpha: float = 1.0
-    keep_ties: bool = False
     found: dict = field(default_factory=dict)  # (program, query) -> its attempt's reward and solving trace
     base: tuple[int, float] = (0, 0.0)
 
@@ -257,8 +228,7 @@ class Probe:
             point, wins = (sum(r >= 1 for r in rs) + left, (sum(rs) + left) / n + 1e-9), wins + can_win
         else:
             point, losses = (sum(r >= 1 for r in rs), sum(rs) / n - 1e-9), losses + can_lose
-        return keeps(self.candidates[c], point, self.base, (wins, losses), keep_ties=self.keep_ties,
-                     alpha=self.alpha), point
+        return keeps(self.candidates[c], point, self.base, wins, losses), point
 
     def _possible(self, c: int, alive: list[int]) -> bool:
         """Can candidate c still be kept? (One demo is kept, the best: can c still be it?)"""
@@ -272,8 +242,8 @@ class Probe:
     def _verdicts(self, alive: list[int]) -> None:
         candidates = self.candidates
         self.scores = [self.score(1 + c) for c in range(len(candidates))]
-        kept = [c in alive and keeps(candidates[c], self.scores[c], self.base, self.paired(c)[:2],
-                                     keep_ties=self.keep_ties, alpha=self.alpha) for c in range(len(candidates))]
+        kept = [c in alive and keeps(candidates[c], self.scores[c], self.base, *self.paired(c)[:2])
+                for c in range(len(candidates))]
         # code competes: one demo (the step keeps the set it was probed with) and one experience with an excerpt; and
         # one edit per current experience (a rewrite and a retirement of it cannot both be kept)
         kinds = [lambda c: c.demo is not None, lambda c: c.demo is None and c.shows_code]
@@ -307,10 +277,9 @@ def probe_edits(run, state, step: int, groups: list[Group], plan: list[Operation
     """The step's probe: the plan's operations and the demo candidates, each tried against the current program on the
     same training queries outside the step's queries; kept as `Probe` says."""
     knobs, library, demos = run.knobs, state.library, state.demos
-    evidence = solved_by(groups, knobs.num_generations - knobs.num_explore_generations, state.evidence)
     candidates, unprobed = _candidates(knobs, state, step, groups, plan)
     if not candidates:
-        return Verdict(plan=[], demos=demos, evidence=evidence, record={"candidates": [], "unprobed": unprobed})
+        return Verdict(plan=[], demos=demos, record={"candidates": [], "unprobed": unprobed})
     programs = [with_learned(run.program, run.targets, library, demos)]
     for c in candidates:
         if c.demo is not None:  # the demo replaces the weakest of the kept ones, last: what a small model copies
@@ -321,12 +290,10 @@ def probe_edits(run, state, step: int, groups: list[Group], plan: list[Operation
             trial.apply(list(c.operations), step=step, quiet=True)  # said once, as it was proposed
             programs.append(with_learned(run.program, run.targets, trial, demos))
     seed = rollout_id(knobs.seed, step, "probe")
-    runnable = [with_own_lms(p, rollout_id=seed, temperature=knobs.temperature)[0] for p in programs]
-    unsolved = {q for q, ok in state.evidence.items() if not ok} if knobs.focus_on_failures else set()
-    queries = probe_queries(len(run.trainset), [g.index for g in groups], knobs.probe_size, seed=knobs.seed, step=step,
-                            unsolved=unsolved)
+    runnable = [with_own_lms(p, rollout_id=seed, temperature=knobs.temperature) for p in programs]
+    queries = probe_queries(len(run.trainset), [g.index for g in groups], knobs.probe_size, seed=knobs.seed, step=step)
     current = digest([[e.model_dump() for e in library.active.values()], demos])
-    probe = Probe(candidates, list(queries), alpha=knobs.probe_alpha, keep_ties=knobs.keep_tied_demos).run(
+    probe = Probe(candidates, list(queries)).run(
         run.executor, runnable, run.trainset, keys=(current, step))
     kept_ops = [op for c, k in zip(candidates, probe.kept) if k for op in c.operations]
     best = next((i for i, (c, k) in enumerate(zip(candidates, probe.kept))  # a demo is shown solving its query
@@ -334,23 +301,19 @@ def probe_edits(run, state, step: int, groups: list[Group], plan: list[Operation
     if best is not None:  # the demo set the winning candidate demo was probed with
         demos = best_demos(demos, knobs.max_demos - 1, "gain") + [_shown_demo(candidates[best].demo, best, probe,
                                                                                       run.trainset)]
-        evidence = {qi: qi in probe.solved[1 + best] for qi in probe.tried[1 + best]}  # the new program's
-    else:
-        evidence.update({qi: qi in probe.solved[0] for qi in probe.tried[0]})
     # demo candidates for the next step, found on the way: attempts that solved their probe query made by a program
     # without demos (a fresh sample of what the model writes; with a demo in the prompt it is mostly that demo again)
     free = [not state.demos] + [not state.demos and c.demo is None for c in candidates]
     found = [{"query": query_key(run.trainset[qi], qi), "step": step, "reward": 1.0, "advantage": 0.0, "trace": trace}
              for p, ok in enumerate(free) if ok and knobs.max_demos for qi, trace in probe.traces[p].items()]
-    return Verdict(plan=kept_ops, demos=demos, evidence=evidence, record={"unprobed": unprobed, **probe.record()},
+    return Verdict(plan=kept_ops, demos=demos, record={"unprobed": unprobed, **probe.record()},
                    found=found)
 
 
 def _candidates(knobs, state, step: int, groups: list[Group], plan: list[Operation]) -> tuple[list[Candidate], int]:
     """The edits to probe (demos first, half the slots at most; then the plan's operations the library accepts; a
     spare slot retires a current experience in turn), and how many were left out."""
-    explore_from = knobs.num_generations - knobs.num_explore_generations if knobs.num_explore_generations else None
-    found = demo_candidates([g for g in groups if g.informative], step, min_reward=0.0, explore_from=explore_from) + \
+    found = demo_candidates([g for g in groups if g.informative], step, min_reward=0.0) + \
         list(state.pending) if knobs.max_demos else []
     found = sorted(found, key=lambda d: (-d["reward"], -d["advantage"], d["query"]))[: (knobs.max_probed_edits + 1) // 2]
     candidates = [Candidate(label=f"demo from {d['query']} (reward {d['reward']:.2f})", demo=d) for d in found]

@@ -84,15 +84,11 @@ def knob(default: Any, check: Check, doc: str, *, fingerprinted: bool = False) -
 
 
 # The presets of `auto`, each a budget and the settings measured best for it; a knob passed explicitly wins. "light" is
-# the configuration confirmed on held-out puzzles for the embedded 1.5B (benchmarks/peers.py's tfgrpo-probed-wide+demos:
-# 34, 31, 34 of 48 over three seeds; run again, 37, 2, 25; configs/local.toml); "medium" and "heavy"
-# are the same settings with larger budgets (not measured apart); "paper" is the paper's setting for capable models
-# (measured by the paper on DeepSeek-V3.1; here only against a simulated provider), its budget the paper's run: 3 epochs
-# of 100 queries x 5 attempts, and a valset. Issue 54's probe_alpha and num_explore_generations stay off here: as part
-# of "light" they scored 21, 10, 24 of the same 48. Issue 66's stops are on: a probe skipped where it has no power
-# (probe_min_power) and a step with nothing to learn end the run (docs/demos-and-probes.md, "Stopping where calls
-# cannot pay"; GSM8K: 29, 32, 26 of 48 in 16-47 metric calls, 30, 34, 29 in 99 without; Game of 24 13, 37, 37 in 63-110;
-# with the gate's first look on half of each group, the same draws: GSM8K 33, 34, 22 in 8-40, Game of 24 13, 37, 37 in 55-102).
+# the configuration confirmed on held-out puzzles for the embedded 1.5B (configs/local.toml): groups and batches of 4,
+# up to 2 of the model's own winning attempts as demos, every edit probed on 8 other training queries, and the run
+# ending where a probe could not tell edits apart or nothing is left to learn. "medium" and "heavy" are the same settings
+# with larger budgets. "paper" is the paper's setting for capable models, its budget the paper's run (3 epochs of 100
+# queries x 5 attempts). The figures behind each are in docs/measurements.md.
 SMALL_MODEL = dict(num_generations=4, batch_size=4, max_operations_per_group=1, max_demos=2, probe_size=8,
                    probe_min_power=0.4, stop_when_nothing_to_learn=True)
 PRESETS = {
@@ -100,8 +96,7 @@ PRESETS = {
     "medium": dict(SMALL_MODEL, num_train_epochs=3, max_metric_calls=300),
     "heavy": dict(SMALL_MODEL, num_train_epochs=5, max_metric_calls=800),
     "paper": dict(num_generations=5, batch_size=50, num_train_epochs=3, max_operations_per_group=2, max_demos=0,
-                  probe_size=0, probe_alpha=1.0, num_explore_generations=0, stop_when_nothing_to_learn=False,
-                  max_metric_calls=2000),
+                  probe_size=0, stop_when_nothing_to_learn=False, max_metric_calls=2000),
 }
 MEASURED = {"light": "Qwen2.5-Coder-1.5B (Q4, llama.cpp)", "paper": "DeepSeek-V3.1 (by the paper)"}
 SMALL_PRESET_B = 2  # auto="auto" takes "light" for reflection models of at most this size: the size it was measured at
@@ -169,15 +164,6 @@ class Knobs:
         "that fully succeeded (reward >= 1) while its groupmates did worse, ranked by group advantage, one per query "
         "(see optimizers/judge.py). An extension of the paper for small policy models, which copy a working example "
         "far better than they follow advice. 0: off."))
-    max_excerpt_lines: int = knob(0, integer(0), fingerprinted=True, doc=(
-        "Contrast path: a rule the reflection LM adds carries up to this many lines copied from the better attempt "
-        "(code, a formula, a tool-call pattern), picked by the LM and checked in code to be copied, not invented "
-        "(programs/excerpt.py). An extension for small reflection LMs, which select code far better than they "
-        "describe it. 0: off."))
-    excerpt_whole_attempt: bool = knob(False, FLAG, fingerprinted=True, doc=(
-        "With max_excerpt_lines, the excerpt is the better attempt's own code (its largest fenced block, the "
-        "query's own values masked as `<?>`) when it fits, as Dynamic Cheatsheet keeps a whole working solver; the "
-        "reflection LM picks lines only from a longer attempt."))
     probe_size: int = knob(0, integer(0), fingerprinted=True, doc=(
         "Each step's candidate edits (library operations, demos) are tried on this many training queries outside "
         "the step's batch, one attempt each, against the current program on the same queries, ranked by full "
@@ -185,19 +171,9 @@ class Knobs:
         "experience carrying an excerpt, only if it adds full successes; of the winning demos the best one's set "
         "is kept, and of the winning experiences with an excerpt the best one (optimizers/judge.py). Needs "
         "use_ground_truth. 0: off, every valid operation is applied, as in the paper."))
-    keep_tied_demos: bool = knob(False, FLAG, fingerprinted=True, doc=(
-        "With probe_size, a demo that solves as many probe queries as the current program (no more) is kept too, "
-        "provided the program already solves at least one: on a task the model half solves, a probe of a few "
-        "queries is at its ceiling and a demo can rarely add a success there. A tie at zero stays refused (on the "
-        "Game of 24, narrow demos that tied at zero taught nothing)."))
     max_probed_edits: int = knob(3, integer(1), fingerprinted=True, doc=(
         "Most candidate edits probed per step (half of them demos, when max_demos > 0); edits beyond it are "
         "dropped."))
-    probe_alpha: float = knob(1.0, number(0, 1), fingerprinted=True, doc=(
-        "With probe_size, a demo or an experience carrying code is kept only when the probe's paired outcomes are "
-        "evidence: on the probe queries that exactly one of the two programs solves, the candidate must win a "
-        "one-sided sign test at this level (0.15: 3 wins and no loss pass, 1 win against 0 does not). 1.0: any net "
-        "gain in full successes is enough."))
     probe_min_power: float = knob(0.0, number(0, 1), doc=(  # how far to go, like a budget: a resume may change it
         "With probe_size, probe only where the probe can tell edits apart: at the step's solve rate (its attempts "
         "that fully succeeded), the chance that a candidate halving the program's failures solves more of the "
@@ -208,20 +184,6 @@ class Knobs:
         "solve rate: none is made where the probe is skipped. With num_generations of 4 or more a step looks first "
         "at half of each group's attempts, and makes the rest only where that solve rate leaves the probe power. "
         "0: always probe."))
-    # learning that goes on once something is learned
-    num_explore_generations: int = knob(0, integer(0), fingerprinted=True, doc=(
-        "Of the num_generations attempts per query, how many run without the learned demos (the program as given, "
-        "with the library). A small model copies a kept demo on every attempt, so without them a group on a query "
-        "the demo fails never has contrast again and nothing after the first demo can be learned. 0: every attempt "
-        "runs the current program, as in the paper."))
-    focus_on_failures: bool = knob(False, FLAG, fingerprinted=True, doc=(
-        "Draw each step's batch from the training queries the current program is not known to solve, first (the "
-        "attempts of the rollouts and the probe say which it solves), then those not tried yet; the probe's queries "
-        "are half such failures. False: batches in a shuffled order, one pass per epoch."))
-    max_resampled_queries: int = knob(0, integer(0), fingerprinted=True, doc=(
-        "Dynamic sampling (DAPO): when fewer than batch_size of a step's groups have reward contrast, roll out up "
-        "to this many more training queries in the step (in the batch's order of choice) until the groups with "
-        "contrast fill the batch. 0: off."))
     stop_when_nothing_to_learn: bool = knob(False, FLAG, doc=(
         "End the run after a step in which no group had contrast (dynamic sampling included) or whose program "
         "solved every probe query: nothing is left to learn from these training queries; said in the log and in "
@@ -297,9 +259,6 @@ class Knobs:
             check_knob(name, getattr(self, name))
         if self.prune and not self.attribution:
             raise ValueError("prune drops items by their measured worth: it needs attribution=True")
-        if self.num_explore_generations > self.num_generations:
-            raise ValueError(f"num_explore_generations ({self.num_explore_generations}) cannot exceed num_generations "
-                             f"({self.num_generations}): it is the share of each group's attempts that explore")
 
     def total_steps(self, trainset_size: int) -> int:
         """How many steps a run over `trainset_size` training queries makes: every epoch's batches, cut at
@@ -334,8 +293,6 @@ def resolve(knobs: Knobs, explicit: set[str], reflection_model: str, *, say: boo
     if preset == "auto":
         preset = "light" if size <= SMALL_PRESET_B else "paper"
     explicit = set(explicit) | ({"probe_size"} if not knobs.use_ground_truth else set())  # a probe needs the truth
-    if "num_generations" in explicit:  # exploring attempts never outnumber a group
-        explicit.add("num_explore_generations")
     values = {name: getattr(knobs, name) for name in KNOBS}
     values.update({k: v for k, v in PRESETS.get(preset, {}).items() if k not in explicit})
     resolved, path = Knobs(**values), knobs.learning_path

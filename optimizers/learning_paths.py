@@ -6,8 +6,10 @@ A path is a plug-in with a small contract, so that a new way of learning needs n
         stages = ("lesson",)                          # the stages its LM calls are metered and checked under
 
         def learn(self, run, library, group):         # one group's calls (groups run side by side)
-            with_lm = lambda: dspy.Predict("attempts -> lesson")(attempts=...)   # under run.reflection_lm
-            return run.executor.call("lesson", f"lessons/{group.index}", with_lm)
+            def lesson():                             # one learning call, under run.reflection_lm
+                with dspy.context(lm=run.reflection_lm):
+                    return dspy.Predict("attempts -> lesson")(attempts=...).lesson
+            return run.executor.call("lesson", f"lessons/{group.index}", lesson)
 
         def finish(self, run, library, results):      # once every group is done: [(group, its result)] -> the plan
             return Lessons(plan=[...], proposals=[(group.key, op), ...])
@@ -18,8 +20,8 @@ edit it. `run.executor.call(stage, name, fn)` (or `calls` for several at once) m
 bounded pool: checkpointed under the step as `name`, charged to the budget, metered under `stage`; one that raises
 comes back as a `Failed` and is counted, and when more than `max_failure_rate` of a stage's calls failed the step
 stops. `run.executor.settle(stage, group.index, failed)` holds a group that saw failures until every group has reached
-the stage and its failure check has passed. The paper's path is `PaperPath` (below); `contrast.ContrastPath` is the path
-for small reflection models. Pass an instance as `learning_path=` to plug in your own; `step.learn_from_groups` runs a
+the stage and its failure check has passed. The paper's path is `PaperPath` (below); `ContrastPath` (below too) is
+the path for small reflection models. Pass an instance as `learning_path=` to plug in your own; `step.learn_from_groups` runs a
 path on groups scored elsewhere (saved rollouts, say).
 """
 
@@ -39,7 +41,7 @@ from tfgrpo.programs.contrast_learner import ContrastLearner
 from tfgrpo.programs.learning import AdvantageExtractor, Consolidator, Summarizer
 from tfgrpo.programs.library import ExperienceLibrary
 from tfgrpo.programs.render import format_fields, outcome, tool_actions, tool_observations
-from tfgrpo.signatures.operations import ExcerptOperation, Operation
+from tfgrpo.signatures.operations import Operation
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +94,7 @@ class PaperPath(LearningPath):
             return lambda: summarizer(task_input=task, attempt=a.text, outcome=outcome(a), reference_answer=answer_key,
                                       experiences=rendered)
 
-        summaries = ex.calls("summary", [(f"summaries/{group.index}_{a.g}", summarize(a)) for a in group.attempts])
+        summaries = ex.calls("summary", {f"summaries/{group.index}_{a.g}": summarize(a) for a in group.attempts})
         failed = [s.error for s in summaries if isinstance(s, Failed)]
         ex.settle("summary", group.index, bool(failed))  # an outage stops the step before it costs advantage calls
         shown = []
@@ -223,19 +225,10 @@ class ContrastPath(LearningPath):
         actions = tool_actions(attempt.outputs)
         return f"{clip(chr(10).join(actions) if actions else attempt.text, 2000)}\nresult: {outcome(attempt)}"
 
-    @staticmethod
-    def _code(attempt: Scored) -> str:
-        """Where an excerpt is copied from: the output that holds fenced code (a program's code field) when there is
-        one, so a fence the model never closed ends with that field, not with the rendered fields after it
-        (`output:`, `answer:`); otherwise the whole attempt as recorded."""
-        fenced = [v for v in (attempt.outputs or {}).values() if isinstance(v, str) and "```" in v]
-        return max(fenced, key=len) if fenced else attempt.text
-
     def learn(self, run, library, group):
         knobs = run.knobs
         learner = ContrastLearner(max_words=knobs.max_words_per_experience,
-                                  constrained=constrained_mode(knobs.constrained_decoding, run.reflection_lm),
-                                  max_excerpt_lines=knobs.max_excerpt_lines, whole_attempt=knobs.excerpt_whole_attempt)
+                                  constrained=constrained_mode(knobs.constrained_decoding, run.reflection_lm))
         task, attempts = format_fields(group.example.inputs()), group.attempts
 
         def contrast(better: Scored, worse: Scored):
@@ -244,16 +237,15 @@ class ContrastPath(LearningPath):
             def call():
                 with dspy.context(lm=run.reflection_lm):
                     return learner(task=task, better_attempt=self._shown(better), worse_attempt=self._shown(worse),
-                                   library=library, allowed=run.instructions, seen=seen, better_code=self._code(better))
+                                   library=library, allowed=run.instructions, seen=seen)
             return f"contrasts/{group.index}_{better.g}_{worse.g}", call
 
         pairs = contrast_pairs(group.rewards, knobs.max_operations_per_group)
-        return run.executor.calls("contrast", [contrast(attempts[b], attempts[w]) for b, w in pairs])
+        return run.executor.calls("contrast", dict(contrast(attempts[b], attempts[w]) for b, w in pairs))
 
     def finish(self, run, library, results):
         proposals, counts = [], {"learning_failures": 0, "operations_proposed": 0, "refused_specific": 0,
-                                 "rewritten_specific": 0, "redundant": 0, "said_none": 0, "excerpts": 0,
-                                 "excerpts_refused": 0}
+                                 "rewritten_specific": 0, "redundant": 0, "said_none": 0}
         for group, replies in results:
             for rec in replies:
                 if isinstance(rec, Failed):
@@ -264,12 +256,10 @@ class ContrastPath(LearningPath):
                 counts["operations_proposed"] += rec["action"] != "none"
                 counts["rewritten_specific"] += rec["rewritten"] and rec["refused"] is None
                 counts["refused_specific"] += bool(rec["refused"])
-                counts["excerpts"] += bool(rec.get("excerpt"))
-                counts["excerpts_refused"] += bool(rec.get("excerpt_refused"))
                 if rec["refused"]:
                     logger.warning("Refused a rule from query %s: %s (%r)", group.index, rec["refused"], rec["rule"][:80])
                 if rec["operation"]:
-                    proposals.append((group.key, ExcerptOperation.model_validate(rec["operation"])))
+                    proposals.append((group.key, Operation.model_validate(rec["operation"])))
         plan, counts["redundant"] = fold(library.texts(), [op for _, op in proposals])
         return Lessons(plan=plan, proposals=proposals, counts=counts,
                        consolidation=f"folded in code: {len(plan)} of {len(proposals)} kept")

@@ -95,12 +95,12 @@ class Plan:
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 
-def make_plan(optimizer, student: dspy.Module, data: tuple, *, reply_tokens: int | None = None,
+def make_plan(optimizer, student: dspy.Module, trainset: list, valset: list | None, attribution_set: list | None, *,
+              reply_tokens: int | None = None,
               say: bool = False) -> Plan:
     """Every check compile makes, the resolved knobs and path, the fingerprint and the estimate (see the module
-    docstring) for `data` (trainset, valset, attribution set); raises what compile would raise, with nothing called or
-    written. `say`: log the preset and path chosen (compile does)."""
-    trainset, valset, attribution_set = data
+    docstring); raises what compile would raise, with nothing called or written. `say`: log the preset and path chosen
+    (compile does)."""
     check_program(student)
     held_out = attribution_set if attribution_set is not None else valset
     if attribution_set is not None and not optimizer.attribution:
@@ -118,7 +118,7 @@ def make_plan(optimizer, student: dspy.Module, data: tuple, *, reply_tokens: int
     targets = resolve_targets(program, optimizer.target_predictors)
     notes = check_data(sets, student)
     lms = _lms(optimizer, student)
-    knobs, preset, path = resolve(optimizer, optimizer.explicit_knobs(), lms["reflection"].model, say=say)
+    knobs, preset, path = resolve(optimizer.knobs, optimizer.explicit_knobs(), lms["reflection"].model, say=say)
     if path == "contrast" and knobs.num_generations == 1:
         raise ValueError("the contrast learning path compares attempts of one query and learns nothing from "
                          "num_generations=1: use learning_path='paper' (the paper's G = 1 ablation) or G >= 2")
@@ -130,10 +130,10 @@ def make_plan(optimizer, student: dspy.Module, data: tuple, *, reply_tokens: int
     if not hasattr(type(program), "forward") and not hasattr(type(program), "aforward"):
         raise TypeError(f"{type(program).__name__} defines neither forward() nor aforward(): a dspy.Module runs one of "
                         "them on each example")
-    fingerprint = make_fingerprint(knobs, program, targets, (trainset, valset, library), lms, optimizer.metric)
+    fingerprint = make_fingerprint(knobs, program, targets, trainset, valset, library, lms, optimizer.metric)
     saved = Checkpoint(knobs.log_dir).check(fingerprint)  # a log_dir of another run is refused here, as by compile
-    data = (trainset, valset, attribution_set if attribution_set is not None else valset)
-    expected, bound = estimate(knobs, program, data, lms, learning_path=path, reply_tokens=reply_tokens)
+    expected, bound = estimate(knobs, program, trainset, valset, held_out, lms, learning_path=path,
+                               reply_tokens=reply_tokens)
     budget = {"max_cost": knobs.max_cost, "max_total_tokens": knobs.max_total_tokens,
               "max_metric_calls": knobs.max_metric_calls}
     models = {"policy": sorted({str(lm.model) for lm in lms["policy"]}), "reflection": str(lms["reflection"].model)}
@@ -163,13 +163,12 @@ def check_data(sets: dict[str, list | None], program: dspy.Module) -> list[str]:
     for name, examples in sets.items():
         check_inputs(name, examples or [], program)
     trainset, valset, held_out = sets.values()
-    key = lambda example: digest(example.toDict())  # noqa: E731
-    notes, train = [], [key(x) for x in trainset]
+    notes, train = [], [_example_key(x) for x in trainset]
     if dups := len(train) - len(set(train)):
         notes.append(f"the trainset holds {dups} duplicate example(s): each copy is rolled out and probed as a query "
                      "of its own; drop the copies unless you mean to weight them")
     for name, examples in (("valset", valset), ("attribution_set", held_out)):
-        shared = sum(key(x) in set(train) for x in examples or [])
+        shared = sum(_example_key(x) in set(train) for x in examples or [])
         if shared:
             notes.append(f"{shared} of the {len(examples)} {name} example(s) are also in the trainset: their score is "
                          "not held out; use examples the run does not learn from")
@@ -179,6 +178,10 @@ def check_data(sets: dict[str, list | None], program: dspy.Module) -> list[str]:
     for note in notes:
         logger.warning(note)
     return notes
+
+
+def _example_key(example: dspy.Example) -> str:
+    return digest(example.toDict())
 
 
 def check_examples(name: str, examples) -> None:
@@ -261,10 +264,10 @@ def check_prices(lms: dict, prices: dict | None) -> None:
                          "max_total_tokens, which is measured for every model")
 
 
-def make_fingerprint(knobs: Knobs, program, targets, data: tuple, lms: dict, metric) -> dict:
+def make_fingerprint(knobs: Knobs, program, targets, trainset: list, valset: list | None,
+                     library: ExperienceLibrary, lms: dict, metric) -> dict:
     """What a resume must match: the knobs that change what is computed, the targets, the LMs' models, the program's
     instructions and code, the metric, the data (trainset, valset) and the starting library."""
-    (trainset, valset, library) = data
     models = {"policy": sorted({str(getattr(lm, "model", type(lm).__name__)) for lm in lms["policy"]}),
               "reflection": str(getattr(lms["reflection"], "model", type(lms["reflection"]).__name__))}
     fingerprinted = fingerprinted_knobs(knobs)
@@ -281,12 +284,12 @@ def make_fingerprint(knobs: Knobs, program, targets, data: tuple, lms: dict, met
 TRIES = 2  # the most times a call is sent: once, and once more when its reply does not parse
 
 
-def estimate(knobs: Knobs, program: dspy.Module, data: tuple, lms: dict, *, learning_path: str,
+def estimate(knobs: Knobs, program: dspy.Module, trainset: list, valset: list | None, held_out: list | None,
+             lms: dict, *, learning_path: str,
              reply_tokens: int | None = None) -> tuple[dict, dict]:
     """Calls, tokens and dollars per stage of a step (`per_step`) and for the whole run (`total`, with `metric_calls`;
-    `data`: trainset, valset, attribution set): expected (see the module docstring), and as an upper bound (every call
-    sent twice, dynamic sampling's every query, every rewrite, a full library, replies at the `max_tokens` cap)."""
-    trainset, valset, held_out = data
+    `held_out`: the attribution's queries): expected (see the module docstring), and as an upper bound (every call
+    sent twice, every rewrite, a full library, replies at the `max_tokens` cap)."""
     policy = lms["policy"][0]
     signatures = [p.signature for _, p in program.named_predictors()]
     sizes = {"query": _tokens(signatures, [x.inputs() for x in trainset]), "system": _tokens(signatures, [{}]),
@@ -310,7 +313,7 @@ def _tally(knobs: Knobs, sizes: dict, learning_path: str, bound: bool) -> dict:
         return {"calls": calls * tries, "prompt_tokens": calls * prompt * tries, "completion_tokens": calls * reply * tries,
                 "cached_tokens": 0 if bound else max(calls - 1, 0) * shared}
 
-    batch = min(knobs.batch_size + (knobs.max_resampled_queries if bound else 0), sizes["trainset"])
+    batch = min(knobs.batch_size, sizes["trainset"])
     reply = sizes["cap"] if bound else sizes["reply"] or max(16, sizes["cap"] // 2)
     learning_reply = sizes["cap"] if bound else sizes["reply"] or LEARNING_REPLY
     grown = GROWTH * (steps - 1) / 2 if not bound else float("inf")  # the library halfway through the run; full
@@ -322,7 +325,7 @@ def _tally(knobs: Knobs, sizes: dict, learning_path: str, bound: bool) -> dict:
     stages = {"rollout": stage(batch * G * turns, attempt, reply, shown)}
     if learning_path == "contrast":
         pairs = batch * min(knobs.max_operations_per_group, G // 2)
-        calls = pairs * ((2 if bound else 1) + (1 if knobs.max_excerpt_lines else 0))  # contrast, rewrite, excerpt
+        calls = pairs * (2 if bound else 1)  # the contrast call, and its rewrite at most
         stages["contrast"] = stage(calls, 400 + task + library + 2 * reply, learning_reply, 400)
     else:
         fixed = {name: _tokens([sig], [{}]) for name, sig in (("summary", Summarizer(True).predict.signature),

@@ -12,7 +12,7 @@ plain JSON-ready data (what `steps.jsonl` holds).
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import dspy
@@ -52,10 +52,21 @@ class Scored:
     g: int = 0
 
     # the attempt's fields, read through the scored attempt
-    outputs = property(lambda self: self.attempt.outputs)
-    error = property(lambda self: self.attempt.error)
-    trace = property(lambda self: self.attempt.trace)
-    text = property(lambda self: self.attempt.text)
+    @property
+    def outputs(self) -> dict | None:
+        return self.attempt.outputs
+
+    @property
+    def error(self) -> str | None:
+        return self.attempt.error
+
+    @property
+    def trace(self) -> list:
+        return self.attempt.trace
+
+    @property
+    def text(self) -> str:
+        return self.attempt.text
 
 
 @dataclass(frozen=True)
@@ -80,22 +91,16 @@ class Group:
         return len(set(self.rewards)) > 1 or (len(self.attempts) == 1 and (self.size or 1) == 1)
 
 
-def solved_by(groups: list[Group], attempts: int, known: dict[int, bool]) -> dict[int, bool]:
-    """What a step's groups say of the queries its program solves (query -> solved: most of the group's answered
-    attempts among its first `attempts`, those that ran the program itself, fully succeeded), beside what was
-    `known`."""
-    evidence = dict(known)
-    for group in groups:
-        own = [a.reward for a in group.attempts if a.g < attempts]
-        if own:
-            evidence[group.index] = statistics.fmean(r >= 1 for r in own) >= 0.5
-    return evidence
-
-
 class _Record:
     def to_dict(self) -> dict:
         """The record as plain JSON-ready data."""
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict):
+        """The record from `to_dict()`'s data; a key this version no longer records is ignored."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
 
 
 @dataclass(frozen=True)
@@ -131,9 +136,7 @@ class StepResult(_Record):
         probe: With `probe_size`: the probed edits, their rewards on the probe queries and the verdicts; else None.
         details: Counts only one learning path keeps (the contrast path's refused or redundant rules, say), and
             `metric_timeouts` when a metric call timed out.
-        queries: The training queries rolled out, those dynamic sampling added included.
-        evidence: Training query (as a string) -> whether the program after the step is known to solve it, as its
-            rollouts or probe attempts showed; what `focus_on_failures` reads.
+        queries: The training queries rolled out.
         usage_before_resume: Of `usage`, what a run stopped in this step had spent on the units a resume then
             reused.
         failed_calls: Attempts whose LM call failed after its retries (a rate limit, a timeout, a lost connection):
@@ -165,7 +168,6 @@ class StepResult(_Record):
     probe: dict[str, Any] | None = None
     details: dict[str, Any] = field(default_factory=dict)
     queries: list[int] = field(default_factory=list)
-    evidence: dict[str, bool] = field(default_factory=dict)
     usage_before_resume: dict[str, dict[str, float]] = field(default_factory=dict)
     failed_calls: int = 0
     solved: int = 0

@@ -1,10 +1,10 @@
 """One optimization step of `TrainingFreeGRPO`, over two types: the `Run` (fixed while it lasts) and the `State` (what a
-step changes). `step(run, state, epoch, batch, reserve)` reads top to bottom:
+step changes). `step(run, state, epoch, batch)` reads top to bottom:
 
     groups, results = each query of the batch on its own thread: G attempts -> rewards -> a Group -> the path's calls
     lessons = run.path.finish(run, state.library, results)      # the plan of library operations (learning_paths.py)
     verdict = judge(run, state, index, groups, lessons)         # no probe, or the probe: kept edits, demos (judge.py)
-    state   = state.apply(verdict)                              # validated and applied in code, to a copy
+    new, report = state.apply(verdict, sources)                 # validated and applied in code, to a copy
 
 A group goes through its stages at its own pace: its learning calls start as soon as its own attempts are scored,
 while other groups still roll out. With `probe_min_power` the step looks first: half of each group's attempts, then the
@@ -58,12 +58,11 @@ class Run:
 
 @dataclass(frozen=True)
 class State:
-    """What a step changes: the library and demos the program carries, what is known of the training queries it solves
-    (`evidence`: query -> solved), the demo candidates found for the next step (`pending`) and the steps done."""
+    """What a step changes: the library and demos the program carries, the demo candidates found for the next step
+    (`pending`) and the steps done."""
 
     library: ExperienceLibrary
     demos: list[dict] = field(default_factory=list)
-    evidence: dict[int, bool] = field(default_factory=dict)
     pending: list[dict] = field(default_factory=list)
     step: int = 0
 
@@ -72,39 +71,36 @@ class State:
         to a copy of the library (`sources`: the queries they came from; `quiet`: a probe said its refusals already)."""
         library = self.library.copy()
         report = library.apply(verdict.plan, step=self.step, sources=sources, quiet=quiet)
-        return State(library=library, demos=verdict.demos, evidence=verdict.evidence, pending=verdict.found,
-                     step=self.step + 1), report
+        return State(library=library, demos=verdict.demos, pending=verdict.found, step=self.step + 1), report
 
     def to_record(self) -> dict:
-        return {"library": self.library.dump_state(), "demos": self.demos, "found": self.pending,
-                "evidence": sorted([q, ok] for q, ok in self.evidence.items())}
+        return {"library": self.library.dump_state(), "demos": self.demos, "found": self.pending}
 
     @classmethod
     def from_record(cls, rec: dict, step: int) -> State:
-        evidence = rec["evidence"] if "evidence" in rec else \
-            [[int(q), ok] for q, ok in rec["stats"]["evidence"].items()]  # (a step saved by an earlier version)
         return cls(library=ExperienceLibrary.from_state(rec["library"]), demos=rec.get("demos", []),
-                   evidence={q: ok for q, ok in evidence}, pending=rec.get("found", []), step=step)
+                   pending=rec.get("found", []), step=step)
 
 
-def step(run: Run, state: State, epoch: int, batch: list[int], reserve: list[int] = ()) -> tuple[State, StepResult]:
-    """Step `state.step` of the run on `batch` (dynamic sampling adds queries of `reserve`, in order): the new state and
-    the step's record. A step finished in the checkpoint is reused."""
+def step(run: Run, state: State, epoch: int, batch: list[int]) -> tuple[State, StepResult]:
+    """Step `state.step` of the run on `batch`: the new state and the step's record. A step finished in the checkpoint
+    is reused."""
     index, ex = state.step, run.executor
     ckpt = ex.ckpt
     if (done := ckpt.get(Keys.done(index))) is not None:
         logger.info("Step %d: complete in the checkpoint, reused", index)
-        stats = StepResult(**done["stats"])
+        stats = StepResult.from_dict(done["stats"])
         ex.budget.add(_summed(stats.usage), stats.metric_calls)
         return State.from_record(done, index + 1), stats
     t0, before = time.time(), ckpt.get(Keys.usage(index), unit=False) or {}  # what a stopped run had spent in it
     ex.budget.add(_summed(before))
     logger.info("Step %d: %d queries x %d attempts on %d thread(s), %s path", index, len(batch),
                 run.knobs.num_generations, run.knobs.num_threads, run.path_name)
-    tally = lambda usage: ckpt.put(Keys.usage(index), {**before, **{  # noqa: E731
-        s: add_usage(dict(before.get(s, {})), u) for s, u in usage.items()}})
+    def tally(usage: dict[str, dict]) -> None:  # the step's usage so far, saved: a resume knows what it had spent
+        ckpt.put(Keys.usage(index), {**before, **{s: add_usage(dict(before.get(s, {})), u) for s, u in usage.items()}})
+
     with ex.scope(f"step {index}", batch, prefix=Keys.step(index), tally=tally):
-        groups, results, timeouts = _groups(run, state, batch, list(reserve))
+        groups, results, timeouts = _groups(run, state, batch)
         lessons = run.path.finish(run, state.library, [(g, r) for g, r in zip(groups, results) if r is not None])
         seconds = {**{s: t - t0 for s, t in ex.finished.items()}, "learning": time.time() - t0}
         verdict = judge(run, state, index, groups, lessons)
@@ -112,16 +108,16 @@ def step(run: Run, state: State, epoch: int, batch: list[int], reserve: list[int
         usage = {s: ex.meter(s).totals() for s in stages}
     sources = sorted({q for q, _ in lessons.proposals})
     new, report = state.apply(verdict, sources, quiet=bool(run.knobs.probe_size))
-    stats = _record(run, new, epoch, (groups, lessons, verdict, report), (usage, before, timeouts, seconds, t0))
+    stats = _record(run, new, epoch, groups=groups, lessons=lessons, verdict=verdict, report=report, usage=usage,
+                    before=before, timeouts=timeouts, seconds=seconds, t0=t0)
     logger.info("Step %d: %d operations proposed, applied %s, %d refused by the library; library has %d experiences",
                 index, stats.operations_proposed, report.applied, len(report.rejected), len(new.library))
     ckpt.put(Keys.done(index), {**new.to_record(), "stats": stats.to_dict()})
     return new, stats
 
 
-def _groups(run: Run, state: State, batch: list[int], reserve: list[int]) -> tuple[list[Group], list, list[str]]:
-    """Every query's group, each straight through its stages on its own thread; while fewer groups than the batch have
-    contrast, the reserve's queries next (dynamic sampling). Then the checks over all of them.
+def _groups(run: Run, state: State, batch: list[int]) -> tuple[list[Group], list, list[str]]:
+    """Every query's group, each straight through its stages on its own thread; then the checks over all of them.
 
     With the probe gate (`probe_min_power`, num_generations of 4 or more) the batch's groups are made in two halves:
     where the first half's solve rate already leaves the probe no power, the step ends with those half groups (the
@@ -136,13 +132,10 @@ def _groups(run: Run, state: State, batch: list[int], reserve: list[int]) -> tup
             queries = []
             logger.info("Step %d: the first %d attempts of each group leave the probe no power: the step ends there",
                         state.step, G // 2)
-    while queries:
+    if queries:
         ex.expect(queries)
-        halves = {g.index: (g, ts) for g, _, ts in done if g.index in queries}  # (the first look's)
-        done = [d for d in done if d[0].index not in halves] + ex.work.each(
-            lambda qi: _group(run, state, programs, qi, G, halves.get(qi)), queries)
-        missing = max(len(batch) - sum(g.informative for g, _, _ in done), 0)
-        queries, reserve = reserve[:missing], reserve[missing:]
+        halves = {g.index: (g, ts) for g, _, ts in done}  # (the first look's)
+        done = ex.work.each(lambda qi: _group(run, state, programs, qi, G, halves.get(qi)), queries)
     groups, results, timeouts = [g for g, _, _ in done], [r for _, r, _ in done], [t for _, _, ts in done for t in ts]
     ex.check("rollout")
     _check_attempts(run, state.step, groups, timeouts)
@@ -185,14 +178,12 @@ def _group(run: Run, state: State, programs: list, qi: int, size: int,
 
 
 def _rollout_programs(run: Run, state: State) -> list[dspy.Module]:
-    """G copies of the program with the library (and demos), each with private, distinct LM copies; the last
-    `num_explore_generations` of them without the demos."""
+    """G copies of the program with the library and demos, each with private, distinct LM copies."""
     knobs, programs = run.knobs, []
+    learned = with_learned(run.program, run.targets, state.library, state.demos)
     for g in range(knobs.num_generations):
-        demos = [] if g >= knobs.num_generations - knobs.num_explore_generations else state.demos
-        learned = with_learned(run.program, run.targets, state.library, demos)
         programs.append(with_own_lms(learned, rollout_id=rollout_id(knobs.seed, state.step, g),
-                                     temperature=knobs.temperature)[0])
+                                     temperature=knobs.temperature))
     return programs
 
 
@@ -222,10 +213,11 @@ def _summed(usage: dict[str, dict]) -> dict[str, float]:
     return {k: sum(u.get(k, 0) for u in usage.values()) for k in ("prompt_tokens", "completion_tokens", "cost")}
 
 
-def _record(run: Run, new: State, epoch: int, made: tuple, spent: tuple) -> StepResult:
-    """The record of the step that made `new`: what it `made` (groups, lessons, verdict, the library's report) and
-    `spent` (usage by stage, the usage before a resume, the metric timeouts, when the learning ended, when it began)."""
-    (groups, lessons, verdict, report), (usage, before, timeouts, seconds, t0) = made, spent
+def _record(run: Run, new: State, epoch: int, *, groups: list[Group], lessons: Lessons, verdict: Verdict,
+            report: ApplyReport, usage: dict, before: dict, timeouts: list[str], seconds: dict, t0: float) -> StepResult:
+    """The record of the step that made `new`: what it made (its groups, lessons, verdict and the library's report of
+    the edits) and spent (`usage` by stage, `before`: what a stopped run had spent in it, the metric calls that timed
+    out, when each stage ended, `t0`: when the step began)."""
     attempts, informative, counts = [a for g in groups for a in g.attempts], [g for g in groups if g.informative], \
         lessons.counts
     made_attempts = sum(g.size for g in groups)
@@ -244,7 +236,7 @@ def _record(run: Run, new: State, epoch: int, made: tuple, spent: tuple) -> Step
         seconds=seconds, wall_s=time.time() - t0,
         metric_calls=len(attempts) + (verdict.record or {}).get("attempts_run", 0),
         demos=[d["query"] for d in verdict.demos], probe=verdict.record, queries=[g.index for g in groups],
-        evidence={str(q): ok for q, ok in sorted(verdict.evidence.items())}, usage_before_resume=before,
+        usage_before_resume=before,
         details={**{k: v for k, v in counts.items() if k not in ("learning_failures", "operations_proposed")},
                  **({"metric_timeouts": len(timeouts)} if timeouts else {})})
 

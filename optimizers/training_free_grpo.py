@@ -15,11 +15,12 @@ budget before it starts and meters it, so a crashed or stopped run resumes witho
 
 from __future__ import annotations
 
+import difflib
+import functools
 import inspect
 import logging
 import random
-from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import dspy
 from dspy.teleprompt.teleprompt import Teleprompter
@@ -27,7 +28,7 @@ from dspy.teleprompt.teleprompt import Teleprompter
 from tfgrpo.base import hooks
 from tfgrpo.optimizers.checkpoint import Checkpoint, Keys
 from tfgrpo.optimizers.execution import BudgetExhausted, Executor, with_own_lms
-from tfgrpo.optimizers.knobs import KNOBS, Knobs, args_doc
+from tfgrpo.optimizers.knobs import KNOBS, Knobs, args_doc, check_knob
 from tfgrpo.optimizers.learning_paths import ContrastPath, PaperPath
 from tfgrpo.optimizers.parallel import ROLE, StageBars, add_usage
 from tfgrpo.optimizers.plan import Plan, make_plan
@@ -52,7 +53,8 @@ DOC = """Learns a library of natural-language experiences for a DSPy program, an
     saved in `log_dir`; the same call resumes an interrupted run.
 
     Every knob is a keyword argument, declared once (type, default, check, doc) in `optimizers/knobs.py`, from which
-    the Args after `metric` are filled in and the knob table of docs/usage.md is written.
+    the Args after `metric` are filled in and the knob table of docs/usage.md is written; `optimizer.knobs` holds them
+    as passed, `optimizer.plan(...).knobs` as the run uses them (the `auto` preset applied).
 
     Args:
         metric: `metric(example, prediction, trace=None)` (or `metric(example, prediction)`, as dspy.Evaluate
@@ -63,25 +65,25 @@ DOC = """Learns a library of natural-language experiences for a DSPy program, an
 """
 
 
-@dataclass(eq=False)
-class TrainingFreeGRPO(Teleprompter, Knobs):
+_SIGNATURE = inspect.Signature([inspect.Parameter("metric", inspect.Parameter.POSITIONAL_OR_KEYWORD)] + [
+    inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=f.default) for name, f in KNOBS.items()])
+
+
+class TrainingFreeGRPO(Teleprompter):
     __doc__ = DOC + args_doc()  # the knobs' Args, from knobs.py
-    __signature__ = inspect.Signature([inspect.Parameter("metric", inspect.Parameter.POSITIONAL_OR_KEYWORD)] + [
-        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=f.default) for name, f in KNOBS.items()
-    ])  # (metric, *, <every knob>), as the dataclass __init__ declares it: what inspect shows, beside __new__
+    __signature__ = _SIGNATURE  # (metric, *, <every knob>): what inspect and editors show for the keywords below
 
-    metric: Callable  # the knobs follow, keyword-only (Knobs)
-
-    def __new__(cls, *args, **knobs):
-        self = super().__new__(cls)
-        self._explicit = frozenset(knobs) & set(KNOBS)  # the knobs passed explicitly win over the `auto` preset
-        return self
-
-    def __post_init__(self):
-        if not callable(self.metric):
+    def __init__(self, metric: Callable, **knobs: Any):
+        if not callable(metric):
             raise TypeError("metric must be callable: metric(example, prediction, trace=None) -> float | dspy.Prediction")
-        metric_takes_trace(self.metric)  # a TypeError now for a metric that takes neither (example, pred) nor a trace
-        super().__post_init__()  # every knob is checked (knobs.py)
+        metric_takes_trace(metric)  # a TypeError now for a metric that takes neither (example, pred) nor a trace
+        if unknown := sorted(set(knobs) - set(KNOBS)):
+            close = {name: difflib.get_close_matches(name, KNOBS, n=1) for name in unknown}
+            raise TypeError("TrainingFreeGRPO got unknown keyword argument(s): " + ", ".join(
+                name + (f" (did you mean {close[name][0]!r}?)" if close[name] else "") for name in unknown))
+        object.__setattr__(self, "metric", metric)
+        object.__setattr__(self, "knobs", Knobs(**knobs))  # every knob checked (knobs.py)
+        object.__setattr__(self, "explicit", frozenset(knobs))  # the knobs passed: they win over the `auto` preset
         if self.probe_size and not self.use_ground_truth:
             raise ValueError("probe_size needs use_ground_truth=True: a probe scores single attempts, which have no "
                              "group to take a majority answer from")
@@ -90,16 +92,30 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
                                f"{hooks.GROUP}:mlflow comes with its install (pip install -e . in a clone)")
         hooks.built(self)  # trackers learn of it (tfgrpo.base.hooks)
 
+    __init__.__signature__ = inspect.Signature([inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY),
+                                                *_SIGNATURE.parameters.values()])
+
+    def __getattr__(self, name: str) -> Any:  # a knob reads as an attribute: optimizer.num_generations
+        if name in KNOBS and "knobs" in self.__dict__:
+            return getattr(self.__dict__["knobs"], name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:  # and is set as one, checked as the constructor checks it
+        if name in KNOBS:
+            setattr(self.knobs, name, check_knob(name, value))
+        else:
+            object.__setattr__(self, name, value)
+
     def explicit_knobs(self) -> set[str]:
         """The knobs passed to the constructor (they win over the `auto` preset)."""
-        return set(self._explicit)
+        return set(self.explicit)
 
     def plan(self, student: dspy.Module, trainset: list, valset: list | None = None, *,
              attribution_set: list | None = None, reply_tokens: int | None = None) -> Plan:
         """What `compile` with these arguments will do, with no LM call and nothing written: every check compile makes
         (a refusal raises the same error), the preset and learning path chosen, the budget, and the expected calls,
         tokens and dollars (`Plan`; `reply_tokens`: your guess of a reply's length). `print(plan.summary())`."""
-        return make_plan(self, student, (trainset, valset, attribution_set), reply_tokens=reply_tokens)
+        return make_plan(self, student, trainset, valset, attribution_set, reply_tokens=reply_tokens)
 
     # -- the outer loop -------------------------------------------------------------------------------------------
     def compile(self, student: dspy.Module, *, trainset: list, teacher=None, valset: list | None = None,
@@ -137,37 +153,37 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
                              "a stronger model make the learning calls, pass reflection_lm=")
         ckpt = Checkpoint(self.log_dir)
         with ckpt.locked():  # one compile per log_dir: a second one is refused at once
-            plan = make_plan(self, student, (trainset, valset, attribution_set), say=True)
-            return self._tracked(plan, student, (trainset, valset, attribution_set), ckpt)
+            plan = make_plan(self, student, trainset, valset, attribution_set, say=True)
+            info = hooks.CompileInfo(knobs={name: getattr(self, name) for name in KNOBS},
+                                     params=functools.partial(_params, self, plan, student))
+            with hooks.tracked(info) as trackers:  # the trackers (MLflow's) see the run from its start to the program
+                saved = ckpt.start(plan.fingerprint)
+                logger.warning("%s", plan.summary())
+                run = self._run(plan, student, trainset, ckpt)
+                if saved:  # what the fingerprint cannot see: the saved work is checked against today's metric and program
+                    logger.info("resuming from %s: %d finished units found", ckpt.root, saved)
+                    run.executor.recheck(run.program, trainset)
+                held_out = attribution_set if attribution_set is not None else valset
+                compiled = self._learn(run, plan, student, valset, held_out, trackers)
+                for tracker in trackers:
+                    tracker.finish(compiled)
+            return compiled
 
-    def _tracked(self, plan: Plan, student: dspy.Module, data: tuple, ckpt: Checkpoint) -> dspy.Module:
-        """The compile of `plan`, told to the trackers (MLflow's), from its log_dir's start to the compiled program."""
-        (trainset, valset, attribution_set), params = data, lambda: _params(self, plan, student)
-        info = hooks.CompileInfo(knobs={name: getattr(self, name) for name in KNOBS}, params=params)
-        with hooks.tracked(info) as trackers:
-            saved = ckpt.start(plan.fingerprint)
-            logger.warning("%s", plan.summary())
-            knobs, program = plan.knobs, student.deepcopy()
-            path = knobs.learning_path if not isinstance(knobs.learning_path, str) else \
-                ContrastPath() if plan.learning_path == "contrast" else PaperPath()
-            run = Run(knobs=knobs, metric=self.metric, path=path, path_name=plan.learning_path,
-                      reflection_lm=self.reflection_lm or dspy.settings.lm or next(
-                          p.lm for _, p in program.named_predictors() if p.lm is not None),
-                      executor=Executor(knobs, self.metric, ckpt), program=program,
-                      targets=plan.targets, trainset=trainset,
-                      instructions=" ".join(p.signature.instructions for _, p in program.named_predictors()))
-            if saved:  # what the fingerprint cannot see: the saved work is checked against today's metric and program
-                logger.info("resuming from %s: %d finished units found", ckpt.root, saved)
-                run.executor.recheck(program, trainset)
-            compiled = self._learn(run, plan, (valset, attribution_set if attribution_set is not None else valset),
-                                   (student, trackers))
-            for tracker in trackers:
-                tracker.finish(compiled)
-        return compiled
+    def _run(self, plan: Plan, student: dspy.Module, trainset: list, ckpt: Checkpoint) -> Run:
+        """What every step of the compile of `plan` shares: the resolved knobs, the path, the LMs, the executor."""
+        knobs, program = plan.knobs, student.deepcopy()
+        path = knobs.learning_path if not isinstance(knobs.learning_path, str) else \
+            ContrastPath() if plan.learning_path == "contrast" else PaperPath()
+        reflection_lm = self.reflection_lm or dspy.settings.lm or next(
+            p.lm for _, p in program.named_predictors() if p.lm is not None)
+        return Run(knobs=knobs, metric=self.metric, path=path, path_name=plan.learning_path, reflection_lm=reflection_lm,
+                   executor=Executor(knobs, self.metric, ckpt), program=program, targets=plan.targets,
+                   trainset=trainset, instructions=" ".join(p.signature.instructions
+                                                            for _, p in program.named_predictors()))
 
-    def _learn(self, run: Run, plan: Plan, held_out: tuple, student_and_trackers: tuple) -> dspy.Module:
-        """The epochs' steps and validations, then the attribution; the compiled copy of the student."""
-        (valset, attribution_set), (student, trackers) = held_out, student_and_trackers
+    def _learn(self, run: Run, plan: Plan, student: dspy.Module, valset: list | None, held_out: list | None,
+               trackers: list) -> dspy.Module:
+        """The epochs' steps and validations, then the attribution on `held_out`; the compiled copy of the student."""
         knobs, state, total = run.knobs, State(library=plan.library), plan.steps
         steps, epochs, best, stopped = [], [], None, None
         bar = knobs.progress or StageBars(resumed=True)  # the whole run: steps done of all, with its ETA
@@ -180,7 +196,7 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
                     break
                 order = list(range(len(run.trainset)))
                 rng.shuffle(order)
-                state, stopped = self._epoch(run, state, (epoch, order), (steps, trackers, bar))
+                state, stopped = self._epoch(run, state, epoch, order, steps, trackers, bar)
                 if stopped:
                     break
                 if valset:  # the epoch's program on the valset: the best so far (the later on a tie) is kept
@@ -203,7 +219,7 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
             logger.info("Keeping the library of epoch %d: validation score %.3f, the best of %d validated epoch(s) (ties "
                         "go to the later epoch); %d experiences", best[0].epoch, best[0].val_score, len(epochs),
                         len(best[1].library))
-        learned, worth = self._attribution(run, student, learned, attribution_set, stopped)
+        learned, worth = self._attribution(run, student, learned, held_out, stopped)
         run_usage = {"policy": {}, "reflection": {}}  # the whole run's, the steps reused from log_dir included
         for stage, used in ((stage, used) for stats in steps for stage, used in stats.usage.items()):
             add_usage(run_usage[ROLE.get(stage, "reflection")], used)
@@ -218,21 +234,20 @@ class TrainingFreeGRPO(Teleprompter, Knobs):
         return compiled
 
     @staticmethod
-    def _epoch(run: Run, state: State, when: tuple, record: tuple) -> tuple[State, str | None]:
-        """The epoch's steps, one batch after another, each from what the one before it kept; why the run stops, if it
-        does."""
-        (epoch, order), (steps, trackers, bar), knobs = when, record, run.knobs
-        used, total = set(), knobs.total_steps(len(run.trainset))  # used: the queries this epoch has rolled out
+    def _epoch(run: Run, state: State, epoch: int, order: list[int], steps: list[StepResult], trackers: list,
+               bar: Callable) -> tuple[State, str | None]:
+        """The epoch's steps, one batch of `order` after another, each from what the one before it kept (each step's
+        record appended to `steps` and told to the trackers and the bar); why the run stops, if it does."""
+        knobs, total = run.knobs, run.knobs.total_steps(len(run.trainset))
         for at in range(0, len(order), knobs.batch_size):
             if state.step == total:
                 return state, None
-            ranked, size = _ranked(knobs, order, at, state.evidence, used), len(order[at: at + knobs.batch_size])
+            batch = order[at: at + knobs.batch_size]
             fresh = not run.executor.ckpt.get(Keys.usage(state.step), unit=False)  # (a resumed step pays less)
-            need = size * knobs.num_generations + 2 * min(knobs.probe_size, len(run.trainset))
+            need = len(batch) * knobs.num_generations + 2 * min(knobs.probe_size, len(run.trainset))
             if fresh and (short := run.executor.budget.reached(need)):  # a step it cannot finish would learn nothing
                 return state, short
-            state, stats = step(run, state, epoch, ranked[:size], ranked[size:])
-            used.update(stats.queries or ranked[:size])
+            state, stats = step(run, state, epoch, batch)
             steps.append(stats)
             for tracker in trackers:
                 tracker.step(stats)
@@ -268,7 +283,7 @@ def validate(run: Run, state: State, valset: list, epoch: int) -> EpochResult:
         return EpochResult(epoch=epoch, val_score=saved["val_score"], library_size=len(state.library),
                            val_failures=saved.get("val_failures", 0))
     logger.info("validation: %d call(s) on %d thread(s)", len(valset), run.knobs.num_threads)
-    program = with_own_lms(with_learned(run.program, run.targets, state.library, state.demos))[0]
+    program = with_own_lms(with_learned(run.program, run.targets, state.library, state.demos))
     with run.executor.scope(f"validation after epoch {epoch}") as ex:
         records = ex.scored("validation", [(None, program, x) for x in valset])
         ex.check("validation")
@@ -282,17 +297,6 @@ def validate(run: Run, state: State, valset: list, epoch: int) -> EpochResult:
     run.executor.ckpt.put(Keys.epoch(epoch), {"val_score": value, "val_failures": len(errors),
                                      "library": state.library.dump_state(), "demos": state.demos})
     return EpochResult(epoch=epoch, val_score=value, library_size=len(state.library), val_failures=len(errors))
-
-
-def _ranked(knobs: Knobs, order: list[int], at: int, evidence: dict[int, bool], used: set[int]) -> list[int]:
-    """The training queries in the order a step takes them: its batch first, then (dynamic sampling) the ones it may
-    add. In the epoch's shuffled order from `at` on; with `focus_on_failures`, the queries the current program is
-    known to fail first, then those never tried, then those it solves, each the ones not yet used this epoch first."""
-    ranked = order[at:] + order[:at]
-    if knobs.focus_on_failures:
-        known = {False: 0, None: 1, True: 2}  # failed, never tried, solved
-        ranked.sort(key=lambda qi: (known[evidence.get(qi)], qi in used))  # a stable sort: the order within is kept
-    return ranked[: knobs.batch_size + knobs.max_resampled_queries]
 
 
 def _learned_out(knobs: Knobs, stats: StepResult) -> str | None:

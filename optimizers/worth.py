@@ -155,7 +155,7 @@ class _Scores:
     def runs(self, variant: str, program: dspy.Module, examples: list) -> list[float | None]:
         """The program's reward per example (None where its LM call failed)."""
         self.made += len(examples)
-        runnable, ex = with_own_lms(program)[0], self.a.executor
+        runnable, ex = with_own_lms(program), self.a.executor
         records = ex.scored("attribution", [(f"worth/{variant}/{digest(x.toDict())}", runnable, x) for x in examples])
         ex.check("attribution")
         return [r["reward"] for r in records]

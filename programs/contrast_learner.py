@@ -11,34 +11,27 @@ The result is a plain dict (for checkpoints) that says what happened, so every r
 from __future__ import annotations
 
 import dspy
-from dspy.adapters import ChatAdapter
-
 from tfgrpo.programs.constrained import ConstrainedJSONAdapter, Mode
-from tfgrpo.programs.excerpt import checked_excerpt
 from tfgrpo.programs.generality import parroted_phrases, restated_words, specific_terms
 from tfgrpo.programs.learning import call_with_one_retry, single_call_adapter
 from tfgrpo.programs.library import ExperienceLibrary
-from tfgrpo.signatures.contrast import GeneralizeRule, PickExcerpt, contrast_signature
-from tfgrpo.signatures.operations import ExcerptOperation, Operation
+from tfgrpo.signatures.contrast import GeneralizeRule, contrast_signature
+from tfgrpo.signatures.operations import Operation
 
 EMPTY = "(empty: no rules yet)"
 
 
 class ContrastLearner(dspy.Module):
-    def __init__(self, *, max_words: int = 32, constrained: Mode | None = None, max_excerpt_lines: int = 0,
-                 whole_attempt: bool = False):
+    def __init__(self, *, max_words: int = 32, constrained: Mode | None = None):
         super().__init__()
         self.max_words = max_words  # the longest rule the library accepts
-        self.max_excerpt_lines = max_excerpt_lines  # > 0: an added rule carries lines copied from the better attempt
-        self.whole_attempt = whole_attempt  # the excerpt is the better attempt itself when it fits, no LM call
         self.adapter = ConstrainedJSONAdapter(constrained) if constrained else None  # None: DSPy's default adapter
 
     def forward(self, *, task: str, better_attempt: str, worse_attempt: str, library: ExperienceLibrary,
-                allowed: str = "", seen: str = "", better_code: str = "") -> dict:
+                allowed: str = "", seen: str = "") -> dict:
         """`allowed`: text whose words and numbers belong to the task itself (the program's instructions);
         `seen`: what the attempts' tools returned (search results, pages), whose names and facts are as specific
-        to this task as the task's own; `better_code`: the better attempt as written, where an excerpt is copied
-        from (with `max_excerpt_lines`)."""
+        to this task as the task's own."""
         sig = contrast_signature(list(library.active), self.max_words)
         reply = self._call(sig, task=task, better_attempt=better_attempt, worse_attempt=worse_attempt,
                            library=library.render() or EMPTY)
@@ -64,12 +57,6 @@ class ContrastLearner(dspy.Module):
             rec["refused"] = "empty rule"
             return rec
         ids = [rec["target_id"]] if rec["action"] == "modify" else []
-        if self.max_excerpt_lines and better_code:
-            rec["excerpt"], rec["excerpt_refused"] = self._excerpt(rec["rule"], better_code, specific_to, allowed)
-            if rec["excerpt"]:
-                rec["operation"] = ExcerptOperation(action=rec["action"], ids=ids, text=rec["rule"],
-                                                    excerpt=rec["excerpt"]).model_dump()
-                return rec
         rec["operation"] = Operation(action=rec["action"], ids=ids, text=rec["rule"]).model_dump()
         return rec
 
@@ -80,19 +67,6 @@ class ContrastLearner(dspy.Module):
         reads as general."""
         terms = specific_terms(rule, specific_to, allowed=allowed) or restated_words(rule, task, allowed=allowed)
         return terms + parroted_phrases(rule)
-
-    def _excerpt(self, rule: str, attempt: str, specific_to: str, allowed: str) -> tuple[str, str | None]:
-        """The lines of `attempt` that carry `rule` out, picked by the LM and checked in code (programs/excerpt.py);
-        with `whole_attempt`, the attempt's own code when it fits (the query's values masked)."""
-        if self.whole_attempt:
-            whole = checked_excerpt(attempt, attempt, specific_to, max_lines=self.max_excerpt_lines, allowed=allowed)
-            if whole[0]:
-                return whole
-        with dspy.context(adapter=ChatAdapter()):  # code reads better as plain text than inside a JSON string
-            reply = call_with_one_retry(dspy.Predict(PickExcerpt), {"rule": rule, "attempt": attempt},
-                                        caller="PickExcerpt")
-        return checked_excerpt(str(reply.excerpt or ""), attempt, specific_to, max_lines=self.max_excerpt_lines,
-                               allowed=allowed)
 
     def _call(self, signature: type[dspy.Signature], **inputs) -> dspy.Prediction:
         with dspy.context(adapter=self.adapter or single_call_adapter()):

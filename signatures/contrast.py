@@ -54,14 +54,3 @@ def contrast_signature(active_ids: list[str], max_words: int) -> type[dspy.Signa
     sig = sig.with_updated_fields("action", type_=Literal["add", "modify", "none"])
     return sig.insert(2, "target_id", dspy.OutputField(desc='the id of the rule to modify; "none" unless modifying'),
                       type_=Literal[tuple(active_ids) + ("none",)])
-
-
-class PickExcerpt(dspy.Signature):
-    """An attempt that worked is shown with a rule learned from it. Copy out of the attempt the lines that carry
-    the rule out, so that they can be reused on other inputs of the same kind. Copy each line exactly as written.
-    Where a line holds this input's own values, put a variable in their place. Leave out every line the rule
-    does not need (reading or printing this particular input, comments)."""
-
-    rule: str = dspy.InputField()
-    attempt: str = dspy.InputField(desc="the attempt that worked, as written")
-    excerpt: str = dspy.OutputField(desc="the lines, copied from the attempt")

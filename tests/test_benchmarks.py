@@ -103,7 +103,7 @@ def test_local_learning(fake, tmp_path):
 
 PEER_ARMS = ["baseline", "bootstrap", "bootstrap-rs", "bootstrap-rs-solved", "infer-rules", "knn", "simba",
              "simba-solved", "gepa", "mipro", "tfgrpo-rules", "tfgrpo-probed+demos", "tfgrpo-onestep+demos",
-             "tfgrpo-probed-wide+demos", "tfgrpo-solver-excerpts-wide+demos"]
+             "tfgrpo-probed-wide+demos"]
 
 
 def test_the_cost_frontier_counts_an_arm_dominated_only_by_a_cheaper_one_that_beats_it_by_a_paired_ci(monkeypatch):
@@ -161,7 +161,7 @@ def test_peers(fake, tmp_path):
     assert any(line.startswith("# explored, not in the menu: tfgrpo-excerpts (") for line in report)
     assert [line for line in report if line.startswith("peers: ")] == lines
     missing = next(line for line in report if line.startswith("# not measured on game24: "))
-    assert {"tfgrpo-rules+demos", "tfgrpo-solver-excerpts-wide", "tfgrpo-default"} <= set(missing[26:].split(", "))
+    assert {"tfgrpo-rules+demos", "tfgrpo-default"} <= set(missing[26:].split(", "))
 
 
 def test_peers_knn_on_gsm8k_retrieves_solved_training_problems(fake, tmp_path):
@@ -222,7 +222,7 @@ def test_peers_knn_on_game24_solves_the_training_puzzles_once_and_retrieves_from
 
 
 def test_peers_refuses_an_arm_outside_the_tasks_menu():
-    for arm, why in [("tfgrpo-excerpts", "was explored and superseded"), ("tfgrpo-probed-ties+demos", "is made for gsm8k"),
+    for arm, why in [("tfgrpo-excerpts", "was explored and superseded"), ("knn-bootstrapped", "is made for gsm8k"),
                      ("tfgrpo-nothing", "is no arm")]:
         proc = subprocess.run([sys.executable, "-m", "benchmarks.peers", "--arms", arm], cwd=ROOT,
                               capture_output=True, text=True, timeout=120)

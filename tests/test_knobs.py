@@ -103,9 +103,7 @@ def test_the_configs_defaults_are_the_optimizers():
 
 FINGERPRINTED = ["num_generations", "temperature", "num_train_epochs", "batch_size", "seed",
                  "max_operations_per_group", "use_ground_truth", "learning_path", "max_experiences",
-                 "max_words_per_experience", "max_demos", "max_excerpt_lines", "excerpt_whole_attempt", "probe_size",
-                 "keep_tied_demos", "max_probed_edits", "probe_alpha", "num_explore_generations", "focus_on_failures",
-                 "max_resampled_queries"]
+                 "max_words_per_experience", "max_demos", "probe_size", "max_probed_edits"]
 
 
 def test_the_fingerprint_holds_the_knobs_that_change_what_a_run_computes():
@@ -115,10 +113,8 @@ def test_the_fingerprint_holds_the_knobs_that_change_what_a_run_computes():
     assert list(fingerprinted_knobs(TrainingFreeGRPO(metric)).items()) == [
         ("num_generations", 5), ("temperature", 0.7), ("num_train_epochs", 3), ("batch_size", 50), ("seed", 0),
         ("max_operations_per_group", 2), ("use_ground_truth", True), ("learning_path", "auto"),
-        ("max_experiences", None), ("max_words_per_experience", 32), ("max_demos", 0), ("max_excerpt_lines", 0),
-        ("excerpt_whole_attempt", False), ("probe_size", 0), ("keep_tied_demos", False), ("max_probed_edits", 3),
-        ("probe_alpha", 1.0), ("num_explore_generations", 0), ("focus_on_failures", False),
-        ("max_resampled_queries", 0)]
+        ("max_experiences", None), ("max_words_per_experience", 32), ("max_demos", 0), ("probe_size", 0),
+        ("max_probed_edits", 3)]
 
 
 def reference_section() -> tuple[list[str], str]:

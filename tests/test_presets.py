@@ -43,7 +43,6 @@ def test_a_knob_passed_explicitly_wins_over_the_preset_and_none_turns_presets_of
     opt = TrainingFreeGRPO(metric, auto="medium", probe_size=4, num_generations=8)
     knobs = resolved(opt, "anything")
     assert knobs.probe_size == 4 and knobs.num_generations == 8 and knobs.max_metric_calls == 300
-    assert knobs.num_explore_generations == 0  # exploring attempts are the preset's only while it sets G
     off = resolved(TrainingFreeGRPO(metric, auto=None), "qwen2.5-coder-1.5b")
     assert off.max_demos == 0 and off.num_generations == 5  # as declared
     # without ground truth no probe runs, so a preset does not ask for one

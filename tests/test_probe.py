@@ -1,5 +1,5 @@
-"""Edits that earn their place: the probe (probe_size) keeps what helps on other training queries, and excerpts
-(max_excerpt_lines) are copied from the attempt, never invented."""
+"""Edits that earn their place: the probe (probe_size) keeps what helps on other training queries; an experience that
+carries code (an excerpt) is held to a demo's standard."""
 
 import re
 import statistics
@@ -10,7 +10,6 @@ from scripted_lm import ScriptedLM, kind_of
 from test_optimizer import LESSON, compile_with, learner, make_trainset, student_answer
 from tfgrpo.base.util import digest
 from tfgrpo.optimizers.judge import probe_queries
-from tfgrpo.programs.excerpt import checked_excerpt
 from tfgrpo.programs.library import ExperienceLibrary
 from tfgrpo.signatures.operations import ExcerptOperation
 
@@ -71,71 +70,6 @@ def test_probe_needs_ground_truth():
         TrainingFreeGRPO(lambda e, p, t=None: 1.0, probe_size=2, use_ground_truth=False)
 
 
-ATTEMPT = """code: ```python
-from itertools import permutations, product
-nums = [3, 7, 7, 7]
-for a, b, c, d in permutations(nums):
-    for o1, o2, o3 in product('+-*/', repeat=3):
-        expr = f'(({a}{o1}{b}){o2}{c}){o3}{d}'
-        if abs(eval(expr) - 24) < 1e-9:
-            print(expr)
-```
-output: ((3+7)*7)-7"""
-
-
-def test_an_excerpt_is_copied_and_masks_the_querys_own_values():
-    picked = "```python\nnums = [3, 7, 7, 7]\nfor a, b, c, d in permutations(nums):\n    for o1, o2, o3 in product('+-*/', repeat=3):\n```"
-    excerpt, why = checked_excerpt(picked, ATTEMPT, "numbers: [3, 7, 7, 7]", max_lines=8)
-    assert why is None  # the line stays (a solver without it calls a list it never made), its values masked
-    assert excerpt == ("nums = [<?>, <?>, <?>, <?>]\nfor a, b, c, d in permutations(nums):\n"
-                       "    for o1, o2, o3 in product('+-*/', repeat=3):")
-    assert checked_excerpt("nums = [3, 7, 7, 7]", ATTEMPT, "numbers: [3, 7, 7, 7]", max_lines=8) == (
-        "", "only the query's own values")
-    # a lone digit the query shares is not its value (an index, a count): nothing else is masked
-    assert "perm[1]" in checked_excerpt("x = perm[1] + 3", "x = perm[1] + 3", "numbers: 1 6 6 11", max_lines=2)[0]
-
-
-def test_a_list_of_the_querys_numbers_is_masked_as_a_whole():
-    """Game of 24, the masked arm's kept solvers: `numbers = [4, 8, 11, 11]` had only its 11s masked, then was dropped
-    for its 4 and 8; `[3, 7, 7, 7]` stayed as written, since 3 is in the instructions ("Python 3") and 7 is one digit.
-    A bracketed list of three or more of the query's numbers is its values; an index, a range, another list is not."""
-    from tfgrpo.programs.excerpt import masked
-
-    assert masked("numbers = [4, 8, 11, 11]", "numbers: 4 8 11 11") == "numbers = [<?>, <?>, <?>, <?>]"
-    assert masked("print(solve((3, 7, 7, 7)))", "numbers: 3 7 7 7", allowed="Python 3") == (
-        "print(solve((<?>, <?>, <?>, <?>)))")
-    assert masked("for p in permutations([7, 3, 7]):", "numbers: 3 7 7 7") == "for p in permutations([<?>, <?>, <?>]):"
-    for kept in ("x = perm[1] + perm[2]", "for i in range(1, 4):", "ops = [1, 2, 3]", "pairs = [3, 3, 7]"):
-        assert masked(kept, "numbers: 3 7 7 7", allowed="Python 3 perm[2]") == kept, kept
-
-
-def test_a_whole_attempt_excerpt_is_taken_from_the_code_field_alone():
-    """Game of 24, seed 0: the attempt's fence was never closed, so the whole-attempt excerpt ran on into the
-    rendered fields after the code (`output: (nothing printed)`, `answer:`, `ran: true`)."""
-    from tfgrpo.optimizers.result import Attempt, Scored
-    from tfgrpo.optimizers.learning_paths import ContrastPath
-    from tfgrpo.programs.excerpt import checked_excerpt
-
-    code = "```python\nfor p in permutations(nums):\n    print(p)"
-    outputs = {"code": code, "output": "(nothing printed)", "answer": "", "ran": True}
-    text = "\n".join(f"{k}: {v}" for k, v in outputs.items())
-    attempt = Scored(Attempt(outputs=outputs, error=None, trace=[], tool_calls=0, text=text), reward=1.0)
-    source = ContrastPath._code(attempt)
-    assert source == code
-    assert checked_excerpt(source, source, "numbers: 3 7 7 7", max_lines=8) == (
-        "for p in permutations(nums):\n    print(p)", None)
-    plain = Scored(Attempt(outputs={"answer": "12"}, error=None, trace=[], tool_calls=0, text="answer: 12"), 1.0)
-    assert ContrastPath._code(plain) == "answer: 12"  # no code field: the attempt as recorded
-
-
-def test_an_invented_or_long_excerpt_is_refused():
-    invented = "def solve(xs):\n    return search_all(xs)\nprint(solve(xs))"
-    assert checked_excerpt(invented, ATTEMPT, "numbers: [3, 7, 7, 7]", max_lines=8)[1].endswith("not copied")
-    whole = ATTEMPT.split("```python\n")[1].split("```")[0]
-    assert "over max_excerpt_lines" in checked_excerpt(whole, ATTEMPT, "numbers: [1, 2]", max_lines=3)[1]
-    assert checked_excerpt("", ATTEMPT, "numbers: [1, 2]", max_lines=3) == ("", "empty excerpt")
-
-
 def test_the_library_renders_saves_and_loads_an_excerpt():
     lib = ExperienceLibrary()
     op = ExcerptOperation(action="add", text="Search every order and operator with eval.",
@@ -150,42 +84,6 @@ def test_the_library_renders_saves_and_loads_an_excerpt():
     assert ExperienceLibrary.from_state(state).render() == "[E1] Search every order and operator with eval."
     too_long = ExcerptOperation(action="add", text="Another rule entirely.", excerpt="x = 1\n" * 41)
     assert "over the limit" in lib.apply([too_long], step=1).rejected[0][1]
-
-
-def _contrast_learner_with_excerpt(invent=False):
-    from test_contrast import contrast_learner
-
-    base = contrast_learner()
-
-    def respond(messages, kwargs):
-        if "excerpt" in __import__("scripted_lm").output_fields(messages):
-            attempt = messages[-1]["content"].split("[[ ## attempt ## ]]")[1]
-            copied = next(line for line in attempt.splitlines() if line.startswith("answer:"))
-            return {"excerpt": "answer = search(all_orders)" if invent else copied}
-        return base(messages, kwargs)
-    return respond
-
-
-def test_contrast_rules_carry_an_excerpt_copied_from_the_better_attempt():
-    from test_contrast import compile_contrast
-
-    compiled = compile_contrast(ScriptedLM(_contrast_learner_with_excerpt()), max_excerpt_lines=4)
-    (exp,) = compiled.experience_library
-    assert exp.text == LESSON and exp.excerpt.startswith("answer: ")
-    step = compiled.detailed_results.to_dict()["steps"][0]
-    # "What is 0 + 10?" is answered "answer: 10": masked, only the query's own value is left, refused
-    assert step["details"]["excerpts"] == 3 and step["details"]["excerpts_refused"] == 1
-    assert exp.excerpt in compiled.signature.instructions  # the policy sees the lines
-
-
-def test_an_invented_excerpt_leaves_the_rule_without_one():
-    from test_contrast import compile_contrast
-
-    compiled = compile_contrast(ScriptedLM(_contrast_learner_with_excerpt(invent=True)), max_excerpt_lines=4)
-    (exp,) = compiled.experience_library
-    assert exp.text == LESSON and exp.excerpt == ""
-    step = compiled.detailed_results.to_dict()["steps"][0]
-    assert step["details"]["excerpts"] == 0 and step["details"]["excerpts_refused"] == 4
 
 
 def test_an_excerpt_survives_stock_dspy_save_and_load_and_a_recompile(tmp_path):
@@ -234,7 +132,7 @@ def _partial(example, pred, trace=None):
     return 1.0 if pred.answer == example.answer else 0.3 if pred.answer.lstrip("-").isdigit() else 0.0
 
 
-def _probe(programs, candidates, keep_ties=False, alpha=1.0):
+def _probe(programs, candidates):
     """A probe on 4 training queries, every attempt run in turn (one thread), nothing saved."""
     from tfgrpo.optimizers.execution import Executor
     from tfgrpo.optimizers.judge import Probe
@@ -242,11 +140,11 @@ def _probe(programs, candidates, keep_ties=False, alpha=1.0):
 
     executor = Executor(Knobs(num_threads=1), _partial)
     with executor.scope("probe"):
-        return Probe(candidates, [0, 1, 2, 3], alpha=alpha, keep_ties=keep_ties).run(executor, programs,
+        return Probe(candidates, [0, 1, 2, 3]).run(executor, programs,
                                                                                       make_trainset(4))
 
 
-def full_verdicts(programs, candidates, keep_ties=False, alpha=1.0):
+def full_verdicts(programs, candidates):
     """The oracle: what a probe that ran every attempt keeps (each program's 4 rewards, the rules of `keeps`, then the
     best of each kind), and each candidate's (successes, mean)."""
     from tfgrpo.optimizers.judge import keeps
@@ -257,7 +155,7 @@ def full_verdicts(programs, candidates, keep_ties=False, alpha=1.0):
     for c, cand in enumerate(candidates):
         wins = sum(a >= 1 > b for a, b in zip(rewards[1 + c], rewards[0]))
         losses = sum(b >= 1 > a for a, b in zip(rewards[1 + c], rewards[0]))
-        kept.append(keeps(cand, scores[1 + c], scores[0], (wins, losses), keep_ties=keep_ties, alpha=alpha))
+        kept.append(keeps(cand, scores[1 + c], scores[0], wins, losses))
     kinds = [lambda c: c.demo is not None, lambda c: c.demo is None and c.shows_code]
     kinds += [lambda c, t=t: t in c.targets for t in sorted({t for c in candidates for t in c.targets})]
     for kind in kinds:
@@ -279,8 +177,7 @@ class _Table(dspy.Module):
 
 
 def test_stopping_early_gives_the_verdicts_of_the_full_probe_with_fewer_attempts():
-    """Random probes: every candidate kind (demo, rule, excerpt, edits of one experience), with and without
-    keep_ties; the early-stopping probe keeps exactly what the full one keeps and never runs more attempts."""
+    """Random probes: every candidate kind (demo, rule, excerpt, edits of one experience); the early-stopping probe keeps exactly what the full one keeps and never runs more attempts."""
     import random
 
     from tfgrpo.optimizers.judge import Candidate
@@ -295,9 +192,8 @@ def test_stopping_early_gives_the_verdicts_of_the_full_probe_with_fewer_attempts
     for case in range(150):
         candidates = [rng.choice(kinds)() for _ in range(rng.randint(1, 4))]
         programs = [_Table([rng.choice([1.0, 1.0, 0.3, 0.0]) for _ in range(4)]) for _ in range(len(candidates) + 1)]
-        keep_ties, alpha = rng.random() < 0.5, rng.choice([1.0, 0.5, 0.15, 0.07])
-        kept, scores = full_verdicts(programs, candidates, keep_ties=keep_ties, alpha=alpha)
-        early = _probe(programs, candidates, keep_ties=keep_ties, alpha=alpha)
+        kept, scores = full_verdicts(programs, candidates)
+        early = _probe(programs, candidates)
         assert early.kept == kept, case
         assert [s for s, k in zip(early.scores, early.kept) if k] == [s for s, k in zip(scores, kept) if k]
         saved += 4 * len(candidates) - sum(early.ran)
@@ -372,65 +268,6 @@ def test_a_rewrite_and_a_retirement_of_the_same_experience_are_not_both_kept():
     assert _probe(programs, candidates).kept == [True, False, True]  # both pass; the better edit of E1 stays
 
 
-def test_keep_tied_demos_keeps_a_tie_only_above_zero():
-    """GSM8K: the program solved 3 of 4 probe queries and a demo that also solved 3 was refused; with
-    keep_tied_demos it stays. A tie at zero (the Game of 24's narrow demos) stays refused either way."""
-    from tfgrpo.optimizers.judge import Candidate, keeps
-
-    demo = Candidate("demo", demo={})
-    assert not keeps(demo, (3, 0.75), (3, 0.75)) and keeps(demo, (3, 0.75), (3, 0.75), keep_ties=True)
-    assert not keeps(demo, (0, 0.1), (0, 0.1), keep_ties=True)  # a tie at zero
-    assert not keeps(demo, (2, 0.5), (3, 0.75), keep_ties=True)  # one success fewer
-    assert not keeps(demo, (3, 0.70), (3, 0.75), keep_ties=True)  # same successes, lower mean reward
-    programs = [_Fixed(1, "none"), _Fixed(1, "none")]
-    assert _probe(programs, [Candidate("A", demo={})]).kept == [False]
-    assert _probe(programs, [Candidate("A", demo={})], keep_ties=True).kept == [True]
-
-
-def test_a_whole_attempt_that_fits_is_the_excerpt_with_no_lm_call():
-    """excerpt_whole_attempt: the better attempt's own lines, the query's values masked, are the excerpt;
-    the LM is not asked to pick (the scripted picker would invent). A longer attempt still goes to the picker."""
-    from scripted_lm import output_fields
-    from test_contrast import compile_contrast
-
-    lm = ScriptedLM(_contrast_learner_with_excerpt(invent=True))
-    compiled = compile_contrast(lm, max_excerpt_lines=4, excerpt_whole_attempt=True)
-    (exp,) = compiled.experience_library
-    assert exp.text == LESSON and exp.excerpt and "search(all_orders)" not in exp.excerpt
-    # the picker is asked once: "What is 0 + 10?" was answered "answer: 10", a line holding only the query's own
-    # number, so nothing of that attempt is left, and the picker's invention is refused
-    assert sum("excerpt" in output_fields(call["messages"]) for call in lm.calls) == 1
-    step = compiled.detailed_results.to_dict()["steps"][0]
-    assert step["details"]["excerpts"] == 3 and step["details"]["excerpts_refused"] == 1
-    from tfgrpo.programs.contrast_learner import ContrastLearner
-
-    picked = "for a, b, c, d in permutations(nums):"
-    picker = ScriptedLM(lambda messages, kwargs: {"excerpt": picked})
-    with dspy.context(lm=picker):  # ATTEMPT's program is 7 lines: over 3, so the LM picks
-        assert ContrastLearner(max_excerpt_lines=3, whole_attempt=True)._excerpt(
-            "Try every order.", ATTEMPT, "numbers: [3, 7, 7, 7]", "") == (picked, None)
-        whole, why = ContrastLearner(max_excerpt_lines=8, whole_attempt=True)._excerpt(
-            "Try every order.", ATTEMPT, "numbers: [3, 7, 7, 7]", "")
-    assert len(picker.calls) == 1 and why is None and whole.startswith("from itertools") and "3, 7" not in whole
-
-
-def test_a_demo_must_win_a_sign_test_not_one_lucky_hit():
-    """probe_alpha: one win against none is no evidence (p = 0.5); three against none is (p = 0.125)."""
-    from tfgrpo.optimizers.judge import Candidate, keeps, sign_test_p
-
-    demo = Candidate("demo", demo={})
-    assert sign_test_p(1, 0) == 0.5 and sign_test_p(3, 0) == 0.125 and sign_test_p(0, 0) == 1.0
-    assert abs(sign_test_p(4, 1) - 6 / 32) < 1e-12
-    assert keeps(demo, (1, 0.3), (0, 0.2), (1, 0))  # alpha 1.0: any net gain, as before
-    assert not keeps(demo, (1, 0.3), (0, 0.2), (1, 0), alpha=0.15)
-    assert keeps(demo, (3, 0.5), (0, 0.2), (3, 0), alpha=0.15)
-    assert not keeps(demo, (4, 0.5), (1, 0.2), (4, 1), alpha=0.15)
-    # the probe: a demo that solves one more probe query than the program it would replace is dropped
-    programs = [_Fixed(0, "none"), _Fixed(1, "none"), _Fixed(3, "none")]
-    result = _probe(programs, [Candidate("lucky", demo={}), Candidate("real", demo={})], alpha=0.15)
-    assert result.kept == [False, True] and result.solved == [[], [0], [0, 1, 2]]
-
-
 def test_a_kept_demo_that_failed_its_own_query_is_shown_by_a_probe_success(tmp_path):
     """A candidate judged by what it does on other queries: when it wins the probe but had not solved its own query,
     the kept demo is its attempt on a probe query it solved (a demo always shows a success)."""
@@ -444,67 +281,9 @@ def test_a_kept_demo_that_failed_its_own_query_is_shown_by_a_probe_success(tmp_p
         program.lm = ScriptedLM(respond)
         return program
 
-    result = _probe([solver(0), solver(2)], [Candidate("general", demo={})], alpha=1.0)
+    result = _probe([solver(0), solver(2)], [Candidate("general", demo={})])
     assert result.kept == [True] and result.tried[1] == [0, 1, 2, 3] and result.solved[1] == [0, 1]
     assert result.traces[1][0][0]["outputs"]["answer"] == "10"  # query 0's own success
-
-
-def test_explore_generations_roll_out_without_the_demos_and_candidates_skip_the_copies(tmp_path):
-    """num_explore_generations: the last attempts of each group see no demo; a demo candidate is never the current
-    program's own uniform attempt."""
-    from tfgrpo.optimizers.result import Attempt, Group, Scored
-    from tfgrpo.optimizers.judge import demo_candidates
-
-    def group(rewards):
-        attempts = tuple(Scored(Attempt(outputs={"answer": str(g)}, error=None, trace=[{"g": g}], tool_calls=0,
-                                        text=""), reward=r, g=g) for g, r in enumerate(rewards))
-        return Group(index=0, key="q0", example=dspy.Example(question="q").with_inputs("question"), attempts=attempts)
-
-    # the current program solves it on both of its attempts: the explorers' best (0.3) is the candidate
-    assert [d["trace"] for d in demo_candidates([group([1.0, 1.0, 0.3, 0.0])], 0, min_reward=0.0,
-                                                explore_from=2)] == [[{"g": 2}]]
-    # the current program fails alike: an explorer that solved it is the candidate
-    assert demo_candidates([group([0.0, 0.0, 0.0, 1.0])], 0, explore_from=2)[0]["trace"] == [{"g": 3}]
-    # the current program's attempts differ: its best is a candidate as without exploration
-    assert demo_candidates([group([1.0, 0.0, 0.0, 0.0])], 0, explore_from=2)[0]["trace"] == [{"g": 0}]
-
-    seen = {}
-
-    def respond(messages, kwargs):
-        if kind_of(messages) == "student":
-            seen.setdefault(kwargs.get("rollout_id"), set()).add(len(messages) > 2)  # a demo: an earlier exchange
-        return learner()(messages, kwargs)
-
-    lm = ScriptedLM(respond)
-    compiled = compile_with(lm, dspy.Predict("question -> answer"), trainset=make_trainset(8), batch_size=4,
-                            max_demos=1, num_explore_generations=2, learning_path="paper")
-    assert len(compiled.detailed_results.steps) == 2 and compiled.detailed_results.steps[0].demos
-    rid = [int(digest([0, 1, g]), 16) % 2**31 for g in range(4)]  # step 1's attempts, g = 0..3
-    assert [seen[r] for r in rid] == [{True}, {True}, {False}, {False}]
-
-
-def test_dynamic_sampling_rolls_out_more_queries_until_groups_have_contrast():
-    """max_resampled_queries: queries whose attempts all score alike teach nothing; the step tries more."""
-    def respond(messages, kwargs):
-        if kind_of(messages) == "student":
-            values = student_answer(messages, kwargs)
-            q = re.findall(r"What is (\d+) \+", messages[-1]["content"])
-            if q and int(q[-1]) % 2 == 0:  # even queries: every attempt right, no contrast
-                values["answer"] = str(2 * int(q[-1]) + 10)
-            return values
-        return learner()(messages, kwargs)
-
-    trainset = make_trainset(12)
-    lm = ScriptedLM(respond)
-    plain = compile_with(lm, dspy.Predict("question -> answer"), trainset=trainset, batch_size=4, max_steps=1,
-                         learning_path="paper")
-    lm2 = ScriptedLM(respond)
-    sampled = compile_with(lm2, dspy.Predict("question -> answer"), trainset=trainset, batch_size=4, max_steps=1,
-                           learning_path="paper", max_resampled_queries=6)
-    before, after = plain.detailed_results.steps[0], sampled.detailed_results.steps[0]
-    assert before.groups == 4 and before.groups_kept < 4
-    assert after.groups > 4 and after.groups_kept > before.groups_kept and after.queries[:4] == before.queries
-    assert after.groups_kept == min(4, sum(q % 2 for q in after.queries)) and after.groups <= 10
 
 
 def test_stop_when_nothing_to_learn_ends_the_run_and_says_so():
@@ -520,20 +299,6 @@ def test_stop_when_nothing_to_learn_ends_the_run_and_says_so():
                             learning_path="paper", stop_when_nothing_to_learn=True)
     result = compiled.detailed_results
     assert len(result.steps) == 1 and result.stopped_early.startswith("nothing left to learn")
-
-
-def test_focus_on_failures_puts_the_queries_the_program_fails_first():
-    from tfgrpo.optimizers.knobs import Knobs
-    from tfgrpo.optimizers.training_free_grpo import _ranked
-
-    focus = Knobs(batch_size=2, focus_on_failures=True, max_resampled_queries=2)
-    order = [5, 4, 3, 2, 1, 0]
-    evidence = {5: True, 3: False, 0: False, 1: True}
-    # known failures first (in the epoch's order), then the untried ones, then the solved ones
-    assert _ranked(focus, order, 0, evidence, used=set()) == [3, 0, 4, 2]
-    assert _ranked(focus, order, 0, evidence, used={3}) == [0, 3, 4, 2]  # this epoch's used ones go after
-    plain = Knobs(batch_size=2, max_resampled_queries=2)
-    assert _ranked(plain, order, 2, evidence, used=set()) == [3, 2, 1, 0]
 
 
 def test_probe_power_falls_as_the_program_solves_more():

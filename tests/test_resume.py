@@ -105,6 +105,17 @@ def test_a_knob_newer_than_the_run_is_not_compared():
     assert fingerprint_changes(old, {"knobs": {"probe_size": 2, "keep_tied_demos": False}}) == ["knob probe_size: 4 -> 2"]
 
 
+def test_a_retired_knob_resumes_at_the_value_this_version_computes_with():
+    """A run recorded by a version that had probe_alpha resumes where it used the value this version computes with
+    (1.0: any net gain), and is refused where it used another."""
+    from tfgrpo.optimizers.checkpoint import fingerprint_changes
+
+    new = {"knobs": {"probe_size": 8}}
+    assert fingerprint_changes({"knobs": {"probe_size": 8, "probe_alpha": 1.0}}, new) == []
+    assert fingerprint_changes({"knobs": {"probe_size": 8, "probe_alpha": 0.15}}, new) == [
+        "knob probe_alpha: 0.15 -> '(unset)'"]
+
+
 def test_a_different_model_is_refused_but_execution_settings_may_change(tmp_path):
     run(ScriptedLM(learner), tmp_path)
     other = ScriptedLM(learner)

@@ -201,16 +201,17 @@ def probed_compile(lm, **kw):
     return bound, optimizer.compile(dspy.Predict("question -> answer"), trainset=make_trainset(8))
 
 
-@pytest.mark.parametrize("path", ["paper", "contrast with excerpts"])
+@pytest.mark.parametrize("path", ["paper", "contrast"])
 def test_the_dry_run_bound_covers_the_calls_of_a_probed_compile(path):
-    from test_probe import _contrast_learner_with_excerpt, _learner_with_a_bad_rule, _seed_with_even_probe_run
+    from test_contrast import contrast_learner
+    from test_probe import _learner_with_a_bad_rule, _seed_with_even_probe_run
 
     if path == "paper":
         bound, compiled = probed_compile(ScriptedLM(_learner_with_a_bad_rule()), learning_path="paper",
                                          seed=_seed_with_even_probe_run())
     else:
-        bound, compiled = probed_compile(ScriptedLM(_contrast_learner_with_excerpt()), learning_path="contrast",
-                                         constrained_decoding="off", max_excerpt_lines=4)
+        bound, compiled = probed_compile(ScriptedLM(contrast_learner()), learning_path="contrast",
+                                         constrained_decoding="off")
     steps = compiled.detailed_results.to_dict()["steps"]
     assert any(step["usage"].get("probe", {}).get("calls") for step in steps), "the probe ran"
     for step in steps:
@@ -218,15 +219,6 @@ def test_the_dry_run_bound_covers_the_calls_of_a_probed_compile(path):
             assert usage["calls"] <= bound["per_step"][stage]["calls"], stage
     made = sum(u.get("calls", 0) for u in compiled.detailed_results.to_dict()["usage"].values())
     assert made <= bound["total"]["calls"]
-
-
-def test_the_excerpt_pick_is_a_call_of_its_own_in_the_bound():
-    def contrast_calls(**kw):
-        dspy.configure(lm=ScriptedLM(learner()))
-        optimizer = TrainingFreeGRPO(metric, learning_path="contrast", **kw)
-        return optimizer.plan(dspy.Predict("question -> answer"), make_trainset()).bound["per_step"]["contrast"]["calls"]
-
-    assert contrast_calls(max_excerpt_lines=4) == contrast_calls() * 3 // 2  # a contrast, a rewrite, and the pick
 
 
 # 7 ----------------------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ def evaluate_program(program: dspy.Module, examples: list, metric: Callable, *, 
     metric that fails stops the evaluation with a `MetricError`. Runs through the optimizer's execution layer."""
     program = program.deepcopy()
     program.set_lm(lm)
-    candidates = [with_own_lms(program, **({"rollout_id": r} if num_runs > 1 else {}))[0] for r in range(num_runs)]
+    candidates = [with_own_lms(program, **({"rollout_id": r} if num_runs > 1 else {})) for r in range(num_runs)]
     jobs = [(i, r) for i in range(len(examples)) for r in range(num_runs)]
     stage, executor = f"evaluate {name}", Executor(Knobs(num_threads=num_threads, progress=progress), metric)
     with executor.scope(stage):

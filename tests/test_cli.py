@@ -53,6 +53,7 @@ def test_run_writes_every_artifact_and_report_rebuilds_from_them(tmp_path):
                  "eval/baseline.jsonl", "eval/compiled.jsonl", "eval/summary.json"):
         assert (run / name).exists(), name
     assert "compiled - baseline" in result.output and "95% bootstrap CI" in result.output
+    assert "tool calls" not in result.output  # chain of thought calls no tool: no column of zeros
     summary = json.loads((run / "eval" / "summary.json").read_text())
     assert summary["baseline"]["problems"] == 5 and summary["baseline"]["k"] == 2
     saved = json.loads((run / "program.json").read_text())

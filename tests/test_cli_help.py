@@ -1,16 +1,19 @@
 """The command line as a user reads it (issue 37, item 11): help with no `<bool>` placeholders on flags and no
 braces in the usage line, `-h` as `--help` on every command (issue 55), a described --verbose, --version, the
 reference config shipped inside the package, "did you mean ...?" for a misspelled config key, and an unpriced
-model's cost shown as unknown (n/a), not $0."""
+model's cost shown as unknown (n/a), not $0. Issue 77: upper-case placeholders, one description of the dry run,
+help that says what a command does."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # before MLflow is imported: no usage reports
 
+import click  # noqa: E402
 import pytest  # noqa: E402
 import typer  # noqa: E402
 from mlflow import MlflowClient  # noqa: E402
@@ -156,3 +159,47 @@ def test_an_unpriced_model_shows_its_cost_as_unknown(tmp_path, monkeypatch):
     run = client.search_runs([client.get_experiment_by_name("tfgrpo").experiment_id])[0]
     assert "usage/rollout/calls" in run.data.metrics
     assert not [k for k in run.data.metrics if k.endswith("/cost")]
+
+
+def command_of(words: list[str]):
+    """The click command that `words` name in the app (the group itself for [])."""
+    command = typer.main.get_command(app)
+    for word in words:
+        command = command.commands[word]
+    return command
+
+
+@pytest.mark.parametrize("command", every_command(), ids=lambda c: " ".join(c) or "tfgrpo")
+def test_help_placeholders_are_upper_case_words(command):
+    """Issue 77: no lower-case type placeholder (`<path>`, `<str>`, `<list[Path]>`); an option's value is one
+    upper-case word beside it (`--api-base URL`), an argument only its name (CONFIG, RUN_DIR)."""
+    output = invoke(*command, "-h").output
+    assert not re.search(r"<[\w\[\], |]+>", output), output
+    for param in command_of(command).get_params(click.Context(command_of(command))):
+        if isinstance(param, click.Option) and not param.is_flag:
+            assert param.metavar and param.metavar.isupper(), (param.name, param.metavar)
+            assert re.search(rf"{param.opts[0]}\s+{param.metavar}\s", output), output
+
+
+DRY_RUN = "print the plan (calls, tokens, dollars) and make no LM call"
+
+
+def test_the_dry_run_is_described_one_way():
+    """Issue 77: the --dry-run help, the reference config and the CLI page say the same words."""
+    assert DRY_RUN in " ".join(invoke("compile", "-h").output.split())
+    assert f"--dry-run: {DRY_RUN}" in invoke("config", "--reference").output
+    assert f"--dry-run          # {DRY_RUN}" in (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
+    for text in ("call nothing", "nothing is called", "upper bounds of calls and tokens"):
+        assert text not in invoke("compile", "-h").output + invoke("config", "--reference").output
+
+
+def test_run_help_says_what_it_does_and_the_reference_points_to_pages_that_exist():
+    """Issue 77: no "the README's main job" in any help; the reference config's pointers name files of docs/."""
+    for command in every_command():
+        assert "README" not in invoke(*command, "-h").output, command
+    run = " ".join(invoke("run", "-h").output.split())
+    assert "evaluate the compiled program against the uncompiled baseline on the same held-out problems" in run
+    reference = invoke("config", "--reference").output
+    assert "Tracking with MLflow" not in reference and "docs/tracking.md" in reference
+    for page in re.findall(r"docs/[\w/-]+\.md", reference):
+        assert (ROOT / page).is_file(), page

@@ -17,8 +17,10 @@ from pathlib import Path
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
+from rich.text import Text
 
 from tfgrpo.base.util import digest, write_atomic
 from tfgrpo.cli_help import HELP_OPTIONS, VERSION, HelpCommand, HelpGroup, reference_text
@@ -35,6 +37,7 @@ console = Console(width=None if sys.stdout.isatty() else 120)  # logs and CI: wi
 DEBUG = typer.Option(False, "--debug", help="on an error, show the full traceback instead of one line")
 VERBOSE = typer.Option(False, "--verbose", "-v", help="log the optimizer's debug messages too")
 CONFIG = typer.Argument(..., metavar="CONFIG", help="the run's TOML config (every field: tfgrpo config --reference)")
+DRY_RUN = "print the plan (calls, tokens, dollars) and make no LM call"
 _debug = {"on": False}
 
 
@@ -73,9 +76,10 @@ def _setup_logging(verbose: bool) -> None:
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
 
-def _load_config(path: Path) -> Config:
+def _load_config(path: Path, need_keys: bool = True) -> Config:
+    """The config, or its errors and exit code 2; `need_keys=False` (a dry run) takes unset api_key_env variables."""
     try:
-        return Config.load(path)
+        return Config.load(path, need_keys=need_keys)
     except ConfigError as exc:
         _error(str(exc))
         raise typer.Exit(2) from None
@@ -90,21 +94,22 @@ def _bars(progress: Progress, num_train_epochs: int = 1) -> RunBars:
     return RunBars(progress, num_train_epochs, plain_lines=not console.is_terminal)
 
 
-def _load(load, name: str, **kwargs) -> list:
-    """A dataset, or a clear message and exit code 2 (unknown name, bad file, hub unreachable)."""
+def _load(load, name: str, key: str, **kwargs) -> list:
+    """A dataset, or a message that names its config key (`task.trainset`) and exit code 2 (unknown name, missing or
+    bad file, hub unreachable)."""
     try:
         return load(name, **kwargs)
     except ValueError as exc:
-        _error(str(exc))
+        _error(f"error: {key}: {exc}")
         raise typer.Exit(2) from None
 
 
 def _datasets(load, t) -> tuple[list, list | None, list | None]:
     """The config's trainset, valset and attribution set (None where it names none)."""
-    trainset = _load(load, t.trainset, limit=t.train_limit, offset=t.train_offset)
-    valset = _load(load, t.valset, limit=t.val_limit) if t.valset else None
-    held_out = (_load(load, t.attribution_set, limit=t.attribution_limit, offset=t.attribution_offset)
-                if t.attribution_set else None)
+    trainset = _load(load, t.trainset, "task.trainset", limit=t.train_limit, offset=t.train_offset)
+    valset = _load(load, t.valset, "task.valset", limit=t.val_limit) if t.valset else None
+    held_out = (_load(load, t.attribution_set, "task.attribution_set", limit=t.attribution_limit,
+                      offset=t.attribution_offset) if t.attribution_set else None)
     return trainset, valset, held_out
 
 
@@ -125,7 +130,7 @@ def _tracking(cfg: Config):
     from tfgrpo.tracking import config_run, store_uri
 
     if cfg.tracking and cfg.tracking.enabled and importlib.util.find_spec("mlflow") is None:
-        console.print("[red][tracking] needs MLflow: pip install -e '.[mlflow]' (scripts/setup.sh installs it)")
+        _error("[tracking] needs MLflow: pip install -e '.[mlflow]' (scripts/setup.sh installs it)")
         raise typer.Exit(2)
     run_dir = Path(cfg.run_dir)
     with config_run(cfg.tracking, run_dir, log_dir=run_dir / "checkpoint") as run:
@@ -133,7 +138,7 @@ def _tracking(cfg: Config):
     if run is not None:  # a configured URI may hold credentials: only the local default store is printed
         see = "" if cfg.tracking.tracking_uri else ("; to see it: LITELLM_LOCAL_MODEL_COST_MAP=True mlflow ui --host "
                                                     f"127.0.0.1 --port 5000 --backend-store-uri {store_uri(cfg.tracking, run_dir)}")
-        console.print(f"MLflow run {run.info.run_id}{see}")
+        console.print(f"MLflow run {run.info.run_id}{see}", markup=False, highlight=False)
 
 
 def _compile(config: Config, parts, policy, reflection) -> Path:
@@ -152,7 +157,7 @@ def _compile(config: Config, parts, policy, reflection) -> Path:
     started = time.time()
     if o.method == "direct":
         console.print(f"[bold]compile[/] {len(trainset)} training problems, {o.num_direct_experiences} directly "
-                      f"generated experiences -> {run_dir}")
+                      f"generated experiences -> {escape(str(run_dir))}")
         optimizer = DirectExperiences(num_experiences=o.num_direct_experiences, lm=reflection,
                                       max_words_per_experience=o.max_words_per_experience,
                                       target_predictors=o.target_predictors)
@@ -163,7 +168,8 @@ def _compile(config: Config, parts, policy, reflection) -> Path:
                                      use_mlflow=bool(config.tracking and config.tracking.enabled), **knobs)
         k = resolve(optimizer, optimizer.explicit_knobs(), str(reflection.model))[0]  # the `auto` preset applied
         console.print(f"[bold]compile[/] {len(trainset)} training problems, G={k.num_generations}, "
-                      f"{k.num_train_epochs} epoch(s), batch {k.batch_size}, auto={k.auto!r} -> {run_dir}")
+                      f"{k.num_train_epochs} epoch(s), batch {k.batch_size}, auto={k.auto!r} -> "
+                      f"{escape(str(run_dir))}")
         try:
             with _progress() as progress:
                 optimizer.progress = _bars(progress, k.num_train_epochs)
@@ -200,8 +206,9 @@ def _compile(config: Config, parts, policy, reflection) -> Path:
         console.print(f"  {role}: {u.get('calls', 0)} new calls{earlier}, {u.get('prompt_tokens', 0):,} prompt{cached} "
                       f"+ {u.get('completion_tokens', 0):,} completion tokens, {_cost_text(u)}")
     if results is not None and results["stopped_early"]:
-        console.print(f"[yellow]stopped early: {results['stopped_early']}")
-    _print_library(compiled.experience_library.dump_state())
+        console.print(f"stopped early: {results['stopped_early']}", style="yellow", markup=False, highlight=False)
+    _print_library(compiled.experience_library.dump_state(),
+                   hint=f"tfgrpo show {run_dir / 'library.json'} --retired lists them")
     _print_worth(run_dir)
     return run_dir / "program.json"
 
@@ -227,7 +234,7 @@ def _evaluation_inputs(config: Config, parts, program_path: Path) -> tuple[list,
     from tfgrpo.programs import load_program
 
     t = config.task
-    examples = _load(parts.load, t.evalset, limit=t.eval_limit, offset=t.eval_offset)
+    examples = _load(parts.load, t.evalset, "task.evalset", limit=t.eval_limit, offset=t.eval_offset)
     return examples, {"baseline": parts.make(), "compiled": load_program(parts.make(), program_path)}, program_path
 
 
@@ -236,7 +243,8 @@ def _evaluate(config: Config, parts, policy, examples: list, programs: dict, pro
     from tfgrpo.tracking import log_evaluation
 
     metric, t, e, out = parts.metric, config.task, config.evaluate, Path(config.run_dir) / "eval"
-    console.print(f"[bold]evaluate[/] {len(examples)} problems x {e.num_runs} run(s), baseline and {program_path}")
+    console.print(f"[bold]evaluate[/] {len(examples)} problems x {e.num_runs} run(s), baseline and "
+                  f"{escape(str(program_path))}")
     rows, seconds = {}, {}
     with _progress() as progress:
         bars = _bars(progress)
@@ -253,7 +261,8 @@ def _evaluate(config: Config, parts, policy, examples: list, programs: dict, pro
         summary[f"paired_{key}"] = paired_difference(rows["baseline"], rows["compiled"], seed=e.seed, key=key)
     if parts.judge is not None:
         summary["judge_calls"] = parts.judge.calls
-    trained = {digest(x.toDict()) for x in _load(parts.load, t.trainset, limit=t.train_limit, offset=t.train_offset)}
+    trained = {digest(x.toDict()) for x in _load(parts.load, t.trainset, "task.trainset", limit=t.train_limit,
+                                                 offset=t.train_offset)}
     summary["evalset"] = {"name": t.evalset, "offset": t.eval_offset, "limit": t.eval_limit,
                           "in_trainset": sum(digest(x.toDict()) in trained for x in examples)}
     write_atomic(out / "summary.json", json.dumps(summary, indent=2))
@@ -263,7 +272,11 @@ def _evaluate(config: Config, parts, policy, examples: list, programs: dict, pro
 
 
 def _print_summary(summary: dict) -> None:
+    """The evaluation's table and paired differences; the tool-calls column only for a task whose programs call
+    tools."""
     extras = list(summary["baseline"].get("metrics") or {})
+    tools = ["tool calls"] if any(summary[name]["tool_calls_per_problem"] for name in ("baseline", "compiled")) \
+        else []
     shared = summary.get("evalset", {}).get("in_trainset", 0)
     title = "held-out evaluation" if not shared else \
         f"evaluation: {shared} of the problems are also in the trainset, so it is not held out"
@@ -271,13 +284,13 @@ def _print_summary(summary: dict) -> None:
     if shared:
         console.print(f"[yellow]warning: {shared} evaluation problem(s) are also training problems: the scores below "
                       "are not held out (task.evalset and task.trainset overlap)")
-    for col in ("program", "problems", "k", "Mean@k", "Pass@k", *extras, "tool calls", "tokens in/out", "errors",
-                "seconds"):
+    for col in ("program", "problems", "k", "Mean@k", "Pass@k", *extras, *tools, "tokens in/out", "errors", "seconds"):
         table.add_column(col)
     for name in ("baseline", "compiled"):
         s = summary[name]
         table.add_row(name, str(s["problems"]), str(s["k"]), f"{s['mean_at_k']:.3f}", f"{s['pass_at_k']:.3f}",
-                      *(f"{s['metrics'][k]:.3f}" for k in extras), f"{s['tool_calls_per_problem']:.2f}",
+                      *(f"{s['metrics'][k]:.3f}" for k in extras),
+                      *(f"{s['tool_calls_per_problem']:.2f}" for _ in tools),
                       f"{s['prompt_tokens']}/{s['completion_tokens']}", str(s["errors"]), f"{s['seconds']:.0f}")
     console.print(table)
     for label, key in [("", "paired")] + [(f" ({k})", f"paired_{k}") for k in extras]:
@@ -286,19 +299,26 @@ def _print_summary(summary: dict) -> None:
                       f"{p['ci95'][1]:+.3f}) over {p['problems']} problems; {p['wins']} better, {p['losses']} worse")
 
 
-def _print_library(state: dict) -> None:
-    """The library as a table, each experience that reads like a prompt injection marked "(!)" and named below it."""
+def _print_library(state: dict, retired: bool = False, hint: str = "pass --retired to list them") -> None:
+    """The library as a table (with `retired`, the retired experiences too, marked so), each experience that reads
+    like a prompt injection marked "(!)" and named below it; where retired ones are left out, `hint` says how to
+    see them. Every text is printed as written, never read as rich markup."""
     from tfgrpo.programs.library import injection_like
 
-    table = Table(title=f"experience library ({len(state['experiences'])} active, {len(state.get('retired', []))} retired)")
+    gone = state.get("retired", [])
+    table = Table(title=f"experience library ({len(state['experiences'])} active, {len(gone)} retired)")
     for col in ("id", "experience", "step", "sources", "edits"):
         table.add_column(col, overflow="fold")
     flagged = {e["id"]: words for e in state["experiences"] if (words := injection_like(e["text"]))}
-    for e in state["experiences"]:
-        table.add_row(e["id"] + (" (!)" if e["id"] in flagged else ""), e["text"], str(e["created_step"]),
-                      ", ".join(e["sources"][:4]) + (" ..." if len(e["sources"]) > 4 else ""),
-                      " > ".join(h["action"] for h in e["history"]))
+    shown = [(e, "") for e in state["experiences"]] + [(e, " (retired)") for e in gone if retired]
+    for e, mark in shown:
+        sources = ", ".join(e["sources"][:4]) + (" ..." if len(e["sources"]) > 4 else "")
+        table.add_row(Text(e["id"] + (" (!)" if e["id"] in flagged else "") + mark), Text(e["text"]),
+                      str(e["created_step"]), Text(sources), Text(" > ".join(h["action"] for h in e["history"])))
     console.print(table)
+    if gone and not retired:
+        console.print(f"{len(gone)} retired experience(s) not shown: {hint}", style="dim", markup=False,
+                      highlight=False, soft_wrap=True)
     for exp_id, words in flagged.items():
         console.print(f"(!) {exp_id} reads like a prompt injection ({words!r}), not a lesson: check it before you "
                       "deploy the program", style="yellow", markup=False, highlight=False, soft_wrap=True)
@@ -332,29 +352,29 @@ def _run_dir(cfg: Config):
                "or set another run_dir")
         raise typer.Exit(2) from None
     except KeyboardInterrupt:
-        console.print(f"[yellow]interrupted; finished work is kept in {run_dir / 'checkpoint'}; run the same command "
-                      "to resume", highlight=False)
+        console.print(f"interrupted; finished work is kept in {run_dir / 'checkpoint'}; run the same command to "
+                      "resume", style="yellow", markup=False, highlight=False)
         raise typer.Exit(130) from None
 
 
 @app.command(cls=HelpCommand)
 def compile(config: Path = CONFIG, verbose: bool = VERBOSE,
-            dry_run: bool = typer.Option(False, "--dry-run", help="estimate calls and tokens, call nothing"),
-            debug: bool = DEBUG) -> None:
+            dry_run: bool = typer.Option(False, "--dry-run", help=DRY_RUN), debug: bool = DEBUG) -> None:
     """Run Training-Free GRPO; writes program.json, library.json, steps.jsonl and learning_curve.png."""
     _setup_logging(verbose)
-    cfg = _load_config(config)
+    cfg = _load_config(config, need_keys=not dry_run)
     with _errors(debug):
         if dry_run:
             return _dry_run(cfg)
         with _run_dir(cfg), _session(cfg) as (policy, reflection, parts), _tracking(cfg):
             path = _compile(cfg, parts, policy, reflection)
-    console.print(f"artifacts in {path.parent}")
+    console.print(f"artifacts in {path.parent}", markup=False, highlight=False)
 
 
 @app.command(cls=HelpCommand)
-def evaluate(config: Path = CONFIG_OR_NAME, program: Path = typer.Option(None, "--program", help="with a CONFIG: a "
-             "compiled program.json"), api_base: str = API_BASE, verbose: bool = VERBOSE, debug: bool = DEBUG) -> None:
+def evaluate(config: Path = CONFIG_OR_NAME, program: Path = typer.Option(None, "--program", metavar="FILE",
+             help="with a CONFIG: a compiled program.json"), api_base: str = API_BASE, verbose: bool = VERBOSE,
+             debug: bool = DEBUG) -> None:
     """Evaluate the uncompiled baseline and a compiled program on the same held-out problems; or score a shipped
     learned program on its held-out split, sampled as its stated score was."""
     _setup_logging(verbose)
@@ -373,7 +393,8 @@ def evaluate(config: Path = CONFIG_OR_NAME, program: Path = typer.Option(None, "
 
 @app.command(cls=HelpCommand)
 def run(config: Path = CONFIG, verbose: bool = VERBOSE, debug: bool = DEBUG) -> None:
-    """compile, then evaluate the result against the baseline (the README's main job)."""
+    """Compile, then evaluate the compiled program against the uncompiled baseline on the same held-out problems;
+    writes program.json, library.json, steps.jsonl, learning_curve.png and eval/."""
     _setup_logging(verbose)
     cfg = _load_config(config)
     started = time.time()
@@ -381,11 +402,12 @@ def run(config: Path = CONFIG, verbose: bool = VERBOSE, debug: bool = DEBUG) -> 
         path = _compile(cfg, parts, policy, reflection)
         _evaluate(cfg, parts, policy, *_evaluation_inputs(cfg, parts, path))
     console.print(f"done in {(time.time() - started) / 60:.1f} min; artifacts in {path.parent}: program.json, "
-                  "library.json, steps.jsonl, learning_curve.png, eval/")
+                  "library.json, steps.jsonl, learning_curve.png, eval/", markup=False, highlight=False)
 
 
 @app.command(cls=HelpCommand)
-def show(path: Path = FILE_OR_NAME, debug: bool = DEBUG) -> None:
+def show(path: Path = FILE_OR_NAME, retired: bool = typer.Option(False, "--retired", help="list the retired "
+         "experiences too (merged, replaced or deleted while learning)"), debug: bool = DEBUG) -> None:
     """Print a library (library.json, a compiled program.json or a shipped program) with each experience's
     provenance, and a program's demos."""
     with _errors(debug):
@@ -400,14 +422,14 @@ def show(path: Path = FILE_OR_NAME, debug: bool = DEBUG) -> None:
     if not isinstance(state, dict) or "experiences" not in state:
         _error(f"{path}: no experience library in this file")
         raise typer.Exit(2)
-    _print_library(state)
+    _print_library(state, retired=retired)
     print_demos(data, console)
     _print_worth(path.parent)
 
 
 @app.command(cls=HelpCommand)
 def report(run_dirs: list[Path] = typer.Argument(..., metavar="RUN_DIR", help="run directories of compiles"),
-           out: Path = typer.Option(Path("report"), help="folder for report.md/report.png")) -> None:
+           out: Path = typer.Option(Path("report"), metavar="FOLDER", help="folder for report.md/report.png")) -> None:
     """Rebuild the results table and learning-dynamics plot from saved run directories (no model calls)."""
     from tfgrpo.report import build_report
 
@@ -416,8 +438,9 @@ def report(run_dirs: list[Path] = typer.Argument(..., metavar="RUN_DIR", help="r
     except (ValueError, OSError) as exc:
         _error(str(exc))
         raise typer.Exit(2) from None
-    console.print(md.read_text())
-    console.print(f"written: {md}" + (f", {plot}" if plot else ""))
+    # Markdown as written: "[95% CI]" and "![learning dynamics](...)" are no markup, a table row is not cut in two
+    console.print(md.read_text(), markup=False, highlight=False, soft_wrap=True)
+    console.print(f"written: {md}" + (f", {plot}" if plot else ""), markup=False, highlight=False)
 
 
 @app.command("config", cls=HelpCommand)

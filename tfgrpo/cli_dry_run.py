@@ -34,7 +34,7 @@ def dry_run(cfg: Config, parts, data: tuple[list, list | None, list | None], kno
     with dspy.context(lm=unstarted_lm(cfg.policy)):
         plan = optimizer.plan(parts.make(), trainset, valset, attribution_set=held_out)
     table = Table(title=f"dry run: {plan.steps} step(s), {plan.learning_path} learning path, preset {plan.preset!r} "
-                        "(no call is made)")
+                        "(no LM call is made)")
     for col in ("stage", "calls/step", "prompt tokens/step", "completion tokens/step", "$/step", "calls/step at most"):
         table.add_column(col)
     for stage, s in plan.expected["per_step"].items():
@@ -47,6 +47,8 @@ def dry_run(cfg: Config, parts, data: tuple[list, list | None, list | None], kno
                   f"{total['completion_tokens']:,}", cost, f"{plan.bound['total']['calls']:,}")
     console.print(table)
     console.print(plan.summary(), markup=False, highlight=False)
+    for line in warnings(cfg, plan.knobs.batch_size, len(trainset)):
+        console.print(line, style="yellow", markup=False, highlight=False, soft_wrap=True)
     bound = plan.bound["total"]
     console.print(f"at most: {bound['calls']:,} calls, {bound['prompt_tokens']:,} prompt + "
                   f"{bound['completion_tokens']:,} completion tokens (every call sent twice, replies at max_tokens)")
@@ -59,3 +61,15 @@ def dry_run(cfg: Config, parts, data: tuple[list, list | None, list | None], kno
     if (worth := attribution_runs(plan.knobs, len(trainset), len(held or []))).get("runs"):
         console.print(f"attribution ({worth['method']}, up to {worth['items']} items): at most {worth['runs']:,} program "
                       f"runs of {plan.turns} call(s) on {len(held)} held-out queries, after the compile")
+
+
+def warnings(cfg: Config, batch_size: int, train_size: int) -> list[str]:
+    """What the plan's numbers leave unsaid and a run would meet: a batch larger than the trainset (each step then
+    takes every example), and the API keys the dry run went without."""
+    lines = []
+    if batch_size > train_size:
+        lines.append(f"warning: batch_size {batch_size} is larger than the trainset ({train_size} examples): each step "
+                     f"uses all {train_size} examples")
+    lines += [f"note: {variable} ({key}) is not set in the environment: the dry run needs no key, a run does"
+              for key, variable in cfg.unset_keys().items()]
+    return lines

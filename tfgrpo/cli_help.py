@@ -8,22 +8,38 @@ import re
 from importlib.resources import files
 
 import typer
-from typer.core import TyperCommand, TyperGroup
+from typer.core import TyperArgument, TyperCommand, TyperGroup
 
 REFERENCE = "reference.toml"  # every config field with its default, beside this module (configs/reference.toml)
 HELP_OPTIONS = {"help_option_names": ["-h", "--help"]}  # the Typers' context_settings: -h works as --help everywhere
 
 
+# the click convention's word for an option value's type, where the option names none of its own (`--api-base URL`)
+PLACEHOLDERS = {"path": "PATH", "str": "TEXT", "int": "INTEGER", "float": "FLOAT"}
+
+
+def _no_type(ctx) -> None:
+    """An argument's type in the help: none, its metavar (CONFIG, RUN_DIR) says what it is."""
+    return None
+
+
 class _Plain:
-    """typer writes `<bool>` beside a flag, which takes no value, and braces around a required argument in the
-    usage line (`compile [OPTIONS] {config}`); here a flag has no placeholder and the usage reads
-    `compile [OPTIONS] CONFIG`."""
+    """typer writes `<bool>` beside a flag, which takes no value, a lower-case type beside every other parameter
+    (`CONFIG <path>`, `--api-base <str>`, `RUN_DIR <list[Path]>`) and braces around a required argument in the
+    usage line (`compile [OPTIONS] {config}`); here a flag has no placeholder, an option's value one upper-case word
+    (its metavar, else `PLACEHOLDERS`), an argument only its name, and the usage reads `compile [OPTIONS] CONFIG`."""
 
     def get_params(self, ctx):
         params = super().get_params(ctx)
         for param in params:
-            if getattr(param, "is_bool_flag", False) and param.metavar is None:
+            if isinstance(param, TyperArgument):
+                param.metavar = param.metavar or param.name.upper()
+                param.display_type_rich = _no_type
+            elif getattr(param, "is_bool_flag", False) and param.metavar is None:
                 param.metavar = ""
+            elif param.metavar is None:
+                kind = param.display_type(ctx).strip("<>")
+                param.metavar = PLACEHOLDERS.get(kind, kind.upper())
         return params
 
     def collect_usage_pieces(self, ctx):

@@ -18,8 +18,8 @@ CONFIG_OR_NAME = typer.Argument(..., metavar="CONFIG|NAME", help="the run's TOML
                                 "learned program (tfgrpo show NAME)")
 FILE_OR_NAME = typer.Argument(..., metavar="FILE|NAME", help="a library.json or program.json, or the name of a "
                               "shipped learned program: " + ", ".join(names()))
-API_BASE = typer.Option(None, "--api-base", help="with a NAME: an OpenAI-compatible endpoint that serves the "
-                        "program's model, instead of the embedded server")
+API_BASE = typer.Option(None, "--api-base", metavar="URL", help="with a NAME: an OpenAI-compatible endpoint that "
+                        "serves the program's model, instead of the embedded server")
 
 
 def shipped(argument: Path) -> Learned | None:
@@ -60,6 +60,6 @@ def evaluate_shipped(learned: Learned, api_base: str | None, console: Console) -
     inside = "inside" if low <= stated["solved"] / stated["problems"] <= high else "outside"
     console.print(f"{learned.name}: solved {result['solved']:g} of {result['problems']} ({result['score']:.3f}, 95% "
                   f"bootstrap CI {low:.3f} .. {high:.3f} over problems) in {result['rows'][0]['wall_s']:.0f} s; "
-                  f"stated: {stated['solved']} of {stated['problems']}, {inside} this run's CI", highlight=False,
-                  soft_wrap=True)
+                  f"stated: {stated['solved']} of {stated['problems']}, {inside} this run's CI", markup=False,
+                  highlight=False, soft_wrap=True)
     return result

@@ -14,7 +14,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Literal, get_args, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, create_model, field_validator,
+                      model_validator)
 
 from tfgrpo.local_model import DEFAULT_SPECULATIVE, SpeculativeMode
 from tfgrpo.local_weights import DEFAULT_MODEL
@@ -65,15 +66,19 @@ class LMConfig(_Strict):
         backends (the optimizer's `constrained_decoding="auto"` then asks LiteLLM)."""
         return "json_object" if self.backend == "local" else None
 
-    @model_validator(mode="after")
-    def _key_present(self):
-        if self.api_key_env and looks_like_a_key(self.api_key_env):  # never echoed: it may be the secret itself
+    @field_validator("api_key_env")
+    @classmethod
+    def _key_present(cls, value, info: ValidationInfo):
+        """A variable's name, set in the environment unless the config is loaded for a dry run (which calls
+        nothing: `Config.load(path, need_keys=False)`)."""
+        if value and looks_like_a_key(value):  # never echoed: it may be the secret itself
             raise ValueError("api_key_env looks like a key, not the name of an environment variable (its value is not "
                              "shown): put the key in an environment variable and give its name, such as "
                              "api_key_env = \"OPENAI_API_KEY\"")
-        if self.api_key_env and self.api_key_env not in os.environ:
-            raise ValueError(f"api_key_env names {self.api_key_env!r}, which is not set in the environment")
-        return self
+        if value and value not in os.environ and (info.context or {}).get("need_keys", True):
+            raise ValueError(f"api_key_env names {value!r}, which is not set in the environment: export {value}=... "
+                             "first (a dry run needs none)")
+        return value
 
 
 def looks_like_a_key(value: str) -> bool:
@@ -232,6 +237,13 @@ class Config(_Strict):
         """The web task's judge: [judge], else the reflection LM (else the policy LM)."""
         return self.judge or self.reflection_config()
 
+    def unset_keys(self) -> dict[str, str]:
+        """Each LM section's api_key_env whose variable is not set, as {"policy.api_key_env": "OPENAI_API_KEY"}: what a
+        dry run, loaded without them, says a run will need."""
+        sections = {"policy": self.policy, "reflection": self.reflection, "judge": self.judge}
+        return {f"{name}.api_key_env": lm.api_key_env for name, lm in sections.items()
+                if lm is not None and lm.api_key_env and lm.api_key_env not in os.environ}
+
     def optimizer_knobs(self) -> dict:
         """The [optimizer] section as `TrainingFreeGRPO` keyword arguments (the direct baseline's keys left out), with
         `constrained_decoding = "auto"` resolved for the reflection LM's backend."""
@@ -241,7 +253,9 @@ class Config(_Strict):
         return knobs
 
     @classmethod
-    def load(cls, path: str | Path) -> "Config":
+    def load(cls, path: str | Path, *, need_keys: bool = True) -> "Config":
+        """The config in the TOML file at `path`, validated; a ConfigError with one line per invalid key. With
+        `need_keys=False` (a dry run, which calls nothing) an api_key_env whose variable is not set is accepted."""
         path = Path(path)
         try:
             data = tomllib.loads(path.read_text())
@@ -250,22 +264,50 @@ class Config(_Strict):
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: not valid TOML ({exc})") from None
         try:
-            return cls.model_validate(data)
+            return cls.model_validate(data, context={"need_keys": need_keys})
         except ValidationError as exc:
-            lines = [f"{'.'.join(str(p) for p in e['loc']) or '(top)'}: {_message(e)}" for e in exc.errors()]
-            raise ConfigError(f"{path}: invalid config\n  " + "\n  ".join(lines)) from None
+            raise ConfigError(f"{path}: invalid config\n  " + "\n  ".join(map(_line, exc.errors()))) from None
+
+
+# Optional keys whose None has a name of its own in a file; any other optional key is None where it is left out.
+NONE_IN_TOML = {"auto": "off"}
+
+
+def _line(error: dict) -> str:
+    """One line for a pydantic error that names the key: "optimizer.auto must be ..." where the message starts with
+    the key's own name, else "policy.max_tokens: Input should be ..."."""
+    loc = [str(part) for part in error["loc"]]
+    message = " ".join(_message(error).split())
+    if loc and message.startswith(f"{loc[-1]} "):
+        return ".".join(loc[:-1] + [message])
+    return f"{'.'.join(loc) or '(top)'}: {message}"
 
 
 def _message(error: dict) -> str:
-    """pydantic's message, or for a misspelled key the closest field names ("did you mean num_generations?")."""
+    """pydantic's message in a config file's terms (without its "Value error, " prefix, with no None, which TOML
+    cannot write), or for a misspelled key the closest field names ("did you mean num_generations?")."""
     if error["type"] != "extra_forbidden":
-        return error["msg"]
+        return _in_toml(error["msg"].removeprefix("Value error, "), str(error["loc"][-1]) if error["loc"] else "")
     *section, key = error["loc"]
     fields = _fields_of(section)
     close = difflib.get_close_matches(str(key), fields, n=2, cutoff=0.6)
     where = f"[{'.'.join(map(str, section))}]" if section else "the top level"
     hint = f"did you mean {' or '.join(close)}?" if close else f"the keys of {where}: {', '.join(fields)}"
     return f"unknown key; {hint} (every key: tfgrpo config --reference)"
+
+
+def _in_toml(message: str, key: str) -> str:
+    """A message written for the Python API ("must be None or ...", `auto=None`) as a TOML file says it: None is
+    `NONE_IN_TOML`'s word for the key (auto = "off"), else the key left out."""
+    if "None" not in message:
+        return message
+    if word := NONE_IN_TOML.get(key):
+        listed = f"'{word}'" in message  # among the values the message lists already
+        message = message.replace("must be None or ", "must be " if listed else f'must be "{word}" or ')
+        return message.replace(f"{key}=None", f'{key} = "{word}"')
+    if "must be None or " in message:
+        message = message.replace("must be None or ", "must be ") + "; or remove the key (its value is then None)"
+    return message
 
 
 def _fields_of(section: list) -> list[str]:

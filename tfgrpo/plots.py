@@ -1,5 +1,5 @@
-"""The plots: learning dynamics per step (mean train reward, library size, tool calls), one line per run; and the
-benchmarks' held-out score against compile cost, one point per optimizer."""
+"""The plots: learning dynamics per step (mean train reward, library size, and tool calls for a task that has
+tools), one line per run; and the benchmarks' held-out score against compile cost, one point per optimizer."""
 
 from __future__ import annotations
 
@@ -13,19 +13,26 @@ PANELS = (("mean reward of the step's attempts\n(each step: other problems)", "m
           ("library size after the step", "library_size"), ("tool calls per attempt", "tool_calls_mean"))
 
 
+def panels(runs: dict[str, list[dict]]) -> tuple[tuple[str, str], ...]:
+    """The panels a learning curve of `runs` has: the tool-calls panel only where an attempt called a tool."""
+    tools = any(s.get("tool_calls_mean") for steps in runs.values() for s in steps)
+    return PANELS if tools else tuple(p for p in PANELS if p[1] != "tool_calls_mean")
+
+
 def learning_curve(runs: dict[str, list[dict]], path: Path, title: str = "Training-Free GRPO") -> Path:
     """`runs` maps a run's name to its per-step stats (`steps.jsonl` rows)."""
-    fig = Figure(figsize=(12, 3.4))
-    axes = fig.subplots(1, 3)
+    shown = panels(runs)
+    fig = Figure(figsize=(4 * len(shown), 3.4))
+    axes = fig.subplots(1, len(shown))
     with_demos = any("demos" in s for steps in runs.values() for s in steps)  # a max_demos run is among them
     for name, steps in runs.items():
         xs = [s["step"] for s in steps]
-        for ax, (_, key) in zip(axes, PANELS):
+        for ax, (_, key) in zip(axes, shown):
             ax.plot(xs, [s.get(key, 0.0) for s in steps], marker="o", label=name)
         if with_demos:  # the demos kept, next to the experiences
             axes[1].plot(xs, [len(s.get("demos", [])) for s in steps], marker="s", linestyle="--",
                          label=f"{name}: demos")
-    for ax, (label, _) in zip(axes, PANELS):
+    for ax, (label, _) in zip(axes, shown):
         ax.set_title(label, fontsize=10)
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -51,7 +51,10 @@ def _saved(path: Path, keys: tuple[str, ...] = ()) -> dict | None:
 
 
 def load_run(run_dir: Path) -> dict:
+    """A run directory's saved results; a ValueError that says what is missing (the folder, or its evaluation)."""
     run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ValueError(f"no such folder: {run_dir}")
     evals = {p.stem: read_rows(p) for p in sorted((run_dir / "eval").glob("*.jsonl"))}
     if not evals:
         raise ValueError(f"{run_dir}: no eval/*.jsonl results (run `tfgrpo evaluate` first)")
@@ -91,9 +94,17 @@ def worth_markdown(worth: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def uses_tools(runs: list[dict]) -> bool:
+    """Whether any evaluated program of `runs` called a tool: the tool-calls column is for a task that has tools."""
+    return any(summarize(rows)["tool_calls_per_problem"] for run in runs for rows in run["evals"].values())
+
+
 def markdown(runs: list[dict]) -> str:
-    lines = ["| run | program | problems x k | Mean@k [95% CI] | Pass@k | other metrics | tool calls "
-             "| vs baseline [95% CI] | experiences | learning tokens in/out |", "|---|---|---|---|---|---|---|---|---|---|"]
+    """The results table, one row per run and program; the tool-calls column only where a program called tools."""
+    tools = uses_tools(runs)
+    columns = ["run", "program", "problems x k", "Mean@k [95% CI]", "Pass@k", "other metrics",
+               *(["tool calls"] if tools else []), "vs baseline [95% CI]", "experiences", "learning tokens in/out"]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for run in runs:
         base = run["evals"].get("baseline")
         prompt, completion = _learning_cost(run["steps"])
@@ -106,8 +117,9 @@ def markdown(runs: list[dict]) -> str:
                 diff = f"{p['difference']:+.3f} [{p['ci95'][0]:+.3f}, {p['ci95'][1]:+.3f}]"
             learned = name != "baseline"
             others = ", ".join(f"{k} {v:.3f}" for k, v in s["metrics"].items()) or "-"  # web: judge / EM / F1
+            calls = f"| {s['tool_calls_per_problem']:.2f} " if tools else ""
             lines.append(f"| {run['name']} | {name} | {s['problems']} x {s['k']} | {mean:.3f} [{lo:.3f}, {hi:.3f}] "
-                         f"| {s['pass_at_k']:.3f} | {others} | {s['tool_calls_per_problem']:.2f} | {diff} "
+                         f"| {s['pass_at_k']:.3f} | {others} {calls}| {diff} "
                          f"| {run['library_size'] if learned and run['library_size'] is not None else '-'} "
                          f"| {f'{prompt}/{completion}' if learned and run['steps'] else '-'} |")
     return "\n".join(lines) + "\n"

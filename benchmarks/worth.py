@@ -31,6 +31,7 @@ from tfgrpo.lms import local_dspy_lm
 from tfgrpo.optimizers.checkpoint import Checkpoint
 from tfgrpo.optimizers.knobs import Knobs
 from tfgrpo.optimizers.execution import Executor
+from tfgrpo.optimizers.result import Demo
 from tfgrpo.optimizers.worth import Attribution, Learned
 from tfgrpo.programs.inject import library_from_instructions
 from tfgrpo.programs.library import ExperienceLibrary
@@ -48,9 +49,9 @@ def learned_items(program: dspy.Module) -> Learned:
         fields = predictor.signature.input_fields, predictor.signature.output_fields
         for j, demo in enumerate(predictor.demos):
             values = dict(demo)
-            demos.append({"query": f"{name}[{j}]", "trace": [{
+            demos.append(Demo(query=f"{name}[{j}]", trace=[{
                 "predictor": name, "inputs": {k: values[k] for k in fields[0] if k in values},
-                "outputs": {k: values[k] for k in fields[1] if k in values}}]})
+                "outputs": {k: values[k] for k in fields[1] if k in values}}]))
     return Learned(library, demos)
 
 

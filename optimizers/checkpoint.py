@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.metadata
 import inspect
 import json
 import logging
@@ -107,11 +108,13 @@ class Checkpoint:
         finally:
             self.closed = True
 
-    def check(self, fingerprint: dict[str, Any]) -> int:
+    def check(self, fingerprint: dict[str, Any], *, other_versions: bool = False) -> int:
         """The saved units a run of this fingerprint would reuse, read without writing anything (the plan's check).
 
         Raises `RunMismatchError` naming each setting that differs (old -> new), and when the folder holds saved units
-        but its run.json is missing or unreadable (their settings are then unknown)."""
+        but its run.json is missing or unreadable (their settings are then unknown). The versions that make the
+        prompts (tfgrpo, DSPy, LiteLLM, the adapter) count as settings unless `other_versions`: then a change of them
+        is said and the saved units are reused."""
         if not self.root is not None or not self.root.exists():
             return 0
         path, units = self.root / "run.json", self.saved_units()
@@ -125,23 +128,31 @@ class Checkpoint:
                     f"delete {self.root} to start over")
             return 0
         changes = fingerprint_changes(old, fingerprint)
+        versions = [c for c in changes if c.startswith("versions ")]
+        if versions and other_versions and units:
+            logger.warning("%s: resuming %d saved unit(s) made under other versions (%s): resume_other_versions=True",
+                           self.root, units, "; ".join(versions))
+            changes = [c for c in changes if c not in versions]
         if changes and units:
+            anyway = ("\nthe saved units' prompts were made by those versions; to reuse them anyway, pass "
+                      "resume_other_versions=True (resume_other_versions = true in a config's [optimizer])"
+                      if versions and len(versions) == len(changes) else "")
             raise RunMismatchError(
                 f"{self.root} holds a run started with different settings or data:\n  " + "\n  ".join(changes) +
-                "\nresume with the same settings and data, or use a new log_dir (or delete this one to start over)",
-                changes)
+                "\nresume with the same settings and data, or use a new log_dir (or delete this one to start over)"
+                + anyway, changes)
         if changes:
             logger.info("%s: the run recorded there saved no work; started again with these settings (%s)", self.root,
                         "; ".join(changes))
         return units
 
-    def start(self, fingerprint: dict[str, Any]) -> int:
+    def start(self, fingerprint: dict[str, Any], *, other_versions: bool = False) -> int:
         """Check the run's fingerprint against the one already there (`check`), then record it; the saved units."""
         if not self.root is not None:
             return 0
         self.root.mkdir(parents=True, exist_ok=True)
         remove_stale_tmp(self.root)  # left by a run killed mid-write; safe under the lock, which a start holds
-        units, path = self.check(fingerprint), self.root / "run.json"
+        units, path = self.check(fingerprint, other_versions=other_versions), self.root / "run.json"
         if self._read(path) != fingerprint:  # a new run, or one that had saved nothing (or an older run.json's fields)
             write_atomic(path, json.dumps(fingerprint, ensure_ascii=False))
         return units
@@ -211,6 +222,25 @@ def _code(obj) -> tuple[str, str | None]:
                 with contextlib.suppress(OSError, TypeError):
                     extra.append(inspect.getsource(value))
     return name, "\n".join([source or "", *extra]) if source or extra else None
+
+
+def prompt_versions() -> dict[str, str]:
+    """The versions that make a run's prompts and replies: tfgrpo's, DSPy's, LiteLLM's, and the adapter that renders
+    every call (`dspy.settings.adapter`, else DSPy's ChatAdapter) by name and a digest of its code."""
+    import dspy  # (here, not above: the command line reads checkpoints before it loads DSPy)
+    from dspy.adapters import ChatAdapter
+
+    adapter = type(dspy.settings.adapter) if dspy.settings.adapter is not None else ChatAdapter
+    name, source = _code(adapter)
+    return {"tfgrpo": _version("tfgrpo"), "dspy": dspy.__version__, "litellm": _version("litellm"), "adapter": name,
+            "adapter_code": digest(source)}
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def code_fingerprint(metric, program) -> dict[str, str]:

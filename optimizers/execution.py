@@ -10,9 +10,11 @@ or one learning call. For each unit the executor
   4. counts it as a failure when it raised, and stops the scope with `TooManyFailuresError` when more than
      `max_failure_rate` of a stage's units failed: an outage must not pass for "nothing to learn".
 
-An attempt whose LM call failed (an `LMError`: a rate limit, a timeout, a lost connection, a prompt refused for its
-length or content) has no answer: it is never scored, and the step leaves it out of its group and the probe. Any other
-error of the program (a reply that does not parse, a tool that raises) is the program's own doing: it scores 0.
+An attempt the provider did not answer has no answer: an LM call that failed (an `LMError`: a rate limit, a timeout,
+a lost connection, a prompt refused for its length or content), or a reply with nothing in it (no choices, or a
+content filter's or a length cut's empty content). It is never scored; the step leaves it out of its group and the
+probe and counts it in `failed_calls`, and a validation leaves it out of its score. Any other error of the program (a
+reply with content that does not parse, a tool that raises) is the program's own doing: it scores 0.
 
 A scope is one step, one validation or one attribution: its own pool, meters, failure counts and gates, opened with
 `with executor.scope(...)`. Calls and tokens come from DSPy's usage-tracker hook, which every call that reaches the
@@ -32,16 +34,16 @@ import time
 from typing import Any, Callable
 
 import dspy
-from dspy.utils.exceptions import LMError
+from dspy.utils.exceptions import AdapterParseError, LMError
 
 from tfgrpo.base.util import digest, jsonable
 from tfgrpo.optimizers.checkpoint import Checkpoint, RunMismatchError
 from tfgrpo.optimizers.knobs import Knobs
-from tfgrpo.optimizers.parallel import (POLICY_STAGES, ROLE, Budget, BudgetExhausted, Failed, StageBars,
+from tfgrpo.optimizers.parallel import (POLICY_STAGES, ROLE, Budget, BudgetExhausted, StageBars,
                                         TooManyFailuresError, UsageMeter, Workers, add_usage)
-from tfgrpo.optimizers.result import Attempt
+from tfgrpo.optimizers.result import Attempt, Failed
 from tfgrpo.optimizers.rewards import score_attempt
-from tfgrpo.programs.render import count_tool_calls, format_attempt
+from tfgrpo.programs.render import MAX_FEEDBACK_CHARS, count_tool_calls, format_attempt
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +92,8 @@ def run_program(program: dspy.Module, example: dspy.Example) -> tuple[dspy.Predi
     except Exception as exc:
         prediction, outputs, error, failed = None, None, f"{type(exc).__name__}: {exc}", False
         cause = exc
-        while cause is not None and not failed:  # an LM call's failure (DSPy's LMError), wherever in the chain
-            failed, cause = isinstance(cause, LMError), cause.__cause__ or cause.__context__
+        while cause is not None and not failed:  # the provider's failure or empty reply, wherever in the chain
+            failed, cause = no_answer(cause), cause.__cause__ or cause.__context__
     names = {id(predictor): name for name, predictor in program.named_predictors()}
     steps = [{"predictor": names.get(id(predictor), type(predictor).__name__), "inputs": jsonable(inputs),
               "outputs": jsonable(dict(out.items()))} for predictor, inputs, out in trace]
@@ -111,7 +113,9 @@ class Executor:
         self.knobs, self.metric, self.ckpt = knobs, metric, ckpt or Checkpoint(None)
         self.budget, self.custom_prices, self.prices = Budget(knobs), knobs.prices, {}
         self.spent: dict[str, dict] = {"policy": {}, "reflection": {}}  # by this process, every scope
+        self.unrecorded: dict[str, dict] = {}  # by stage, what no step record holds (validation, attribution, a stop)
         self.direct_calls = 0  # LM calls of the program outside its predictors (they get no library)
+        self.clipped = False  # a metric's feedback was cut for the learning calls (said once)
         self._lock, self._cond = threading.Lock(), threading.Condition()
         self.name = self.prefix = ""
         self.meters, self.failures, self.finished, self.work, self.tally = {}, {}, {}, None, lambda usage: None
@@ -123,6 +127,7 @@ class Executor:
         on. `tally(usage)` is told after each unit; learning calls are saved under `prefix` (the step's folder). An
         enclosing `dspy.track_usage()` receives every call of the scope once, as it ends."""
         self.prefix, self.name, self.meters, self.failures, self.finished = prefix, name, {}, {}, {}
+        self.recorded = False  # a step sets it once its record holds the scope's usage
         self.tally, outer, bars = tally or (lambda usage: None), dspy.settings.usage_tracker, StageBars()
         self.expect(groups)
         with Workers(self.knobs.num_threads, progress=self.knobs.progress or bars, meters=self.meters) as self.work:
@@ -132,6 +137,8 @@ class Executor:
                 bars.close()
                 for stage, meter in self.meters.items():
                     add_usage(self.spent[ROLE.get(stage, "reflection")], meter.totals())
+                    if not self.recorded:  # a validation, an attribution, a step stopped part way
+                        add_usage(self.unrecorded.setdefault(stage, {}), meter.totals())
                     for lm, entries in (meter.usage_data.items() if outer is not None else ()):
                         outer.usage_data[lm].extend(entries)
 
@@ -193,6 +200,7 @@ class Executor:
             if key is not None and not record["error"] and "timeout" not in record:
                 self.ckpt.put(key, record)
         self._done(stage, record["error"] or record.get("timeout"))
+        self._say_clipped(record)
         return record
 
     def scored(self, stage: str, jobs: list[tuple[str | None, dspy.Module, dspy.Example]]) -> list[dict]:
@@ -208,7 +216,18 @@ class Executor:
         if "timeout" not in scored:
             self.ckpt.put(key, scored)
         self._done("reward", None)
+        self._say_clipped(scored)
         return scored
+
+    def _say_clipped(self, scored: dict) -> None:
+        """Say once per run that the metric's feedback was cut for the learning calls."""
+        cut = "feedback_chars" in scored
+        with self._lock:
+            first, self.clipped = cut and not self.clipped, self.clipped or cut
+        if first:
+            logger.warning("The metric's feedback on an attempt ran to %d characters: the learning calls read it cut to "
+                           "%d (its head and tail; further cuts are not said again)", scored["feedback_chars"],
+                           MAX_FEEDBACK_CHARS)
 
     def call(self, stage: str, name: str, fn: Callable[[], Any]) -> Any:
         """One learning call on the pool (see `calls`)."""
@@ -322,6 +341,15 @@ def _attempt_record(program: dspy.Module, example: dspy.Example, metric: Callabl
     if rec["failed"]:
         return {**rec, "reward": None, "feedback": ""}
     return {**rec, **score_attempt(metric, example, rec, timeout_s)}
+
+
+EMPTY_REPLY = "The LM returned an empty or null response"  # what DSPy's adapters raise for a reply with no content
+
+
+def no_answer(exc: BaseException) -> bool:
+    """Whether `exc` says the provider gave no answer: an LM call that failed, or a reply with nothing to parse (DSPy's
+    adapters raise an `AdapterParseError` for no choices, or an empty content such as a content filter leaves)."""
+    return isinstance(exc, LMError) or (isinstance(exc, AdapterParseError) and EMPTY_REPLY in str(exc))
 
 
 def rollout_id(*parts) -> int:

@@ -23,38 +23,32 @@ on which an attempt's LM call failed leaves the probe, for every program alike, 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import random
 import statistics
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import dspy
 
 from tfgrpo.base.util import digest
 from tfgrpo.optimizers.checkpoint import Keys
 from tfgrpo.optimizers.execution import Executor, rollout_id, with_own_lms
-from tfgrpo.optimizers.learning_paths import Lessons
-from tfgrpo.optimizers.result import Group
+from tfgrpo.optimizers.result import Demo, Group, Lessons, Verdict
 from tfgrpo.programs.inject import with_learned
 from tfgrpo.programs.render import query_key
 from tfgrpo.signatures.operations import Operation
 
+if TYPE_CHECKING:
+    from tfgrpo.optimizers.knobs import Knobs
+    from tfgrpo.optimizers.step import Run, State
+
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Verdict:
-    """What the judge hands on: the operations to apply, the demos, the probe's record (None when no probe ran) and demo
-    candidates for the next step."""
-
-    plan: list[Operation]
-    demos: list[dict]
-    record: dict | None = None
-    found: list[dict] = field(default_factory=list)
-
-
-def judge(run, state, step: int, groups: list[Group], lessons: Lessons) -> Verdict:
+def judge(run: Run, state: State, step: int, groups: list[Group], lessons: Lessons) -> Verdict:
     """The verdict on a step's lessons and winning attempts: the probe's with `probe_size`, else every operation of the
     plan and (with `max_demos`) the demos by group advantage. With `probe_min_power`, a probe that could not tell a
     better candidate from a useless one at the step's solve rate is skipped: no edit is kept unprobed, the free demo
@@ -69,14 +63,14 @@ def judge(run, state, step: int, groups: list[Group], lessons: Lessons) -> Verdi
         # (where the probe is skipped, as BootstrapFewShot: any group's full success, those with contrast first)
         new = demo_candidates([g for g in groups if g.informative or skipped], step)
         if skipped:  # the demos the program has were kept for a reason: only free slots are filled
-            held = {d["query"] for d in state.demos}
-            new = best_demos([d for d in new if d["query"] not in held], knobs.max_demos - len(state.demos))
+            held = {d.query for d in state.demos}
+            new = best_demos([d for d in new if d.query not in held], knobs.max_demos - len(state.demos))
         demos = best_demos(state.demos + new, knobs.max_demos)
         return Verdict(plan=[] if skipped else lessons.plan, demos=demos, record=skipped)
     return Verdict(plan=[] if skipped else lessons.plan, demos=state.demos, record=skipped)
 
 
-def unresolvable(knobs, groups: list[Group]) -> dict | None:
+def unresolvable(knobs: Knobs, groups: list[Group]) -> dict | None:
     """Why a probe of the step's edits would be skipped (`probe_min_power`): its power at the step's solve rate (the
     share of its attempts with reward 1) is below the knob; None when it would run, or none is asked for."""
     attempts = [a.reward >= 1 for g in groups for a in g.attempts]
@@ -99,24 +93,24 @@ def probe_power(solve_rate: float, size: int) -> float:
 
 
 # -- demos ------------------------------------------------------------------------------------------------------------
-def demo_candidates(groups: list[Group], step: int, *, min_reward: float = 1.0) -> list[dict]:
+def demo_candidates(groups: list[Group], step: int, *, min_reward: float = 1.0) -> list[Demo]:
     """Per group given: its best attempt, if its reward reaches `min_reward` (1: it fully succeeded; a probe judges
     candidates by what they do elsewhere, so it takes any that scored), with its group advantage."""
     found = []
     for group in groups:
         best = max(group.attempts, key=lambda a: (a.reward, -a.g))
         if best.reward >= min_reward and best.reward > 0 and not best.error and best.trace:
-            found.append({"query": group.key, "step": step, "reward": best.reward,
-                          "advantage": best.reward - statistics.fmean(group.rewards), "trace": best.trace})
+            found.append(Demo(query=group.key, trace=best.trace, step=step, reward=best.reward,
+                              advantage=best.reward - statistics.fmean(group.rewards)))
     return found
 
 
-def best_demos(demos: list[dict], n: int, score: str = "advantage") -> list[dict]:
-    """The `n` demos with the highest `score` (their group "advantage", or a probe's "gain"; the earlier step first on
-    ties), one per query."""
-    best_per_query: dict[str, dict] = {}
-    for demo in sorted(demos, key=lambda d: (-d.get(score, 0.0), d["step"], d["query"])):
-        best_per_query.setdefault(demo["query"], demo)
+def best_demos(demos: list[Demo], n: int, score: str = "advantage") -> list[Demo]:
+    """The `n` demos with the highest `score` (their group "advantage", or a probe's "gain", 0 where none was
+    measured; the earlier step first on ties), one per query."""
+    best_per_query: dict[str, Demo] = {}
+    for demo in sorted(demos, key=lambda d: (-(getattr(d, score) or 0.0), d.step, d.query)):
+        best_per_query.setdefault(demo.query, demo)
     return list(best_per_query.values())[: max(n, 0)]
 
 
@@ -127,7 +121,7 @@ class Candidate:
 
     label: str  # how logs and the step record name it
     operations: tuple[Operation, ...] = ()
-    demo: dict | None = None
+    demo: Demo | None = None
 
     @property
     def shows_code(self) -> bool:
@@ -273,7 +267,7 @@ class Probe:
                     self.candidates, self.scores, self.kept, self.ran, self.solved[1:])]}
 
 
-def probe_edits(run, state, step: int, groups: list[Group], plan: list[Operation]) -> Verdict:
+def probe_edits(run: Run, state: State, step: int, groups: list[Group], plan: list[Operation]) -> Verdict:
     """The step's probe: the plan's operations and the demo candidates, each tried against the current program on the
     same training queries outside the step's queries; kept as `Probe` says."""
     knobs, library, demos = run.knobs, state.library, state.demos
@@ -292,31 +286,32 @@ def probe_edits(run, state, step: int, groups: list[Group], plan: list[Operation
     seed = rollout_id(knobs.seed, step, "probe")
     runnable = [with_own_lms(p, rollout_id=seed, temperature=knobs.temperature) for p in programs]
     queries = probe_queries(len(run.trainset), [g.index for g in groups], knobs.probe_size, seed=knobs.seed, step=step)
-    current = digest([[e.model_dump() for e in library.active.values()], demos])
+    current = digest([[e.model_dump() for e in library.active.values()], [d.to_record() for d in demos]])
     probe = Probe(candidates, list(queries)).run(
         run.executor, runnable, run.trainset, keys=(current, step))
     kept_ops = [op for c, k in zip(candidates, probe.kept) if k for op in c.operations]
     best = next((i for i, (c, k) in enumerate(zip(candidates, probe.kept))  # a demo is shown solving its query
-                 if k and c.demo is not None and (c.demo["reward"] >= 1 or probe.traces[1 + i])), None)
+                 if k and c.demo is not None and (c.demo.reward >= 1 or probe.traces[1 + i])), None)
     if best is not None:  # the demo set the winning candidate demo was probed with
         demos = best_demos(demos, knobs.max_demos - 1, "gain") + [_shown_demo(candidates[best].demo, best, probe,
                                                                                       run.trainset)]
     # demo candidates for the next step, found on the way: attempts that solved their probe query made by a program
     # without demos (a fresh sample of what the model writes; with a demo in the prompt it is mostly that demo again)
     free = [not state.demos] + [not state.demos and c.demo is None for c in candidates]
-    found = [{"query": query_key(run.trainset[qi], qi), "step": step, "reward": 1.0, "advantage": 0.0, "trace": trace}
+    found = [Demo(query=query_key(run.trainset[qi], qi), trace=trace, step=step, reward=1.0, advantage=0.0)
              for p, ok in enumerate(free) if ok and knobs.max_demos for qi, trace in probe.traces[p].items()]
     return Verdict(plan=kept_ops, demos=demos, record={"unprobed": unprobed, **probe.record()},
                    found=found)
 
 
-def _candidates(knobs, state, step: int, groups: list[Group], plan: list[Operation]) -> tuple[list[Candidate], int]:
+def _candidates(knobs: Knobs, state: State, step: int, groups: list[Group], plan: list[Operation]
+                ) -> tuple[list[Candidate], int]:
     """The edits to probe (demos first, half the slots at most; then the plan's operations the library accepts; a
     spare slot retires a current experience in turn), and how many were left out."""
     found = demo_candidates([g for g in groups if g.informative], step, min_reward=0.0) + \
         list(state.pending) if knobs.max_demos else []
-    found = sorted(found, key=lambda d: (-d["reward"], -d["advantage"], d["query"]))[: (knobs.max_probed_edits + 1) // 2]
-    candidates = [Candidate(label=f"demo from {d['query']} (reward {d['reward']:.2f})", demo=d) for d in found]
+    found = sorted(found, key=lambda d: (-d.reward, -d.advantage, d.query))[: (knobs.max_probed_edits + 1) // 2]
+    candidates = [Candidate(label=f"demo from {d.query} (reward {d.reward:.2f})", demo=d) for d in found]
     library = state.library
     for op in plan:
         if len(candidates) >= knobs.max_probed_edits:
@@ -329,12 +324,12 @@ def _candidates(knobs, state, step: int, groups: list[Group], plan: list[Operati
     return candidates, max(0, len(plan) + len(found) - len(candidates))
 
 
-def _shown_demo(demo: dict, c: int, probe: Probe, trainset: list) -> dict:
+def _shown_demo(demo: Demo, c: int, probe: Probe, trainset: list) -> Demo:
     """The winning demo as it is kept: with its probe gain; shown as an attempt that solved its own query (a candidate
     judged by what it did on other queries may have failed its own: then its attempt on a probe query it solved)."""
     solved, mean = probe.scores[c]
-    demo = dict(demo, gain=solved - probe.base[0] + mean - probe.base[1])
-    if demo["reward"] < 1:
+    demo = dataclasses.replace(demo, gain=solved - probe.base[0] + mean - probe.base[1])
+    if demo.reward < 1:
         qi = next(iter(probe.traces[1 + c]))
-        demo.update(query=query_key(trainset[qi], qi), reward=1.0, trace=probe.traces[1 + c][qi])
+        demo = dataclasses.replace(demo, query=query_key(trainset[qi], qi), reward=1.0, trace=probe.traces[1 + c][qi])
     return demo

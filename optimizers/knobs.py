@@ -71,7 +71,7 @@ def _is_number(v: Any) -> bool:
 
 
 FLAG = instance(bool, "True or False")
-PATH_INSTANCE = lazy_instance("tfgrpo.optimizers.learning_paths", "LearningPath", "a LearningPath instance")
+PATH_INSTANCE = lazy_instance("tfgrpo.optimizers.result", "LearningPath", "a LearningPath instance")
 PATHS = ("auto", "paper", "contrast")
 PREDICTOR_NAMES = Check(lambda v: isinstance(v, (list, tuple)) and len(v) > 0 and all(isinstance(n, str) for n in v),
                         "a non-empty list of predictor names")
@@ -243,6 +243,10 @@ class Knobs:
         "differs); num_threads, max_failure_rate, the budgets and progress may change. One compile at a time: the "
         "folder is locked while a compile runs, and a second one is refused with a `RunLockedError` naming the "
         "holder (a lock of a process that died is taken over)."))
+    resume_other_versions: bool = knob(False, FLAG, doc=(
+        "Resume a log_dir whose saved units were made under other versions of tfgrpo, DSPy, LiteLLM or the adapter "
+        "(run.json records them). Refused by default, naming both: their prompts may differ from today's, and the "
+        "reused attempts would sit beside new ones made with another prompt. True reuses them and says so."))
     progress: Callable[[str, int, int], None] | None = knob(
         None, optional(Check(callable, "a callable progress(stage, done, total)")), doc=(
             "`progress(stage, done, total)`, called as units finish, for UIs; stage \"step\" is the whole run (steps "

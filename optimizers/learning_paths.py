@@ -29,47 +29,24 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import dspy
 
 from tfgrpo.base.util import clip
-from tfgrpo.optimizers.parallel import Failed
-from tfgrpo.optimizers.result import Group, Scored
+from tfgrpo.optimizers.result import Failed, Group, LearningPath, Lessons, Scored
 from tfgrpo.programs.contrast_learner import ContrastLearner
 from tfgrpo.programs.learning import AdvantageExtractor, Consolidator, Summarizer
 from tfgrpo.programs.library import ExperienceLibrary
 from tfgrpo.programs.render import format_fields, outcome, tool_actions, tool_observations
 from tfgrpo.signatures.operations import Operation
 
+if TYPE_CHECKING:
+    from tfgrpo.optimizers.step import Run
+
 logger = logging.getLogger(__name__)
 
 EMPTY_LIBRARY = "(no experiences yet: only 'add' is possible)"
-
-
-@dataclass
-class Lessons:
-    """What a path makes of a step: the plan, every proposal with the key of the query it came from, and counts
-    (learning_failures and operations_proposed at least; path-specific ones besides)."""
-
-    plan: list[Operation]
-    proposals: list[tuple[str, Operation]] = field(default_factory=list)
-    counts: dict[str, Any] = field(default_factory=dict)
-    consolidation: str = ""
-
-
-class LearningPath:
-    """The contract of a learning path (see the module docstring). Instances hold settings only; everything of one
-    step comes in the arguments and goes out in the values `learn` returns, so one instance serves every step."""
-
-    stages: tuple[str, ...] = ()
-
-    def learn(self, run, library: ExperienceLibrary, group: Group) -> Any:
-        raise NotImplementedError
-
-    def finish(self, run, library: ExperienceLibrary, results: list[tuple[Group, Any]]) -> Lessons:
-        raise NotImplementedError
 
 
 class PaperPath(LearningPath):
@@ -78,7 +55,7 @@ class PaperPath(LearningPath):
 
     stages = ("summary", "advantage", "consolidation")
 
-    def learn(self, run, library, group):
+    def learn(self, run: Run, library: ExperienceLibrary, group: Group) -> dict:
         knobs, ex = run.knobs, run.executor
         labels, produced = dict(group.example.labels()), {k for a in group.attempts for k in (a.outputs or {})}
         # the ground truth shown to the learning calls: the labels the program also outputs (else all of them)
@@ -112,7 +89,7 @@ class PaperPath(LearningPath):
 
         return {"ops": ex.call("advantage", f"advantages/{group.index}", extract), "failed_summaries": len(failed)}
 
-    def finish(self, run, library, results):
+    def finish(self, run: Run, library: ExperienceLibrary, results: list[tuple[Group, dict]]) -> Lessons:
         proposals, failures = [], 0
         for group, res in results:
             failures += res["failed_summaries"]
@@ -127,7 +104,8 @@ class PaperPath(LearningPath):
                        counts={"learning_failures": failures, "operations_proposed": len(proposals)})
 
     @staticmethod
-    def _consolidate(run, library: ExperienceLibrary, proposals) -> tuple[list[Operation], str]:
+    def _consolidate(run: Run, library: ExperienceLibrary, proposals: list[tuple[str, Operation]]
+                     ) -> tuple[list[Operation], str]:
         """One call turns the batch's proposals into the plan; if it fails, the (validated) proposals are the plan."""
         if not proposals:
             return [], "nothing proposed"
@@ -225,7 +203,7 @@ class ContrastPath(LearningPath):
         actions = tool_actions(attempt.outputs)
         return f"{clip(chr(10).join(actions) if actions else attempt.text, 2000)}\nresult: {outcome(attempt)}"
 
-    def learn(self, run, library, group):
+    def learn(self, run: Run, library: ExperienceLibrary, group: Group) -> list:
         knobs = run.knobs
         learner = ContrastLearner(max_words=knobs.max_words_per_experience,
                                   constrained=constrained_mode(knobs.constrained_decoding, run.reflection_lm))
@@ -243,7 +221,7 @@ class ContrastPath(LearningPath):
         pairs = contrast_pairs(group.rewards, knobs.max_operations_per_group)
         return run.executor.calls("contrast", dict(contrast(attempts[b], attempts[w]) for b, w in pairs))
 
-    def finish(self, run, library, results):
+    def finish(self, run: Run, library: ExperienceLibrary, results: list[tuple[Group, list]]) -> Lessons:
         proposals, counts = [], {"learning_failures": 0, "operations_proposed": 0, "refused_specific": 0,
                                  "rewritten_specific": 0, "redundant": 0, "said_none": 0}
         for group, replies in results:

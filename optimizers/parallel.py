@@ -23,13 +23,6 @@ POLICY_STAGES = ("rollout", "probe", "validation", "attribution")  # the program
 ROLE = dict.fromkeys(POLICY_STAGES, "policy")  # a stage's role: ROLE.get(stage, "reflection")
 
 
-@dataclass(frozen=True)
-class Failed:
-    """A unit of work that raised, kept as a value so the caller can count it and go on: its error, as text."""
-
-    error: str
-
-
 class TooManyFailuresError(RuntimeError):
     """More of a stage's units failed than `max_failure_rate` allows: the step stops, unfinished."""
 

@@ -25,7 +25,7 @@ import dspy
 from dspy.adapters.chat_adapter import ChatAdapter
 
 from tfgrpo.base.util import digest
-from tfgrpo.optimizers.checkpoint import Checkpoint, code_fingerprint
+from tfgrpo.optimizers.checkpoint import Checkpoint, code_fingerprint, prompt_versions
 from tfgrpo.optimizers.execution import fixed_temperature
 from tfgrpo.optimizers.knobs import Knobs, fingerprinted_knobs, resolve
 from tfgrpo.optimizers.parallel import model_price
@@ -131,7 +131,7 @@ def make_plan(optimizer, student: dspy.Module, trainset: list, valset: list | No
         raise TypeError(f"{type(program).__name__} defines neither forward() nor aforward(): a dspy.Module runs one of "
                         "them on each example")
     fingerprint = make_fingerprint(knobs, program, targets, trainset, valset, library, lms, optimizer.metric)
-    saved = Checkpoint(knobs.log_dir).check(fingerprint)  # a log_dir of another run is refused here, as by compile
+    saved = Checkpoint(knobs.log_dir).check(fingerprint, other_versions=knobs.resume_other_versions)  # as compile
     expected, bound = estimate(knobs, program, trainset, valset, held_out, lms, learning_path=path,
                                reply_tokens=reply_tokens)
     budget = {"max_cost": knobs.max_cost, "max_total_tokens": knobs.max_total_tokens,
@@ -277,7 +277,8 @@ def make_fingerprint(knobs: Knobs, program, targets, trainset: list, valset: lis
     return {"knobs": fingerprinted, "targets": targets, "models": models,
             "instructions": digest([p.signature.instructions for _, p in program.named_predictors()]),
             "trainset": digest([dict(x) for x in trainset]), "valset": digest([dict(x) for x in valset or []]),
-            "initial_library": digest(library.dump_state()), **code_fingerprint(metric, program)}
+            "initial_library": digest(library.dump_state()), **code_fingerprint(metric, program),
+            "versions": prompt_versions()}
 
 
 # -- the estimate -----------------------------------------------------------------------------------------------------

@@ -1,8 +1,10 @@
-"""The typed records of a run: the attempts a step passes forward, and `compiled.detailed_results`.
+"""The typed records of a run: what a step's stages pass forward, and `compiled.detailed_results`.
 
-A rollout makes an `Attempt`, the reward stage a `Scored` attempt, and a query's scored attempts make a `Group`, which
-the learning paths read; each stage makes new values and never writes into the ones before it. Checkpoints store the
-plain records (`to_record`) and rebuild the values from them.
+A rollout makes an `Attempt`, the reward stage a `Scored` attempt, and a query's scored attempts make a `Group`; a
+`LearningPath` turns groups into `Lessons` (the plan of library operations), the judge turns lessons and winning
+attempts into a `Verdict` (the operations and `Demo`s kept), and the state applies it. Each stage makes new values and
+never writes into the ones before it. A unit of work that raised is a `Failed` value, counted by its caller.
+Checkpoints store the plain records (`to_record`) and rebuild the values from them.
 
 `compiled.detailed_results` is a `TrainingFreeGRPOResult`. Every step has the same fields whatever the learning path;
 what only one path counts (the contrast path's refused or redundant rules, say) is under `details`. `to_dict()` gives
@@ -11,11 +13,16 @@ plain JSON-ready data (what `steps.jsonl` holds).
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import dspy
+
+from tfgrpo.signatures.operations import Operation
+
+if TYPE_CHECKING:
+    from tfgrpo.optimizers.step import Run
+    from tfgrpo.programs.library import ExperienceLibrary
 
 
 @dataclass(frozen=True)
@@ -89,6 +96,72 @@ class Group:
         """Whether the group carries a direction: its rewards differ, or it is a single attempt of a single one made
         (G = 1, judged against the ground truth alone)."""
         return len(set(self.rewards)) > 1 or (len(self.attempts) == 1 and (self.size or 1) == 1)
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A unit of work that raised, kept as a value so the caller can count it and go on: its error, as text."""
+
+    error: str
+
+
+@dataclass(frozen=True)
+class Demo:
+    """A winning attempt kept (or to be probed) as a few-shot demo of the target predictors: the query it answered (its
+    key), its trace (every predictor call: inputs and outputs, which become the predictors' `demos`), and where it
+    came from: the step, its reward, its group advantage, and its probe gain once a probe kept it. A demo read back
+    from a saved program knows only its query and trace (the rest None)."""
+
+    query: str
+    trace: list
+    step: int | None = None
+    reward: float | None = None
+    advantage: float | None = None
+    gain: float | None = None
+
+    def to_record(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_record(cls, rec: dict) -> Demo:
+        return cls(**{f.name: rec[f.name] for f in fields(cls) if f.name in rec})
+
+
+@dataclass
+class Lessons:
+    """What a learning path makes of a step: the plan, every proposal with the key of the query it came from, and
+    counts (learning_failures and operations_proposed at least; path-specific ones besides)."""
+
+    plan: list[Operation]
+    proposals: list[tuple[str, Operation]] = field(default_factory=list)
+    counts: dict[str, Any] = field(default_factory=dict)
+    consolidation: str = ""
+
+
+@runtime_checkable
+class LearningPath(Protocol):
+    """How one step's groups with reward contrast become a plan of library operations (learning_paths.py holds the
+    paper's path and the contrast path). `learn` makes one group's learning calls (groups run side by side, each as
+    soon as its attempts are scored) and returns what `finish` needs; `finish` turns every group's result into the
+    step's `Lessons`. `stages` names the stages its calls are metered and checked under. An instance holds settings
+    only: one serves every step."""
+
+    stages: tuple[str, ...] = ()
+
+    def learn(self, run: Run, library: ExperienceLibrary, group: Group) -> Any: ...
+
+    def finish(self, run: Run, library: ExperienceLibrary, results: list[tuple[Group, Any]]) -> Lessons: ...
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the judge hands on: the operations to apply, the demos the program keeps, the probe's record (None when no
+    probe ran) and demo candidates found for the next step."""
+
+    plan: list[Operation]
+    demos: list[Demo]
+    record: dict | None = None
+    found: list[Demo] = field(default_factory=list)
 
 
 class _Record:

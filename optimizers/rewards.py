@@ -15,7 +15,7 @@ from typing import Any, Callable
 import dspy
 
 from tfgrpo.base.util import clip
-from tfgrpo.programs.render import format_fields
+from tfgrpo.programs.render import MAX_FEEDBACK_CHARS, format_fields
 
 logger = logging.getLogger(__name__)
 
@@ -98,13 +98,17 @@ def _within(timeout_s: float, metric: Callable, args: tuple, where: str) -> Any:
 
 def score_attempt(metric: Callable, example: dspy.Example, record: dict, timeout_s: float | None = None) -> dict:
     """The reward and feedback of a recorded attempt; a failed attempt scores 0 without asking the metric. A metric
-    call that times out (`timeout_s`) scores 0 too, with the timeout under "timeout" (such a record is not saved)."""
+    call that times out (`timeout_s`) scores 0 too, with the timeout under "timeout" (such a record is not saved). A
+    feedback longer than `MAX_FEEDBACK_CHARS` is cut to it (head and tail kept), its length before under
+    "feedback_chars": every learning call reads it."""
     if record["error"] or record["outputs"] is None:
         return {"reward": 0.0, "feedback": f"the attempt failed: {record['error']}"}
     try:
         score, feedback = call_metric(metric, example, dspy.Prediction(**record["outputs"]), timeout_s)
     except MetricTimeout as exc:
         return {"reward": 0.0, "feedback": "the metric timed out on this attempt", "timeout": str(exc)}
+    if len(feedback) > MAX_FEEDBACK_CHARS:
+        return {"reward": score, "feedback": clip(feedback, MAX_FEEDBACK_CHARS), "feedback_chars": len(feedback)}
     return {"reward": score, "feedback": feedback}
 
 

@@ -26,11 +26,10 @@ import dspy
 
 from tfgrpo.optimizers.checkpoint import Keys
 from tfgrpo.optimizers.execution import CONTEXT_REFUSALS, Executor, add_usage, rollout_id, with_own_lms
-from tfgrpo.optimizers.judge import Verdict, judge, unresolvable
+from tfgrpo.optimizers.judge import judge, unresolvable
 from tfgrpo.optimizers.knobs import Knobs
-from tfgrpo.optimizers.learning_paths import LearningPath, Lessons
 from tfgrpo.optimizers.parallel import TooManyFailuresError
-from tfgrpo.optimizers.result import Attempt, Group, Scored, StepResult
+from tfgrpo.optimizers.result import Attempt, Demo, Group, LearningPath, Lessons, Scored, StepResult, Verdict
 from tfgrpo.optimizers.rewards import reference_example
 from tfgrpo.programs.inject import with_learned
 from tfgrpo.programs.library import ApplyReport, ExperienceLibrary
@@ -62,8 +61,8 @@ class State:
     (`pending`) and the steps done."""
 
     library: ExperienceLibrary
-    demos: list[dict] = field(default_factory=list)
-    pending: list[dict] = field(default_factory=list)
+    demos: list[Demo] = field(default_factory=list)
+    pending: list[Demo] = field(default_factory=list)
     step: int = 0
 
     def apply(self, verdict: Verdict, sources: list[str], *, quiet: bool = False) -> tuple[State, ApplyReport]:
@@ -74,12 +73,14 @@ class State:
         return State(library=library, demos=verdict.demos, pending=verdict.found, step=self.step + 1), report
 
     def to_record(self) -> dict:
-        return {"library": self.library.dump_state(), "demos": self.demos, "found": self.pending}
+        return {"library": self.library.dump_state(), "demos": [d.to_record() for d in self.demos],
+                "found": [d.to_record() for d in self.pending]}
 
     @classmethod
     def from_record(cls, rec: dict, step: int) -> State:
-        return cls(library=ExperienceLibrary.from_state(rec["library"]), demos=rec.get("demos", []),
-                   pending=rec.get("found", []), step=step)
+        return cls(library=ExperienceLibrary.from_state(rec["library"]),
+                   demos=[Demo.from_record(d) for d in rec.get("demos", [])],
+                   pending=[Demo.from_record(d) for d in rec.get("found", [])], step=step)
 
 
 def step(run: Run, state: State, epoch: int, batch: list[int]) -> tuple[State, StepResult]:
@@ -106,6 +107,7 @@ def step(run: Run, state: State, epoch: int, batch: list[int]) -> tuple[State, S
         verdict = judge(run, state, index, groups, lessons)
         stages = ("rollout", *run.path.stages, *(("probe",) if verdict.record else ()))
         usage = {s: ex.meter(s).totals() for s in stages}
+        ex.recorded = True  # the step's record holds its usage from here
     sources = sorted({q for q, _ in lessons.proposals})
     new, report = state.apply(verdict, sources, quiet=bool(run.knobs.probe_size))
     stats = _record(run, new, epoch, groups=groups, lessons=lessons, verdict=verdict, report=report, usage=usage,
@@ -199,8 +201,9 @@ def _check_attempts(run: Run, index: int, groups: list[Group], timeouts: list[st
                        len(timeouts), scored, timeouts[0])
     made = sum(g.size for g in groups)
     if left := made - scored:
-        logger.warning("Step %d: %d of %d attempts got no answer (their LM call failed after its retries): left out of "
-                       "their groups, not scored", index, left, made)
+        logger.warning("Step %d: %d of %d attempts got no answer (an LM call failed after its retries, or the provider "
+                       "replied with nothing: no choices, a filtered or cut empty content): left out of their groups, "
+                       "not scored, counted in failed_calls", index, left, made)
     errors = [e for e in run.executor.failures.get("rollout", ([], 0))[0] if e]
     refused = [e for e in errors if any(s in e.lower() for s in CONTEXT_REFUSALS)]
     if refused:
@@ -235,7 +238,7 @@ def _record(run: Run, new: State, epoch: int, *, groups: list[Group], lessons: L
         usage={stage: add_usage(dict(before.get(stage, {})), u) for stage, u in usage.items()},
         seconds=seconds, wall_s=time.time() - t0,
         metric_calls=len(attempts) + (verdict.record or {}).get("attempts_run", 0),
-        demos=[d["query"] for d in verdict.demos], probe=verdict.record, queries=[g.index for g in groups],
+        demos=[d.query for d in verdict.demos], probe=verdict.record, queries=[g.index for g in groups],
         usage_before_resume=before,
         details={**{k: v for k, v in counts.items() if k not in ("learning_failures", "operations_proposed")},
                  **({"metric_timeouts": len(timeouts)} if timeouts else {})})

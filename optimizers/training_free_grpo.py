@@ -157,7 +157,7 @@ class TrainingFreeGRPO(Teleprompter):
             info = hooks.CompileInfo(knobs={name: getattr(self, name) for name in KNOBS},
                                      params=functools.partial(_params, self, plan, student))
             with hooks.tracked(info) as trackers:  # the trackers (MLflow's) see the run from its start to the program
-                saved = ckpt.start(plan.fingerprint)
+                saved = ckpt.start(plan.fingerprint, other_versions=plan.knobs.resume_other_versions)
                 logger.warning("%s", plan.summary())
                 run = self._run(plan, student, trainset, ckpt)
                 if saved:  # what the fingerprint cannot see: the saved work is checked against today's metric and program
@@ -220,15 +220,17 @@ class TrainingFreeGRPO(Teleprompter):
                         "go to the later epoch); %d experiences", best[0].epoch, best[0].val_score, len(epochs),
                         len(best[1].library))
         learned, worth = self._attribution(run, student, learned, held_out, stopped)
-        run_usage = {"policy": {}, "reflection": {}}  # the whole run's, the steps reused from log_dir included
-        for stage, used in ((stage, used) for stats in steps for stage, used in stats.usage.items()):
+        run_usage = {"policy": {}, "reflection": {}}  # the whole run's: its steps' (those reused from log_dir
+        by_stage = [*((stage, used) for stats in steps for stage, used in stats.usage.items()),  # included) and the
+                    *run.executor.unrecorded.items()]  # validations, the attribution, a step stopped part way
+        for stage, used in by_stage:
             add_usage(run_usage[ROLE.get(stage, "reflection")], used)
         compiled = with_learned(student, run.targets, *learned)
         compiled.detailed_results = TrainingFreeGRPOResult(
             steps=steps, epochs=epochs, best_val_score=best[0].val_score if best else None,
             best_epoch=best[0].epoch if best else None, usage=run.executor.spent, run_usage=run_usage,
             reused_units=run.executor.ckpt.reused, stopped_early=stopped, worth=worth,
-            limits=_limits(steps, run.executor.spent, stopped))
+            limits=_limits(steps, run.executor.spent, stopped, run.executor.unrecorded, run.executor.ckpt.reused))
         compiled._compiled = True
 
         return compiled
@@ -295,7 +297,8 @@ def validate(run: Run, state: State, valset: list, epoch: int) -> EpochResult:
     value = sum(r["reward"] for r in answered) / len(answered) if answered else 0.0
     logger.info("Epoch %d: validation score %.3f with %d experiences", epoch, value, len(state.library))
     run.executor.ckpt.put(Keys.epoch(epoch), {"val_score": value, "val_failures": len(errors),
-                                     "library": state.library.dump_state(), "demos": state.demos})
+                                     "library": state.library.dump_state(),
+                                              "demos": [d.to_record() for d in state.demos]})
     return EpochResult(epoch=epoch, val_score=value, library_size=len(state.library), val_failures=len(errors))
 
 
@@ -315,10 +318,12 @@ def _learned_out(knobs: Knobs, stats: StepResult) -> str | None:
     return None
 
 
-def _limits(steps: list[StepResult], usage: dict, stopped: str | None) -> dict:
-    """What limited the run, logged at WARNING level with what it spent: how many attempts solved their own query,
-    the best winning attempt written (the demo candidate that solved most of its probe's queries) against the program
-    kept (its solved share on the last probe), the calls per stage, and why it stopped."""
+def _limits(steps: list[StepResult], usage: dict, stopped: str | None, unrecorded: dict, reused: int) -> dict:
+    """What limited the run, logged at WARNING level with what it spent (`usage`, by role; `reused`: units read back
+    from log_dir): how many attempts solved their own query, the best winning attempt written (the demo candidate that
+    solved most of its probe's queries) against the program kept (its solved share on the last probe), the calls per
+    stage (the steps', and the `unrecorded` ones: validation, attribution, a step stopped part way), and why it
+    stopped."""
     attempts = [(s.step, c) for s in steps for c in (s.probe or {}).get("candidates", []) if c["edit"].startswith("demo")]
     best = max(attempts, key=lambda sc: sc[1]["successes"] / max(sc[1]["queries_run"], 1), default=None)
     last = next((s for s in reversed(steps) if s.probe and s.probe.get("queries")), None)
@@ -331,7 +336,8 @@ def _limits(steps: list[StepResult], usage: dict, stopped: str | None) -> dict:
               "kept": {"step": last.step, "solved": kept["successes"] if kept else last.probe["base_successes"],
                        "of": len(last.probe["queries"])} if last else None,
               "calls": {stage: sum(s.usage.get(stage, {}).get("calls", 0) for s in steps)
-                        for stage in dict.fromkeys(st for s in steps for st in s.usage)},
+                        + unrecorded.get(stage, {}).get("calls", 0)
+                        for stage in dict.fromkeys([*(st for s in steps for st in s.usage), *unrecorded])},
               "stopped": stopped or "ran every step"}
     shares = [x["solved"] / max(x["of"], 1) for x in (limits["best_written"], limits["kept"]) if x]
     limits["verdict"] = ("no winning attempt was probed: the rollouts wrote nothing to keep" if not best else
@@ -347,8 +353,9 @@ def _limits(steps: list[StepResult], usage: dict, stopped: str | None) -> dict:
              + (f" ({u['cached_tokens']:,} cached)" if u.get("cached_tokens") else "")
              + f" + {u.get('completion_tokens', 0):,} tokens" + (f", ${u['cost']:.4f}" if "cost" in u else "")
              for role, u in usage.items() if u.get("calls")]
-    logger.warning("compile spent: %s; calls by stage %s; %s", "; ".join(parts) or "nothing new (every unit reused)",
-                   limits["calls"], limits["stopped"])
+    nothing = "nothing new (every unit reused)" if reused else "nothing (no call was made)"
+    logger.warning("compile spent: %s; calls by stage %s; %s", "; ".join(parts) or nothing, limits["calls"],
+                   limits["stopped"])
     if best or last:
         logger.warning("what limited the run: %s", limits["summary"])
     return limits

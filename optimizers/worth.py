@@ -30,7 +30,7 @@ import dspy
 from tfgrpo.base.util import bootstrap_ci, clip, digest
 from tfgrpo.optimizers.execution import Executor, with_own_lms
 from tfgrpo.optimizers.knobs import Knobs
-from tfgrpo.optimizers.result import ItemWorth, WorthResult
+from tfgrpo.optimizers.result import Demo, ItemWorth, WorthResult
 from tfgrpo.programs.inject import with_learned
 from tfgrpo.programs.library import ExperienceLibrary
 from tfgrpo.programs.render import as_text
@@ -47,23 +47,23 @@ FILLER = ("Bread dough rises because yeast eats the sugars in flour and breathes
 
 
 class Learned(NamedTuple):
-    """What a compile kept: the library and the demos (each a dict with the attempt's `trace`)."""
+    """What a compile kept: the library and the demos."""
 
     library: ExperienceLibrary
-    demos: list[dict]
+    demos: list[Demo]
 
     def items(self) -> list[tuple[str, str, str]]:
         """(kind, ID, text) of every item: the experiences by their IDs, then the demos as D1, D2, ..., each shown by
         its query (the inputs of its first call)."""
         items = [("experience", e.id, e.text) for e in self.library]
         for j, demo in enumerate(self.demos):
-            first = (demo.get("trace") or [{}])[0].get("inputs", {})
+            first = (demo.trace or [{}])[0].get("inputs", {})
             items.append(("demo", f"D{j + 1}", clip(", ".join(f"{k}: {as_text(v)}" for k, v in first.items()), 120)))
         return items
 
     def key(self) -> str:
         """A digest of what these items are (their texts and demos, not only their IDs): the name of their runs."""
-        return digest({"experiences": [[e.id, e.text, e.excerpt] for e in self.library], "demos": self.demos})
+        return digest({"experiences": [[e.id, e.text, e.excerpt] for e in self.library], "demos": [d.to_record() for d in self.demos]})
 
     def only(self, ids: set[str]) -> "Learned":
         """The items whose IDs are in `ids`, nothing else."""
@@ -197,7 +197,7 @@ def _control(base: dspy.Module, targets: list[str], learned: Learned) -> dspy.Mo
     for name, predictor in control.named_predictors():
         if name not in targets:
             continue
-        calls = [call for demo in learned.demos for call in demo["trace"] if call["predictor"] == name]
+        calls = [call for demo in learned.demos for call in demo.trace if call["predictor"] == name]
         length = (len(full[name].signature.instructions) - len(predictor.signature.instructions)
                   + sum(len(as_text(v)) for call in calls for v in [*call["inputs"].values(), *call["outputs"].values()]))
         if length > 0:

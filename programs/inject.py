@@ -110,19 +110,19 @@ def apply_library(program: dspy.Module, library: ExperienceLibrary, target_predi
     return program
 
 
-def apply_demos(program: dspy.Module, demos: list[dict], targets: list[str]) -> dspy.Module:
-    """Put each demo's predictor calls into the matching target predictors' `demos` (in place; returns
-    `program`). Without demos the program's own demos are left as they are."""
+def apply_demos(program: dspy.Module, demos: list, targets: list[str]) -> dspy.Module:
+    """Put each demo's predictor calls (its `trace`: name, inputs and outputs of each call) into the matching target
+    predictors' `demos` (in place; returns `program`). Without demos the program's own demos are left as they are."""
     if not demos:
         return program
     for name, predictor in program.named_predictors():
         if name in targets:
             predictor.demos = [dspy.Example(**call["inputs"], **call["outputs"])
-                               for demo in demos for call in demo["trace"] if call["predictor"] == name]
+                               for demo in demos for call in demo.trace if call["predictor"] == name]
     return program
 
 
-def with_learned(program: dspy.Module, targets: list[str], library, demos: list[dict]) -> dspy.Module:
+def with_learned(program: dspy.Module, targets: list[str], library, demos: list) -> dspy.Module:
     """A copy of `program` carrying what was learned: the library in the targets' instructions, and the demos."""
     return apply_demos(apply_library(program.deepcopy(), library, targets), demos, targets)
 

@@ -12,6 +12,7 @@ from typing import Any
 from tfgrpo.base.util import clip, jsonable
 
 MAX_ATTEMPT_CHARS = 6000  # an attempt shown to a learning call is cut to this size (head and tail kept)
+MAX_FEEDBACK_CHARS = 2000  # and a metric's feedback on it to this one
 
 
 def format_fields(values: dict[str, Any]) -> str:

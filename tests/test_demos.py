@@ -1,11 +1,13 @@
 """Winning attempts kept as few-shot demos (max_demos): which attempts qualify, where they go, and that they
 reach later rollouts, the compiled program and a saved file, without touching the student."""
 
+import dataclasses
+
 import dspy
 
 from scripted_lm import ScriptedLM, kind_of
 from test_optimizer import compile_with, learner
-from tfgrpo.optimizers.result import Attempt, Group, Scored
+from tfgrpo.optimizers.result import Attempt, Demo, Group, Scored
 from tfgrpo.optimizers.judge import best_demos, demo_candidates
 
 
@@ -21,19 +23,19 @@ def _groups(rewards_by_query):
 def test_only_full_successes_ranked_by_group_advantage():
     groups = _groups({0: [1, 0, 0, 0], 1: [0.3, 0, 0, 0], 2: [1, 1, 1, 0], 3: [0, 1, 0, 1]})
     found = demo_candidates(groups, step=0)
-    assert [d["query"] for d in found] == ["k0", "k2", "k3"]  # a partial success (k1) teaches its mistakes too
-    assert found[2]["trace"][0]["outputs"] == {"a": "a3.1"}  # the first of equally good attempts
+    assert [d.query for d in found] == ["k0", "k2", "k3"]  # a partial success (k1) teaches its mistakes too
+    assert found[2].trace[0]["outputs"] == {"a": "a3.1"}  # the first of equally good attempts
     best = best_demos(found, 2)
-    assert [(d["query"], d["advantage"]) for d in best] == [("k0", 0.75), ("k3", 0.5)]
-    assert [d["query"] for d in demo_candidates(groups, step=0, min_reward=0.0)] == ["k0", "k1", "k2", "k3"]
+    assert [(d.query, d.advantage) for d in best] == [("k0", 0.75), ("k3", 0.5)]
+    assert [d.query for d in demo_candidates(groups, step=0, min_reward=0.0)] == ["k0", "k1", "k2", "k3"]
 
 
 def test_one_demo_per_query_and_earlier_steps_win_ties():
-    old = {"query": "k0", "step": 0, "advantage": 0.5, "trace": []}
-    new = [{"query": "k0", "step": 1, "advantage": 0.75, "trace": []},
-           {"query": "k1", "step": 1, "advantage": 0.5, "trace": []}]
-    assert [(d["query"], d["step"]) for d in best_demos([old] + new, 3)] == [("k0", 1), ("k1", 1)]
-    assert [(d["query"], d["step"]) for d in best_demos([dict(old, query="k2")] + new, 2)] == [("k0", 1), ("k2", 0)]
+    old = Demo(query="k0", step=0, advantage=0.5, trace=[])
+    new = [Demo(query="k0", step=1, advantage=0.75, trace=[]), Demo(query="k1", step=1, advantage=0.5, trace=[])]
+    assert [(d.query, d.step) for d in best_demos([old] + new, 3)] == [("k0", 1), ("k1", 1)]
+    assert [(d.query, d.step) for d in best_demos([dataclasses.replace(old, query="k2")] + new, 2)] == [
+        ("k0", 1), ("k2", 0)]
 
 
 def test_compiled_program_carries_a_winning_attempt_and_the_student_is_untouched(tmp_path):

@@ -7,9 +7,7 @@ import pytest
 from scripted_lm import ScriptedLM
 from test_contrast import compile_contrast, contrast_learner
 from test_optimizer import LESSON, compile_with, learner
-from tfgrpo.optimizers.learning_paths import LearningPath, Lessons
-from tfgrpo.optimizers.parallel import Failed
-from tfgrpo.optimizers.result import StepResult, TrainingFreeGRPOResult
+from tfgrpo.optimizers.result import Failed, LearningPath, Lessons, StepResult, TrainingFreeGRPOResult
 from tfgrpo.signatures.operations import Operation
 
 

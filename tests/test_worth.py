@@ -11,6 +11,7 @@ from test_optimizer import learner, make_trainset, metric
 from tfgrpo.optimizers import TrainingFreeGRPO
 from tfgrpo.optimizers.checkpoint import Checkpoint
 from tfgrpo.optimizers.knobs import Knobs
+from tfgrpo.optimizers.result import Demo
 from tfgrpo.optimizers.execution import Executor
 from tfgrpo.optimizers.worth import FILLER, Attribution, Learned, _halves
 from tfgrpo.programs.library import ExperienceLibrary
@@ -46,8 +47,8 @@ def reward(example, pred, trace=None):
 
 def learned() -> Learned:
     library = ExperienceLibrary.recovered([(i, f"Apply the {MARKERS[i]} here.", "") for i in ("E1", "E2", "E3")])
-    demo = {"query": "k", "trace": [{"predictor": "self", "inputs": {"question": MARKERS["D1"]},
-                                     "outputs": {"answer": "42"}}]}
+    demo = Demo(query="k", trace=[{"predictor": "self", "inputs": {"question": MARKERS["D1"]},
+                                   "outputs": {"answer": "42"}}])
     return Learned(library, [demo])
 
 

@@ -1,0 +1,154 @@
+"""An API run trusted beyond its happy path. One rule for "no answer": an attempt the provider did not answer (no
+choices, or a filtered empty content) is left out of its group and counted as a failed call, never learned from as a
+wrong answer (checked against an OpenAI-compatible server of this test's own, the standard library's http.server, not
+tfgrpo.testing). A metric's long feedback reaches the learning calls cut, and said once."""
+
+import json
+import logging
+import re
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import dspy
+import pytest
+
+from scripted_lm import ScriptedLM
+from test_optimizer import learner, make_trainset, metric
+from tfgrpo.optimizers import TrainingFreeGRPO
+
+
+class Provider(ThreadingHTTPServer):
+    """Answers every sum right, except that every third request of a question gets `empty` instead: no choices at all,
+    or a content filter's empty content. A JSON-mode retry of an emptied request (DSPy's adapters retry in JSON) is
+    emptied too, so that attempt stays unanswered."""
+
+    def __init__(self, empty: str):
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.empty, self.seen, self.emptied, self.requests = empty, {}, {}, []
+        self.lock = threading.Lock()
+
+    def reply(self, body: dict) -> dict:
+        text = body["messages"][-1]["content"]
+        question = re.findall(r"What is (\d+) \+ (\d+)\?", text)[-1]
+        json_mode = bool(body.get("response_format")) or "JSON" in body["messages"][0]["content"]
+        with self.lock:
+            if json_mode:  # the adapter's retry of the same attempt
+                empty = self.emptied.get(question, False)
+            else:
+                n = self.seen[question] = self.seen.get(question, -1) + 1
+                empty = self.emptied[question] = n % 3 == 1
+            self.requests.append(empty)
+        if empty and self.empty == "no choices":
+            choices = []
+        elif empty:
+            choices = [{"index": 0, "message": {"role": "assistant", "content": ""}, "finish_reason": "content_filter"}]
+        else:
+            answer = str(int(question[0]) + int(question[1]))
+            content = json.dumps({"answer": answer}) if json_mode else \
+                f"[[ ## answer ## ]]\n{answer}\n\n[[ ## completed ## ]]"
+            choices = [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}]
+        return {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"], "choices": choices,
+                "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}}
+
+
+class Handler(BaseHTTPRequestHandler):
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        data = json.dumps(self.server.reply(body)).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("empty", ["no choices", "content filter"])
+def test_an_attempt_the_provider_did_not_answer_is_left_out_not_learned_from(empty, caplog):
+    server = Provider(empty)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        student = dspy.LM("openai/test-model", api_base=f"http://127.0.0.1:{server.server_port}/v1", api_key="x",
+                          cache=False, num_retries=0)
+        reflection = ScriptedLM(learner())  # would propose a lesson from any group with contrast
+        dspy.configure(lm=student)
+        optimizer = TrainingFreeGRPO(metric, reflection_lm=reflection, auto="off", num_generations=4,
+                                     num_train_epochs=1, batch_size=4, num_threads=1, learning_path="paper",
+                                     max_failure_rate=0.5)
+        with caplog.at_level(logging.WARNING, logger="tfgrpo"):
+            compiled = optimizer.compile(dspy.Predict("question -> answer"), trainset=make_trainset(4))
+    finally:
+        server.shutdown()
+    (step,) = compiled.detailed_results.steps
+    assert any(server.requests), "the server emptied some replies"
+    assert step.failed_calls == 4 and step.groups_kept == 0  # one unanswered attempt per group; the rest all right
+    assert reflection.calls == [] and len(compiled.experience_library) == 0  # nothing compared against nothing
+    assert step.mean_reward == 1.0  # the answered attempts only
+    assert "got no answer" in caplog.text and "counted in failed_calls" in caplog.text
+
+
+def test_a_long_feedback_is_cut_for_the_learning_calls_and_said_once(caplog):
+    """A metric's feedback of 12,000 characters reaches each learning call cut to MAX_FEEDBACK_CHARS (head and tail),
+    and the log says so once."""
+    from tfgrpo.programs.render import MAX_FEEDBACK_CHARS
+
+    long = "the answer is wrong because " + "x" * 12000
+
+    def wordy(example, pred, trace=None):
+        ok = str(getattr(pred, "answer", "")).strip() == example.answer
+        return dspy.Prediction(score=float(ok), feedback="right" if ok else long)
+
+    lm = ScriptedLM(learner())
+    dspy.configure(lm=lm)
+    with caplog.at_level(logging.WARNING, logger="tfgrpo"):
+        TrainingFreeGRPO(wordy, auto="off", num_generations=4, num_train_epochs=1, batch_size=4, num_threads=2,
+                         learning_path="paper").compile(dspy.Predict("question -> answer"), trainset=make_trainset(4))
+    assert len(lm.calls) > 16, "the learning calls ran"
+    longest = max(len(json.dumps(c["messages"])) for c in lm.calls)
+    assert longest < 12000  # no learning call carries the whole feedback
+    assert caplog.text.count("feedback on an attempt ran to 12028 characters") == 1
+    assert f"cut to {MAX_FEEDBACK_CHARS}" in caplog.text
+
+
+def test_a_resume_under_other_versions_is_refused_naming_both_unless_asked(tmp_path, monkeypatch):
+    """run.json records the versions that make the prompts; a resume under another DSPy (or tfgrpo, LiteLLM, adapter)
+    is refused with both versions and the way to go on; resume_other_versions=True reuses the saved units."""
+    from test_optimizer import compile_with
+
+    from tfgrpo.optimizers.checkpoint import RunMismatchError
+
+    compile_with(ScriptedLM(learner()), dspy.Predict("question -> answer"), log_dir=str(tmp_path))
+    saved = json.loads((tmp_path / "run.json").read_text())
+    assert saved["versions"]["dspy"] == dspy.__version__ and saved["versions"]["adapter"].endswith("ChatAdapter")
+    monkeypatch.setattr(dspy, "__version__", "9.9.9")
+    lm = ScriptedLM(learner())
+    with pytest.raises(RunMismatchError) as info:
+        compile_with(lm, dspy.Predict("question -> answer"), log_dir=str(tmp_path))
+    assert f"versions dspy: '{saved['versions']['dspy']}' -> '9.9.9'" in str(info.value)
+    assert "resume_other_versions=True" in str(info.value) and lm.calls == []
+    again = compile_with(lm, dspy.Predict("question -> answer"), log_dir=str(tmp_path), resume_other_versions=True)
+    assert lm.calls == [] and again.detailed_results.reused_units > 0  # every unit reused, nothing sent
+    assert json.loads((tmp_path / "run.json").read_text())["versions"]["dspy"] == "9.9.9"
+
+
+def test_what_a_stopped_run_spent_is_in_its_usage_and_a_run_that_sent_nothing_says_so(caplog):
+    """A run stopped part way through a step by its budget reports what that step spent (run_usage, calls by stage);
+    a fresh run whose budget pays for no step says it made no call, not that every unit was reused."""
+    from test_optimizer import compile_with
+
+    lm = ScriptedLM(learner())
+    with caplog.at_level(logging.WARNING, logger="tfgrpo"):
+        stopped = compile_with(lm, dspy.Predict("question -> answer"), max_total_tokens=600, learning_path="paper")
+    result = stopped.detailed_results
+    assert result.stopped_early and result.steps == [] and lm.calls, "stopped part way through step 0"
+    assert result.run_usage["policy"]["calls"] == len([c for c in lm.calls]) - result.run_usage["reflection"].get(
+        "calls", 0) > 0
+    assert result.limits["calls"]["rollout"] == result.run_usage["policy"]["calls"]
+    caplog.clear()
+    lm = ScriptedLM(learner())
+    with caplog.at_level(logging.WARNING, logger="tfgrpo"):
+        none = compile_with(lm, dspy.Predict("question -> answer"), max_metric_calls=5, learning_path="paper")
+    assert lm.calls == [] and none.detailed_results.stopped_early.startswith("budget max_metric_calls=5 cannot pay")
+    assert "compile spent: nothing (no call was made)" in caplog.text and "every unit reused" not in caplog.text

@@ -14,7 +14,10 @@ Three compiles, each on a fresh simulator:
   2. the same with `max_cost` at `--budget-share` of run 1's bill: `overshoot_calls`, the calls billed after the bill
      first reached the budget (at most the units in flight, `--threads`);
   3. run 2 resumed with no cost budget: it goes on from the units run 2 saved (`redone`: saved units written again;
-     its library is said beside run 1's, which the 429s it meets, drawn anew, may make differ).
+     its library is said beside run 1's, which the 429s it meets, drawn anew, may make differ);
+  4. `--budget-train` examples under `max_metric_calls=--budget-calls`, planned with no reply length given: the steps
+     the plan says the budget lets the run start against those it ran, and its calls and dollars against the
+     simulator's count (`plan_budget:` line; the simulator's replies are a few tokens, a real model's longer).
 `reference_cost`: what run 1's workload costs the way the reference implementation runs it (../shared/SPEC.md: one
 more call per group with contrast, a per-group update, and no cached prefix), from run 1's own tokens.
 
@@ -99,6 +102,8 @@ def main() -> None:
     ap.add_argument("--budget-share", type=float, default=0.5)
     ap.add_argument("--reply-tokens", type=int, default=30, help="what the plan is told a reply takes (the "
                     "simulator's replies take 10-40 tokens; a real model's are longer)")
+    ap.add_argument("--budget-train", type=int, default=200, help="run 4: training examples, more than its budget reads")
+    ap.add_argument("--budget-calls", type=int, default=500, help="run 4: its max_metric_calls")
     args = ap.parse_args()
     logging.basicConfig(level=logging.ERROR)
     root = Path(tempfile.mkdtemp(prefix="api_run-"))
@@ -131,6 +136,18 @@ def main() -> None:
     print(f"run 2: stopped early: {stopped.detailed_results.stopped_early}; ${cut['billed_usd']:.4f} billed")
     print(f"run 3: {len(billed_calls(rest))} calls, library equal to run 1's: "
           f"{resumed.experience_library.texts() == compiled.experience_library.texts()}, redone={redone}")
+    with simulator(0.0) as server:  # 4. a trainset larger than the budget lets the run read, the plan's own reply length
+        lm = dspy.LM(MODEL, api_base=server.api_base, api_key="x", cache=False, num_retries=3, max_tokens=512)
+        with dspy.context(lm=lm):
+            optimizer = TrainingFreeGRPO(metric, num_threads=args.threads, max_metric_calls=args.budget_calls)
+            budgeted = optimizer.plan(dspy.Predict("question -> answer"), trainset(args.budget_train))
+            ran = optimizer.compile(dspy.Predict("question -> answer"), trainset=trainset(args.budget_train))
+        served = server.stats()
+    want, sent = budgeted.expected["total"], len(billed_calls(served))
+    print(f"plan_budget: scheduled={budgeted.steps} reachable={want['steps']} steps_run={len(ran.detailed_results.steps)} "
+          f"calls={sent} planned={want['calls']} error={abs(want['calls'] - sent) / max(sent, 1):.2f} "
+          f"cost_error={abs(want['cost'] - served['billed_usd']) / max(served['billed_usd'], 1e-12):.2f} "
+          f"read={want['examples_read']['trainset']} of {args.budget_train} ({want['reply']})")
     print(f"api_run: preset={plan.preset} calls={calls} cost=${cost:.4f} budget=${budget:.4f} "
           f"overshoot_calls={overshoot(billed_calls(cut), budget)} "
           f"plan_error={abs(planned['calls'] - calls) / calls:.2f} plan_cost_error={abs(planned['cost'] - cost) / cost:.2f} "

@@ -51,7 +51,8 @@ class Plan:
         preset: The preset `auto` took (None: off).
         learning_path: "paper", "contrast" or your path's class name.
         models: The policy models (by predictor) and the reflection model.
-        steps: Optimization steps the run makes.
+        steps: Optimization steps the run is scheduled to make (every batch of every epoch, cut at `max_steps`);
+            `expected["total"]["steps"]`: those its budgets let it start.
         turns: LM calls one attempt of the program makes (a ReAct loop: its `max_iters` and the extract).
         expected: Expected calls, prompt and completion tokens and dollars (None: no price known): `per_step` by stage,
             and the whole run's `total` (steps, validation, attribution) with its `metric_calls`.
@@ -81,9 +82,13 @@ class Plan:
         total, b = self.expected["total"], self.budget
         cost = f"${total['cost']:.4f}" if total.get("cost") is not None else "no price known"
         limits = ", ".join(f"{k}={v:g}" for k, v in b.items() if v is not None) or "none"
-        lines = [f"plan: preset {self.preset!r}, {self.learning_path} path, {self.steps} step(s) of "
+        reachable, reads = total.get("steps", self.steps), total.get("examples_read", {})
+        cut = f" (of {self.steps} scheduled: the budget stops the run there)" if reachable < self.steps else ""
+        lines = [f"plan: preset {self.preset!r}, {self.learning_path} path, {reachable} step(s){cut} of "
                  f"{self.knobs.batch_size} queries x {self.knobs.num_generations} attempts; reflection model "
                  f"{self.models['reflection']!r}",
+                 "reads: " + ", ".join(f"{n:,} {name} example(s)" for name, n in reads.items() if n) +
+                 f"; a reply counted at {total.get('reply', '?')}",
                  f"expected: {total['calls']:,} calls, {total['prompt_tokens']:,} prompt + "
                  f"{total['completion_tokens']:,} completion tokens ({total['cached_tokens']:,} prompt tokens cached), "
                  f"{cost}, {total['metric_calls']:,} metric calls (every group with contrast, every step run)",
@@ -293,21 +298,64 @@ def estimate(knobs: Knobs, program: dspy.Module, trainset: list, valset: list | 
     sent twice, every rewrite, a full library, replies at the `max_tokens` cap)."""
     policy = lms["policy"][0]
     signatures = [p.signature for _, p in program.named_predictors()]
+    cap = policy.kwargs.get("max_tokens") or policy.kwargs.get("max_completion_tokens") or 1024
     sizes = {"query": _tokens(signatures, [x.inputs() for x in trainset]), "system": _tokens(signatures, [{}]),
              "turns": _turns(program), "expected_turns": _turns(program, expected=True), "trainset": len(trainset),
-             "reply": reply_tokens,
-             "cap": policy.kwargs.get("max_tokens") or policy.kwargs.get("max_completion_tokens") or 1024,
+             "reply": reply_tokens or _reply_tokens(signatures, cap),
+             "reply_source": "reply_tokens" if reply_tokens else "the output fields",
+             "cap": cap,
              "runs": knobs.num_train_epochs * len(valset or []) + attribution_runs(knobs, len(trainset),
                                                                                    len(held_out or []))["runs"],
              "prices": (model_price(str(policy.model), knobs.prices),
                         model_price(str(lms["reflection"].model), knobs.prices))}
-    return _tally(knobs, sizes, learning_path, False), _tally(knobs, sizes, learning_path, True)
+    scheduled = knobs.total_steps(len(trainset))
+    per_step = _tally(knobs, sizes, learning_path, False, scheduled)["per_step"]
+    steps = reachable_steps(knobs, per_step, scheduled, len(trainset))
+    per_epoch = -(-len(trainset) // knobs.batch_size)
+    validated = min(knobs.num_train_epochs, -(-steps // per_epoch) if steps == scheduled else steps // per_epoch)
+    items = attribution_runs(knobs, len(trainset), len(held_out or []), steps=steps)
+    sizes["runs"] = validated * len(valset or []) + items["runs"]
+    expected, bound = _tally(knobs, sizes, learning_path, False, steps), _tally(knobs, sizes, learning_path, True, steps)
+    batch = min(knobs.batch_size, len(trainset))
+    reads = {"trainset": min(len(trainset), steps * batch + steps * min(knobs.probe_size, len(trainset))),
+             "valset": len(valset or []) if validated else 0, "attribution_set": len(held_out or []) if items["runs"]
+             else 0}
+    for tally in (expected, bound):
+        tally["total"].update(steps=steps, scheduled_steps=scheduled, examples_read=reads,
+                              reply=f"{sizes['reply']} tokens (from {sizes['reply_source']})")
+    expected["total"]["attribution"] = items
+    bound["total"]["attribution"] = attribution_runs(knobs, len(trainset), len(held_out or []))
+    return expected, bound
 
 
-def _tally(knobs: Knobs, sizes: dict, learning_path: str, bound: bool) -> dict:
-    """The estimate (expected, or with `bound` the upper bound) from the prompt `sizes` measured once."""
+def reachable_steps(knobs: Knobs, per_step: dict, scheduled: int, trainset_size: int) -> int:
+    """How many of the `scheduled` steps the budgets let the run start, at what a step is expected to spend
+    (`per_step`, by stage): the run starts a step only where what is left pays for its rollouts and a probe of the
+    program and one edit, at what an attempt has cost (`Budget.reached`); the steps before it spend a whole step each."""
+    attempts = min(knobs.batch_size, trainset_size) * knobs.num_generations
+    need = attempts + 2 * min(knobs.probe_size, trainset_size)
+    rollout = per_step["rollout"]
+    whole = {"metric_calls": attempts + (1 + knobs.max_probed_edits) * min(knobs.probe_size, trainset_size)
+             * bool(knobs.probe_size),
+             "tokens": sum(s["prompt_tokens"] + s["completion_tokens"] for s in per_step.values()),
+             "cost": sum(s["cost"] or 0.0 for s in per_step.values())}
+    one = {"metric_calls": 1, "tokens": (rollout["prompt_tokens"] + rollout["completion_tokens"]) / max(attempts, 1),
+           "cost": (rollout["cost"] or 0.0) / max(attempts, 1)}
+    steps = scheduled
+    for name, limit in (("metric_calls", knobs.max_metric_calls), ("tokens", knobs.max_total_tokens),
+                        ("cost", knobs.max_cost)):
+        if limit is None or not whole[name]:
+            continue
+        fits = 0 if limit < need * one[name] else int((limit - need * one[name]) // whole[name]) + 1
+        steps = min(steps, fits)
+    return steps
+
+
+def _tally(knobs: Knobs, sizes: dict, learning_path: str, bound: bool, steps: int) -> dict:
+    """The estimate (expected, or with `bound` the upper bound) of `steps` steps from the prompt `sizes` measured
+    once."""
     tries = TRIES if bound else 1
-    steps, G, query = knobs.total_steps(sizes["trainset"]), knobs.num_generations, sizes["query"]
+    G, query = knobs.num_generations, sizes["query"]
     turns = sizes["turns"] if bound else sizes["expected_turns"]
 
     def stage(calls: int, prompt: int, reply: int, shared: int = 0) -> dict:  # `shared`: the prefix its calls share
@@ -315,7 +363,7 @@ def _tally(knobs: Knobs, sizes: dict, learning_path: str, bound: bool) -> dict:
                 "cached_tokens": 0 if bound else max(calls - 1, 0) * shared}
 
     batch = min(knobs.batch_size, sizes["trainset"])
-    reply = sizes["cap"] if bound else sizes["reply"] or max(16, sizes["cap"] // 2)
+    reply = sizes["cap"] if bound else sizes["reply"]
     learning_reply = sizes["cap"] if bound else sizes["reply"] or LEARNING_REPLY
     grown = GROWTH * (steps - 1) / 2 if not bound else float("inf")  # the library halfway through the run; full
     library = int(min(grown, knobs.max_experiences or 40) * (EXPERIENCE_TOKENS if not bound else
@@ -354,14 +402,16 @@ def _tally(knobs: Knobs, sizes: dict, learning_path: str, bound: bool) -> dict:
     return {"per_step": stages, "total": total}
 
 
-def attribution_runs(knobs: Knobs, trainset_size: int, queries: int) -> dict:
-    """Upper bound of the attribution's program runs (`attribution`, worth.py) on `queries` held-out queries: the items
-    are at most every experience the steps can add (or max_experiences) and max_demos; leave-one-out runs each query
-    with all items, none, the control and each item left out; Shapley runs up to one subset per item and sampled order;
-    prune tries up to one more subset per item, then checks two programs on the other half."""
+def attribution_runs(knobs: Knobs, trainset_size: int, queries: int, *, steps: int | None = None) -> dict:
+    """The attribution's program runs (`attribution`, worth.py) on `queries` held-out queries, for the items `steps`
+    steps are expected to keep (`GROWTH` experiences a step, and max_demos), or (None) as an upper bound, for every
+    experience the steps can add (or max_experiences) and max_demos; leave-one-out runs each query with all items,
+    none, the control and each item left out; Shapley runs up to one subset per item and sampled order; prune tries up
+    to one more subset per item, then checks two programs on the other half."""
     if not knobs.attribution or not queries:
         return {"items": 0, "runs": 0, "method": None}
-    added = knobs.total_steps(trainset_size) * knobs.batch_size * knobs.max_operations_per_group
+    added = knobs.total_steps(trainset_size) * knobs.batch_size * knobs.max_operations_per_group if steps is None \
+        else GROWTH * steps
     items = min(knobs.max_experiences if knobs.max_experiences is not None else added, added) + knobs.max_demos
     choose = (queries + 1) // 2 if knobs.prune else queries
     shapley = items > knobs.attribution_max_items
@@ -369,6 +419,22 @@ def attribution_runs(knobs: Knobs, trainset_size: int, queries: int) -> dict:
     per_query += items if knobs.prune else 0
     return {"items": items, "runs": choose * per_query + 2 * (queries - choose),
             "method": "shapley" if shapley else "leave-one-out"}
+
+
+# Tokens a reply's output field is expected to take, by what its name says it holds, beside the field's own markup: a
+# chain of thought runs to a paragraph, code to a short program, any other field (an answer, a tool's name or
+# arguments) to a line.
+FIELD_REPLY = {"reasoning": 120, "rationale": 120, "thought": 120, "next_thought": 120, "explanation": 120,
+               "code": 200, "program": 200, "solution": 200}
+LINE_REPLY, FIELD_MARKUP = 24, 10
+
+
+def _reply_tokens(signatures: list, cap: int) -> int:
+    """The tokens a reply of the program is expected to take, from its predictors' output fields (`FIELD_REPLY`),
+    averaged over its predictors and at most the `max_tokens` cap."""
+    per_call = [sum(FIELD_REPLY.get(name, LINE_REPLY) + FIELD_MARKUP for name in sig.output_fields)
+                for sig in signatures] or [LINE_REPLY]
+    return max(1, min(cap, int(statistics.fmean(per_call))))
 
 
 def _turns(program: dspy.Module, expected: bool = False) -> int:

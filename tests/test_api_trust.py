@@ -152,3 +152,27 @@ def test_what_a_stopped_run_spent_is_in_its_usage_and_a_run_that_sent_nothing_sa
         none = compile_with(lm, dspy.Predict("question -> answer"), max_metric_calls=5, learning_path="paper")
     assert lm.calls == [] and none.detailed_results.stopped_early.startswith("budget max_metric_calls=5 cannot pay")
     assert "compile spent: nothing (no call was made)" in caplog.text and "every unit reused" not in caplog.text
+
+
+def test_the_plan_is_the_run_the_budget_lets_go():
+    """500 training examples, every default (the paper preset, 2,000 metric calls): the plan says the 8 steps the budget
+    lets the run start, not the 30 scheduled, the examples those steps read, and the rollouts and metric calls the run
+    makes. (Its learning calls are the scripted LM's, many of them answered from DSPy's cache: the calls sent are
+    compared against a server in benchmarks.api_run.)"""
+    dspy.configure(lm=ScriptedLM(learner()))
+    trainset = [dspy.Example(question=f"What is {i} + {i + 10}?", answer=str(2 * i + 10)).with_inputs("question")
+                for i in range(500)]
+    optimizer = TrainingFreeGRPO(metric, num_threads=8)
+    plan = optimizer.plan(dspy.Predict("question -> answer"), trainset)
+    total = plan.expected["total"]
+    assert plan.steps == 30 and total["steps"] == 8 and total["metric_calls"] == 2000
+    assert total["examples_read"]["trainset"] == 400 and "8 step(s) (of 30 scheduled" in plan.summary()
+    assert "400 trainset example(s)" in plan.summary() and "from the output fields" in plan.summary()
+    lm = ScriptedLM(learner())
+    dspy.configure(lm=lm)
+    compiled = optimizer.compile(dspy.Predict("question -> answer"), trainset=trainset)
+    result = compiled.detailed_results
+    assert len(result.steps) == 8 and "max_metric_calls=2000" in result.stopped_early
+    assert sum(s.metric_calls for s in result.steps) == total["metric_calls"]
+    rollouts = sum(s.usage["rollout"]["calls"] for s in result.steps)
+    assert rollouts == total["steps"] * plan.expected["per_step"]["rollout"]["calls"] == 2000

@@ -33,6 +33,7 @@ import argparse
 import json
 import logging
 import tempfile
+import time
 from pathlib import Path
 
 # isort: off
@@ -94,6 +95,25 @@ def failures_in_groups(log_dir: Path) -> int:
     return found
 
 
+def rate_limited(rpm: int, threads: int, args, log_dir: Path) -> str:
+    """One unbudgeted compile against a provider that takes `rpm` requests a sliding minute and answers the rest 429
+    with the wait as Retry-After: its minutes against the least a run of that many requests takes (the first minute's
+    rpm at once, then rpm a minute), and the share of requests answered 429."""
+    with FakeLMServer(prices={MODEL: dspy_prices(MODEL)}, token_chars=4, log_requests=True,
+                      rate_limit_rpm=rpm) as server:
+        lm = dspy.LM(MODEL, api_base=server.api_base, api_key="x", cache=False, num_retries=8, max_tokens=512)
+        started = time.time()
+        with dspy.context(lm=lm):
+            TrainingFreeGRPO(metric, num_threads=threads, log_dir=str(log_dir)).compile(
+                dspy.Predict("question -> answer"), trainset=trainset(args.train))
+        minutes, stats = (time.time() - started) / 60, server.stats()
+    answered = stats["statuses"].get("200", 0)
+    floor = max(answered - rpm, 0) / rpm  # the first minute's rpm requests go at once, every later one waits its turn
+    return (f"rate_limit: rpm={rpm} threads={threads} requests={stats['calls']} answered={answered} "
+            f"minutes={minutes:.2f} floor={floor:.2f} ratio={minutes / max(floor, 1e-9):.2f} "
+            f"share_429={stats['statuses'].get('429', 0) / stats['calls']:.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--train", type=int, default=10)
@@ -104,9 +124,16 @@ def main() -> None:
                     "simulator's replies take 10-40 tokens; a real model's are longer)")
     ap.add_argument("--budget-train", type=int, default=200, help="run 4: training examples, more than its budget reads")
     ap.add_argument("--budget-calls", type=int, default=500, help="run 4: its max_metric_calls")
+    ap.add_argument("--rate-limit-rpm", type=int, default=None, help="only measure runs against a provider that "
+                    "takes this many requests a minute, at --rate-threads threads each (rate_limit: lines)")
+    ap.add_argument("--rate-threads", default="4,16,64")
     args = ap.parse_args()
     logging.basicConfig(level=logging.ERROR)
     root = Path(tempfile.mkdtemp(prefix="api_run-"))
+    if args.rate_limit_rpm:
+        for threads in [int(t) for t in args.rate_threads.split(",")]:
+            print(rate_limited(args.rate_limit_rpm, threads, args, root / f"rpm-{threads}"), flush=True)
+        return
     with simulator(args.rate429) as server:  # 1. unbudgeted, against its plan
         _, plan, compiled = compile_on(server, root / "full", args)
         full = server.stats()

@@ -27,7 +27,7 @@ import dspy
 from tfgrpo.config import Config
 from tfgrpo.lms import open_lms
 from tfgrpo.task import task_parts
-from tfgrpo.optimizers.result import Attempt, Group, Scored
+from tfgrpo.optimizers.records import Attempt, Group, Scored
 from tfgrpo.optimizers.knobs import Knobs
 from tfgrpo.optimizers.learning_paths import ContrastPath, PaperPath
 from tfgrpo.optimizers.step import learn_from_groups

@@ -30,8 +30,8 @@ from benchmarks.peers import task_parts
 from tfgrpo.lms import local_dspy_lm
 from tfgrpo.optimizers.checkpoint import Checkpoint
 from tfgrpo.optimizers.knobs import Knobs
-from tfgrpo.optimizers.execution import Executor
-from tfgrpo.optimizers.result import Demo
+from tfgrpo.optimizers.runner import Runner
+from tfgrpo.optimizers.records import Demo
 from tfgrpo.optimizers.worth import Attribution, Learned
 from tfgrpo.programs.inject import library_from_instructions
 from tfgrpo.programs.library import ExperienceLibrary
@@ -65,7 +65,7 @@ def measure(where: Path, args, lm: dspy.LM) -> str:
     ckpt = Checkpoint(where / "worth-checkpoint")
     with ckpt.locked(), dspy.context(lm=lm.copy(rollout_id=seed)):
         base = make_student()
-        worth, _ = Attribution(Executor(knobs, metric, ckpt)).run(base, [n for n, _ in base.named_predictors()],
+        worth, _ = Attribution(Runner(knobs, metric, ckpt)).run(base, [n for n, _ in base.named_predictors()],
                                                         learned_items(program), load_eval(args.queries, start))
     (where / "worth.json").write_text(json.dumps(worth.to_dict(), indent=2, ensure_ascii=False))
     for line in worth_markdown(worth.to_dict()).splitlines():

@@ -35,8 +35,8 @@ import dspy
 
 from tfgrpo.base.util import digest
 from tfgrpo.optimizers.checkpoint import Keys
-from tfgrpo.optimizers.execution import Executor, rollout_id, with_own_lms
-from tfgrpo.optimizers.result import Demo, Group, Lessons, Verdict
+from tfgrpo.optimizers.runner import Runner, rollout_id, with_own_lms
+from tfgrpo.optimizers.records import Demo, Group, Lessons, Verdict
 from tfgrpo.programs.inject import with_learned
 from tfgrpo.programs.render import query_key
 from tfgrpo.signatures.operations import Operation
@@ -157,7 +157,7 @@ def probe_queries(trainset_size: int, batch: list[int], size: int, *, seed: int,
 @dataclass
 class Probe:
     """The statistics of a probe: program 0 is the current one, program 1 + c carries candidate c. `run` asks the
-    executor for the attempts, query by query, and leaves the verdicts in `kept`, with each program's (successes, mean)
+    runner for the attempts, query by query, and leaves the verdicts in `kept`, with each program's (successes, mean)
     in `base` and `scores`, the queries each ran (`tried`) and solved (`solved`), their solving traces (`traces`) and
     how many queries each candidate ran (`ran`). A query whose attempt got no answer leaves `queries`."""
 
@@ -166,14 +166,14 @@ class Probe:
     found: dict = field(default_factory=dict)  # (program, query) -> its attempt's reward and solving trace
     base: tuple[int, float] = (0, 0.0)
 
-    def run(self, executor: Executor, programs: list[dspy.Module], trainset: list,
+    def run(self, runner: Runner, programs: list[dspy.Module], trainset: list,
             keys: tuple[str, int] | None = None) -> Probe:
         """Run the probe: `keys` (the current program's digest, the step) name its checkpoint units; None keeps none."""
         def ask(jobs):  # the current program's attempts are kept by what it is, not by step: a later step whose program
             # has not changed reuses them on the probe queries it shares with this one
             units = [(None if keys is None else Keys.probe_base(keys[0], qi) if p == 0 else Keys.probe(keys[1], p, qi),
                       programs[p], trainset[qi]) for p, qi in jobs]
-            for (p, qi), rec in zip(jobs, executor.scored("probe", units)):
+            for (p, qi), rec in zip(jobs, runner.scored("probe", units)):
                 if rec.get("failed") and qi in self.queries:  # no answer: the query leaves the probe, for all
                     logger.warning("Probe: an LM call failed on training query %d (%s); it leaves the probe", qi,
                                    rec["error"])
@@ -288,7 +288,7 @@ def probe_edits(run: Run, state: State, step: int, groups: list[Group], plan: li
     queries = probe_queries(len(run.trainset), [g.index for g in groups], knobs.probe_size, seed=knobs.seed, step=step)
     current = digest([[e.model_dump() for e in library.active.values()], [d.to_record() for d in demos]])
     probe = Probe(candidates, list(queries)).run(
-        run.executor, runnable, run.trainset, keys=(current, step))
+        run.runner, runnable, run.trainset, keys=(current, step))
     kept_ops = [op for c, k in zip(candidates, probe.kept) if k for op in c.operations]
     best = next((i for i, (c, k) in enumerate(zip(candidates, probe.kept))  # a demo is shown solving its query
                  if k and c.demo is not None and (c.demo.reward >= 1 or probe.traces[1 + i])), None)

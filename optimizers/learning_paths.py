@@ -9,17 +9,17 @@ A path is a plug-in with a small contract, so that a new way of learning needs n
             def lesson():                             # one learning call, under run.reflection_lm
                 with dspy.context(lm=run.reflection_lm):
                     return dspy.Predict("attempts -> lesson")(attempts=...).lesson
-            return run.executor.call("lesson", f"lessons/{group.index}", lesson)
+            return run.runner.call("lesson", f"lessons/{group.index}", lesson)
 
         def finish(self, run, library, results):      # once every group is done: [(group, its result)] -> the plan
             return Lessons(plan=[...], proposals=[(group.key, op), ...])
 
 `run` is the run (`step.Run`): its knobs (`run.knobs`), the reflection LM (`run.reflection_lm`), the program's
-instructions and the execution layer (`run.executor`). `library` is the library as the step started: read it, never
-edit it. `run.executor.call(stage, name, fn)` (or `calls` for several at once) makes a learning call on the step's
+instructions and the runner (`run.runner`). `library` is the library as the step started: read it, never
+edit it. `run.runner.call(stage, name, fn)` (or `calls` for several at once) makes a learning call on the step's
 bounded pool: checkpointed under the step as `name`, charged to the budget, metered under `stage`; one that raises
 comes back as a `Failed` and is counted, and when more than `max_failure_rate` of a stage's calls failed the step
-stops. `run.executor.settle(stage, group.index, failed)` holds a group that saw failures until every group has reached
+stops. `run.runner.settle(stage, group.index, failed)` holds a group that saw failures until every group has reached
 the stage and its failure check has passed. The paper's path is `PaperPath` (below); `ContrastPath` (below too) is
 the path for small reflection models. Pass an instance as `learning_path=` to plug in your own; `step.learn_from_groups` runs a
 path on groups scored elsewhere (saved rollouts, say).
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import dspy
 
 from tfgrpo.base.util import clip
-from tfgrpo.optimizers.result import Failed, Group, LearningPath, Lessons, Scored
+from tfgrpo.optimizers.records import Failed, Group, LearningPath, Lessons, Scored
 from tfgrpo.programs.contrast_learner import ContrastLearner
 from tfgrpo.programs.learning import AdvantageExtractor, Consolidator, Summarizer
 from tfgrpo.programs.library import ExperienceLibrary
@@ -56,7 +56,7 @@ class PaperPath(LearningPath):
     stages = ("summary", "advantage", "consolidation")
 
     def learn(self, run: Run, library: ExperienceLibrary, group: Group) -> dict:
-        knobs, ex = run.knobs, run.executor
+        knobs, ex = run.knobs, run.runner
         labels, produced = dict(group.example.labels()), {k for a in group.attempts for k in (a.outputs or {})}
         # the ground truth shown to the learning calls: the labels the program also outputs (else all of them)
         answer_key = clip(format_fields({k: v for k, v in labels.items() if k in produced} or labels), 2000) \
@@ -117,11 +117,11 @@ class PaperPath(LearningPath):
                                 max_words=run.knobs.max_words_per_experience)
             return {"plan": [o.model_dump() for o in plan], "status": "ok"}
 
-        saved = run.executor.call("consolidation", "plan", consolidate)
+        saved = run.runner.call("consolidation", "plan", consolidate)
         if isinstance(saved, Failed):  # the proposals were validated one by one already: apply them as they are
             logger.warning("Consolidation failed (%s); applying the %d proposals directly", saved.error, len(proposals))
             saved = {"plan": [op.model_dump() for _, op in proposals], "status": "fallback: proposals applied directly"}
-            run.executor.ckpt.put(f"{run.executor.prefix}/plan", saved)
+            run.runner.keep(f"{run.runner.prefix}/plan", saved)
         return [Operation.model_validate(o) for o in saved["plan"]], saved["status"]
 
 
@@ -219,7 +219,7 @@ class ContrastPath(LearningPath):
             return f"contrasts/{group.index}_{better.g}_{worse.g}", call
 
         pairs = contrast_pairs(group.rewards, knobs.max_operations_per_group)
-        return run.executor.calls("contrast", dict(contrast(attempts[b], attempts[w]) for b, w in pairs))
+        return run.runner.calls("contrast", dict(contrast(attempts[b], attempts[w]) for b, w in pairs))
 
     def finish(self, run: Run, library: ExperienceLibrary, results: list[tuple[Group, list]]) -> Lessons:
         proposals, counts = [], {"learning_failures": 0, "operations_proposed": 0, "refused_specific": 0,

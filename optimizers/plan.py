@@ -4,11 +4,13 @@
 the examples, the LMs, a budget that can be measured, a `log_dir` that holds another run), the preset and learning path
 chosen, the budget, and what the run is expected to send, in calls, tokens and dollars. Nothing is called or written.
 
-The estimate assumes that every group has reward contrast (so every learning call is made: an upper bound for them)
-and that no reply fails; prompts are the program's own, rendered by DSPy's chat adapter for the training queries, with
-a library that grows by `GROWTH` experiences a step (the paper's reference re-run: 27 in 6 steps), and a tool loop
-(ReAct) that answers halfway through its `max_iters` turns (a guess, not a measurement); replies are counted
-at `reply_tokens` (default: half the policy LM's `max_tokens` for the program, `LEARNING_REPLY` for a learning call).
+The estimate covers the steps the budgets let the run start (`reachable_steps`: each budget checked as the run checks
+it before a step), and assumes that every group has reward contrast (so every learning call is made: an upper bound
+for them) and that no reply fails; prompts are the program's own, rendered by DSPy's chat adapter for the training
+queries, with a library that grows by `GROWTH` experiences a step (the paper's reference re-run: 27 in 6 steps), and a
+tool loop (ReAct) that answers halfway through its `max_iters` turns (a guess, not a measurement); replies are counted
+at `reply_tokens` (default: by the program's output fields, `FIELD_REPLY`, for the program; `LEARNING_REPLY` for a
+learning call).
 Dollars are those tokens at the models' prices; where the price map gives a cheaper price for cached prompt tokens
 (DeepSeek, OpenAI), the part of each prompt that a stage's calls share (instructions, library, demos: they come first)
 is priced as cached after the stage's first call of a step, as those providers bill a repeated prefix.
@@ -26,9 +28,8 @@ from dspy.adapters.chat_adapter import ChatAdapter
 
 from tfgrpo.base.util import digest
 from tfgrpo.optimizers.checkpoint import Checkpoint, code_fingerprint, prompt_versions
-from tfgrpo.optimizers.execution import fixed_temperature
+from tfgrpo.optimizers.runner import fixed_temperature, model_price
 from tfgrpo.optimizers.knobs import Knobs, fingerprinted_knobs, resolve
-from tfgrpo.optimizers.parallel import model_price
 from tfgrpo.programs.inject import resolve_targets, starting_library
 from tfgrpo.programs.learning import AdvantageExtractor, Consolidator, Summarizer
 from tfgrpo.programs.library import ExperienceLibrary

@@ -9,8 +9,8 @@ step changes). `step(run, state, epoch, batch)` reads top to bottom:
 A group goes through its stages at its own pace: its learning calls start as soon as its own attempts are scored,
 while other groups still roll out. With `probe_min_power` the step looks first: half of each group's attempts, then the
 rest only where their solve rate leaves the probe power; the learning calls wait for the whole groups (where the probe
-is skipped, no lesson could be kept, and none is asked for). Every unit runs through the run's `Executor`
-(execution.py), which checkpoints, meters, charges the budget and counts failures. An attempt whose LM call failed is
+is skipped, no lesson could be kept, and none is asked for). Every unit runs through the run's `Runner`
+(runner.py), which checkpoints, meters, charges the budget and counts failures. An attempt whose LM call failed is
 left out of its group. Each stage makes new values and never writes into what an earlier one made.
 """
 
@@ -25,11 +25,11 @@ from typing import Any, Callable
 import dspy
 
 from tfgrpo.optimizers.checkpoint import Keys
-from tfgrpo.optimizers.execution import CONTEXT_REFUSALS, Executor, add_usage, rollout_id, with_own_lms
+from tfgrpo.optimizers.runner import (CONTEXT_REFUSALS, Runner, TooManyFailuresError, add_usage, rollout_id,
+                                     with_own_lms)
 from tfgrpo.optimizers.judge import judge, unresolvable
 from tfgrpo.optimizers.knobs import Knobs
-from tfgrpo.optimizers.parallel import TooManyFailuresError
-from tfgrpo.optimizers.result import Attempt, Demo, Group, LearningPath, Lessons, Scored, StepResult, Verdict
+from tfgrpo.optimizers.records import Attempt, Demo, Group, LearningPath, Lessons, Scored, StepResult, Verdict
 from tfgrpo.optimizers.rewards import reference_example
 from tfgrpo.programs.inject import with_learned
 from tfgrpo.programs.library import ApplyReport, ExperienceLibrary
@@ -41,14 +41,14 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Run:
     """What every step of a run shares: the knobs (as the run uses them), the metric, the learning path and its name,
-    the reflection LM, the program and its target predictors, the trainset and the execution layer."""
+    the reflection LM, the program and its target predictors, the trainset and the runner."""
 
     knobs: Knobs
     metric: Callable
     path: LearningPath
     path_name: str
     reflection_lm: dspy.BaseLM
-    executor: Executor
+    runner: Runner
     program: dspy.Module | None = None
     targets: list[str] = field(default_factory=list)
     trainset: list = field(default_factory=list)
@@ -86,19 +86,18 @@ class State:
 def step(run: Run, state: State, epoch: int, batch: list[int]) -> tuple[State, StepResult]:
     """Step `state.step` of the run on `batch`: the new state and the step's record. A step finished in the checkpoint
     is reused."""
-    index, ex = state.step, run.executor
-    ckpt = ex.ckpt
-    if (done := ckpt.get(Keys.done(index))) is not None:
+    index, ex = state.step, run.runner
+    if (done := ex.record(Keys.done(index))) is not None:
         logger.info("Step %d: complete in the checkpoint, reused", index)
         stats = StepResult.from_dict(done["stats"])
         ex.budget.add(_summed(stats.usage), stats.metric_calls)
         return State.from_record(done, index + 1), stats
-    t0, before = time.time(), ckpt.get(Keys.usage(index), unit=False) or {}  # what a stopped run had spent in it
+    t0, before = time.time(), ex.record(Keys.usage(index), reused=False) or {}  # what a stopped run had spent in it
     ex.budget.add(_summed(before))
     logger.info("Step %d: %d queries x %d attempts on %d thread(s), %s path", index, len(batch),
                 run.knobs.num_generations, run.knobs.num_threads, run.path_name)
     def tally(usage: dict[str, dict]) -> None:  # the step's usage so far, saved: a resume knows what it had spent
-        ckpt.put(Keys.usage(index), {**before, **{s: add_usage(dict(before.get(s, {})), u) for s, u in usage.items()}})
+        ex.keep(Keys.usage(index), {**before, **{s: add_usage(dict(before.get(s, {})), u) for s, u in usage.items()}})
 
     with ex.scope(f"step {index}", batch, prefix=Keys.step(index), tally=tally):
         groups, results, timeouts = _groups(run, state, batch)
@@ -114,7 +113,7 @@ def step(run: Run, state: State, epoch: int, batch: list[int]) -> tuple[State, S
                     before=before, timeouts=timeouts, seconds=seconds, t0=t0)
     logger.info("Step %d: %d operations proposed, applied %s, %d refused by the library; library has %d experiences",
                 index, stats.operations_proposed, report.applied, len(report.rejected), len(new.library))
-    ckpt.put(Keys.done(index), {**new.to_record(), "stats": stats.to_dict()})
+    ex.keep(Keys.done(index), {**new.to_record(), "stats": stats.to_dict()})
     return new, stats
 
 
@@ -124,7 +123,7 @@ def _groups(run: Run, state: State, batch: list[int]) -> tuple[list[Group], list
     With the probe gate (`probe_min_power`, num_generations of 4 or more) the batch's groups are made in two halves:
     where the first half's solve rate already leaves the probe no power, the step ends with those half groups (the
     probe would be skipped on the whole groups too, bar a draw's luck), at half the attempts."""
-    ex, programs, G = run.executor, _rollout_programs(run, state), run.knobs.num_generations
+    ex, programs, G = run.runner, _rollout_programs(run, state), run.knobs.num_generations
     waits = bool(run.knobs.probe_size and run.knobs.probe_min_power)  # the learning calls wait for the solve rate
     done, queries = [], batch
     if waits and G >= 4:  # the first look
@@ -154,7 +153,7 @@ def _group(run: Run, state: State, programs: list, qi: int, size: int,
     calls of it that timed out), the rewards of those that answered, and what the path learns from the group (None
     without contrast, or not yet: with `probe_min_power` the learning waits for the step's solve rate); and the metric
     calls that timed out."""
-    ex, knobs, index, example = run.executor, run.knobs, state.step, run.trainset[qi]
+    ex, knobs, index, example = run.runner, run.knobs, state.step, run.trainset[qi]
     first, timeouts = before or (None, [])
     try:
         gens = list(range(first.size if first else 0, size))
@@ -163,8 +162,7 @@ def _group(run: Run, state: State, programs: list, qi: int, size: int,
         failed = [g for g, a in attempts.items() if a.error]
         ex.settle("rollout", qi, bool(failed))
         for g in failed:  # the stage's failure check passed: they stand, and a resume replays the same group (had it
-            if not ex.ckpt.get(Keys.rollout(index, qi, g), unit=False):  # failed, a resume would retry them)
-                ex.ckpt.put(Keys.rollout(index, qi, g), attempts[g].to_record())
+            ex.keep(Keys.rollout(index, qi, g), attempts[g].to_record(), once=True)  # failed, a resume would retry them)
         answered = [g for g, a in attempts.items() if not a.failed]  # a failed LM call is no answer
         # (a group made in halves has a probe, so the ground truth: the first half's rewards stand)
         reference = reference_example(example, [attempts[g].to_record() for g in answered], knobs.use_ground_truth)
@@ -204,7 +202,7 @@ def _check_attempts(run: Run, index: int, groups: list[Group], timeouts: list[st
         logger.warning("Step %d: %d of %d attempts got no answer (an LM call failed after its retries, or the provider "
                        "replied with nothing: no choices, a filtered or cut empty content): left out of their groups, "
                        "not scored, counted in failed_calls", index, left, made)
-    errors = [e for e in run.executor.failures.get("rollout", ([], 0))[0] if e]
+    errors = [e for e in run.runner.failures.get("rollout", ([], 0))[0] if e]
     refused = [e for e in errors if any(s in e.lower() for s in CONTEXT_REFUSALS)]
     if refused:
         logger.warning("Step %d: %d attempt(s) refused by the LM for context length: the prompt did not fit the model's "
@@ -250,9 +248,9 @@ def learn_from_groups(path: LearningPath, groups: list[Group], *, settings: Knob
     the usage of each of its stages. The library is not changed (apply the plan to a copy); `instructions`, the
     program's (what a rule may repeat)."""
     run = Run(knobs=settings, metric=lambda *_: 0.0, path=path, path_name=type(path).__name__,
-              reflection_lm=reflection_lm, executor=Executor(settings, lambda *_: 0.0), instructions=instructions)
+              reflection_lm=reflection_lm, runner=Runner(settings, lambda *_: 0.0), instructions=instructions)
     informative = [g for g in groups if g.informative]
-    with run.executor.scope("learning", [g.index for g in informative]) as ex:
+    with run.runner.scope("learning", [g.index for g in informative]) as ex:
         def one(group):
             try:
                 return path.learn(run, library, group)

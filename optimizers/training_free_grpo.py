@@ -9,7 +9,7 @@ lives in the program's instructions. `compile` reads as four stages:
     state   = step(run, state, epoch, batch)          # per batch of every epoch; validated after each epoch
     program = the student's copy with the kept state  # the best validated epoch's, else the last
 
-Every unit of work goes through the run's `Executor` (execution.py), which checkpoints it in `log_dir`, charges the
+Every unit of work goes through the run's `Runner` (runner.py), which checkpoints it in `log_dir`, charges the
 budget before it starts and meters it, so a crashed or stopped run resumes without resending anything it finished.
 """
 
@@ -27,12 +27,11 @@ from dspy.teleprompt.teleprompt import Teleprompter
 
 from tfgrpo.base import hooks
 from tfgrpo.optimizers.checkpoint import Checkpoint, Keys
-from tfgrpo.optimizers.execution import BudgetExhausted, Executor, with_own_lms
+from tfgrpo.optimizers.runner import ROLE, BudgetExhausted, Runner, StageBars, add_usage, with_own_lms
 from tfgrpo.optimizers.knobs import KNOBS, Knobs, args_doc, check_knob
 from tfgrpo.optimizers.learning_paths import ContrastPath, PaperPath
-from tfgrpo.optimizers.parallel import ROLE, StageBars, add_usage
 from tfgrpo.optimizers.plan import Plan, make_plan
-from tfgrpo.optimizers.result import EpochResult, StepResult, TrainingFreeGRPOResult
+from tfgrpo.optimizers.records import EpochResult, StepResult, TrainingFreeGRPOResult
 from tfgrpo.optimizers.rewards import metric_takes_trace
 from tfgrpo.optimizers.step import Run, State, step
 from tfgrpo.optimizers.worth import Attribution, Learned, log_worth
@@ -162,7 +161,7 @@ class TrainingFreeGRPO(Teleprompter):
                 run = self._run(plan, student, trainset, ckpt)
                 if saved:  # what the fingerprint cannot see: the saved work is checked against today's metric and program
                     logger.info("resuming from %s: %d finished units found", ckpt.root, saved)
-                    run.executor.recheck(run.program, trainset)
+                    run.runner.recheck(run.program, trainset)
                 held_out = attribution_set if attribution_set is not None else valset
                 compiled = self._learn(run, plan, student, valset, held_out, trackers)
                 for tracker in trackers:
@@ -170,14 +169,14 @@ class TrainingFreeGRPO(Teleprompter):
             return compiled
 
     def _run(self, plan: Plan, student: dspy.Module, trainset: list, ckpt: Checkpoint) -> Run:
-        """What every step of the compile of `plan` shares: the resolved knobs, the path, the LMs, the executor."""
+        """What every step of the compile of `plan` shares: the resolved knobs, the path, the LMs, the runner."""
         knobs, program = plan.knobs, student.deepcopy()
         path = knobs.learning_path if not isinstance(knobs.learning_path, str) else \
             ContrastPath() if plan.learning_path == "contrast" else PaperPath()
         reflection_lm = self.reflection_lm or dspy.settings.lm or next(
             p.lm for _, p in program.named_predictors() if p.lm is not None)
         return Run(knobs=knobs, metric=self.metric, path=path, path_name=plan.learning_path, reflection_lm=reflection_lm,
-                   executor=Executor(knobs, self.metric, ckpt), program=program, targets=plan.targets,
+                   runner=Runner(knobs, self.metric, ckpt), program=program, targets=plan.targets,
                    trainset=trainset, instructions=" ".join(p.signature.instructions
                                                             for _, p in program.named_predictors()))
 
@@ -188,7 +187,7 @@ class TrainingFreeGRPO(Teleprompter):
         steps, epochs, best, stopped = [], [], None, None
         bar = knobs.progress or StageBars(resumed=True)  # the whole run: steps done of all, with its ETA
         if total:
-            bar("step", sum(run.executor.ckpt.get(Keys.done(i), unit=False) is not None for i in range(total)), total)
+            bar("step", sum(run.runner.record(Keys.done(i), reused=False) is not None for i in range(total)), total)
         rng = random.Random(knobs.seed)
         try:
             for epoch in range(knobs.num_train_epochs):
@@ -204,7 +203,7 @@ class TrainingFreeGRPO(Teleprompter):
                     for tracker in trackers:
                         tracker.validation(epochs[-1].__dict__, step=state.step - 1)
                     best = (epochs[-1], state) if best is None or epochs[-1].val_score >= best[0].val_score else best
-                    stopped = run.executor.budget.reached() if state.step < total else None
+                    stopped = run.runner.budget.reached() if state.step < total else None
                     if stopped:
                         break
         except BudgetExhausted as exc:  # the next unit would not fit: the run ends at its last finished step
@@ -222,15 +221,15 @@ class TrainingFreeGRPO(Teleprompter):
         learned, worth = self._attribution(run, student, learned, held_out, stopped)
         run_usage = {"policy": {}, "reflection": {}}  # the whole run's: its steps' (those reused from log_dir
         by_stage = [*((stage, used) for stats in steps for stage, used in stats.usage.items()),  # included) and the
-                    *run.executor.unrecorded.items()]  # validations, the attribution, a step stopped part way
+                    *run.runner.unrecorded.items()]  # validations, the attribution, a step stopped part way
         for stage, used in by_stage:
             add_usage(run_usage[ROLE.get(stage, "reflection")], used)
         compiled = with_learned(student, run.targets, *learned)
         compiled.detailed_results = TrainingFreeGRPOResult(
             steps=steps, epochs=epochs, best_val_score=best[0].val_score if best else None,
-            best_epoch=best[0].epoch if best else None, usage=run.executor.spent, run_usage=run_usage,
-            reused_units=run.executor.ckpt.reused, stopped_early=stopped, worth=worth,
-            limits=_limits(steps, run.executor.spent, stopped, run.executor.unrecorded, run.executor.ckpt.reused))
+            best_epoch=best[0].epoch if best else None, usage=run.runner.spent, run_usage=run_usage,
+            reused_units=run.runner.ckpt.reused, stopped_early=stopped, worth=worth,
+            limits=_limits(steps, run.runner.spent, stopped, run.runner.unrecorded, run.runner.ckpt.reused))
         compiled._compiled = True
 
         return compiled
@@ -245,9 +244,9 @@ class TrainingFreeGRPO(Teleprompter):
             if state.step == total:
                 return state, None
             batch = order[at: at + knobs.batch_size]
-            fresh = not run.executor.ckpt.get(Keys.usage(state.step), unit=False)  # (a resumed step pays less)
+            fresh = not run.runner.record(Keys.usage(state.step), reused=False)  # (a resumed step pays less)
             need = len(batch) * knobs.num_generations + 2 * min(knobs.probe_size, len(run.trainset))
-            if fresh and (short := run.executor.budget.reached(need)):  # a step it cannot finish would learn nothing
+            if fresh and (short := run.runner.budget.reached(need)):  # a step it cannot finish would learn nothing
                 return state, short
             state, stats = step(run, state, epoch, batch)
             steps.append(stats)
@@ -255,7 +254,7 @@ class TrainingFreeGRPO(Teleprompter):
                 tracker.step(stats)
             if total:
                 bar("step", state.step, total)
-            if stopped := run.executor.budget.reached() or _learned_out(knobs, stats):
+            if stopped := run.runner.budget.reached() or _learned_out(knobs, stats):
                 return state, stopped
         return state, None
 
@@ -264,16 +263,16 @@ class TrainingFreeGRPO(Teleprompter):
         """What each kept item is worth (`attribution`), and what the compiled program keeps (pruned with `prune`)."""
         if not run.knobs.attribution:
             return learned, None
-        if stopped and run.executor.budget.reached():
+        if stopped and run.runner.budget.reached():
             logger.warning("Attribution skipped: %s", stopped)
             return learned, None
         try:
-            worth, learned = Attribution(run.executor).run(student, run.targets, learned, examples)
+            worth, learned = Attribution(run.runner).run(student, run.targets, learned, examples)
         except BudgetExhausted as exc:
             logger.warning("Attribution stopped: %s; the compiled program keeps every item", exc)
             return learned, None
         log_worth(worth)
-        run.executor.ckpt.put("worth", worth.to_dict())
+        run.runner.keep("worth", worth.to_dict())
         return learned, worth
 
 
@@ -281,12 +280,12 @@ def validate(run: Run, state: State, valset: list, epoch: int) -> EpochResult:
     """The epoch's validation: the program with the state's library and demos on the valset, `val_score` the mean metric
     over the examples it answered (a run that raised scores 0; one whose LM call failed is left out, counted in
     `val_failures` with the rest). Saved as `epochs/<epoch>`."""
-    if (saved := run.executor.ckpt.get(Keys.epoch(epoch))) is not None:
+    if (saved := run.runner.record(Keys.epoch(epoch))) is not None:
         return EpochResult(epoch=epoch, val_score=saved["val_score"], library_size=len(state.library),
                            val_failures=saved.get("val_failures", 0))
     logger.info("validation: %d call(s) on %d thread(s)", len(valset), run.knobs.num_threads)
     program = with_own_lms(with_learned(run.program, run.targets, state.library, state.demos))
-    with run.executor.scope(f"validation after epoch {epoch}") as ex:
+    with run.runner.scope(f"validation after epoch {epoch}") as ex:
         records = ex.scored("validation", [(None, program, x) for x in valset])
         ex.check("validation")
     answered = [r for r in records if not r.get("failed")]
@@ -296,7 +295,7 @@ def validate(run: Run, state: State, valset: list, epoch: int) -> EpochResult:
                        "left out, any other failure scores 0", epoch, len(errors), len(records), errors[0])
     value = sum(r["reward"] for r in answered) / len(answered) if answered else 0.0
     logger.info("Epoch %d: validation score %.3f with %d experiences", epoch, value, len(state.library))
-    run.executor.ckpt.put(Keys.epoch(epoch), {"val_score": value, "val_failures": len(errors),
+    run.runner.keep(Keys.epoch(epoch), {"val_score": value, "val_failures": len(errors),
                                      "library": state.library.dump_state(),
                                               "demos": [d.to_record() for d in state.demos]})
     return EpochResult(epoch=epoch, val_score=value, library_size=len(state.library), val_failures=len(errors))

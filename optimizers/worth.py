@@ -12,7 +12,7 @@ out alone, but not both: measured on the Game of 24, dropping both at once lost 
 split in two for it: one half measures the worth and chooses what to drop, the other half, which chose nothing, checks
 the pruned program against the unpruned one; the pruned one is kept only if it scores at least as well there.
 
-Every program run is a checkpointed unit of the run's executor (`worth/<variant>/<example>` in log_dir), so a resumed
+Every program run is a checkpointed unit of the run's runner (`worth/<variant>/<example>` in log_dir), so a resumed
 compile runs none twice. A run whose LM call failed has no answer: it counts as no difference in the pairs it is in.
 """
 
@@ -28,9 +28,9 @@ from typing import NamedTuple
 import dspy
 
 from tfgrpo.base.util import bootstrap_ci, clip, digest
-from tfgrpo.optimizers.execution import Executor, with_own_lms
+from tfgrpo.optimizers.runner import Runner, with_own_lms
 from tfgrpo.optimizers.knobs import Knobs
-from tfgrpo.optimizers.result import Demo, ItemWorth, WorthResult
+from tfgrpo.optimizers.records import Demo, ItemWorth, WorthResult
 from tfgrpo.programs.inject import with_learned
 from tfgrpo.programs.library import ExperienceLibrary
 from tfgrpo.programs.render import as_text
@@ -75,15 +75,15 @@ class Learned(NamedTuple):
 
 @dataclass
 class Attribution:
-    """Measures a compile's items on `examples` through the run's executor: its knobs, metric, checkpoint and budget."""
+    """Measures a compile's items on `examples` through the run's runner: its knobs, metric, checkpoint and budget."""
 
-    executor: Executor
+    runner: Runner
 
     def run(self, base: dspy.Module, targets: list[str], learned: Learned,
             examples: list) -> tuple[WorthResult, Learned]:
         """The items' worth, and what the compiled program keeps: `learned`, or its pruned part (with `prune`)."""
-        with self.executor.scope("attribution"):
-            knobs, ids = self.executor.knobs, [i for _, i, _ in learned.items()]
+        with self.runner.scope("attribution"):
+            knobs, ids = self.runner.knobs, [i for _, i, _ in learned.items()]
             ci = functools.partial(bootstrap_ci, seed=knobs.seed, resamples=2000)  # a 95% CI over the queries
             if not ids:
                 logger.info("Attribution: nothing was learned, so there is nothing to measure")
@@ -155,7 +155,7 @@ class _Scores:
     def runs(self, variant: str, program: dspy.Module, examples: list) -> list[float | None]:
         """The program's reward per example (None where its LM call failed)."""
         self.made += len(examples)
-        runnable, ex = with_own_lms(program), self.a.executor
+        runnable, ex = with_own_lms(program), self.a.runner
         records = ex.scored("attribution", [(f"worth/{variant}/{digest(x.toDict())}", runnable, x) for x in examples])
         ex.check("attribution")
         return [r["reward"] for r in records]

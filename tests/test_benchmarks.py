@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 X = r"[+-]?\d+\.\d+"  # a figure as the benchmarks print them
 COVERED = {"api_run.py", "faults.py", "learning_paths.py", "local_learning.py", "local_math.py", "local_throughput.py",
            "local_web.py", "peers.py", "replay.py", "rule_ceiling.py", "step_latency.py", "worth.py", "ceiling.py",
-           "resume_saved.py"}  # each has a test below
+           "resume_saved.py", "same_run.py"}  # each has a test below
 NOT_BENCHMARKS = {"__init__.py", "common.py", "fault_child.py", "log_dir_checks.py", "stop_rows.py",
                   "trust_rows.py"}  # helpers of the benchmarks
 
@@ -396,3 +396,21 @@ def test_resume_saved_replays_a_saved_run_under_the_current_rules_with_no_lm_cal
     where = tmp_path / "gsm8k" / "tfgrpo-default" / "seed0"
     assert (where / "eval.jsonl").read_text() == (source / "seed0" / "eval.jsonl").read_text()
     assert json.loads((where / "compile.json").read_text())["calls"] == 19
+
+
+def test_same_run(tmp_path):
+    """Two run directories compared: equal to itself, and a changed step record or library is said, field by field."""
+    run_dir = tmp_path / "a"
+    run_dir.mkdir()
+    (run_dir / "library.json").write_text(json.dumps({"experiences": []}))
+    (run_dir / "program.json").write_text(json.dumps({"self": {"demos": []}}))
+    step = {"step": 0, "groups_kept": 2, "wall_s": 1.0, "usage": {"rollout": {"calls": 8}}, "details": {"old": 1}}
+    (run_dir / "steps.jsonl").write_text(json.dumps(step) + "\n")
+    shutil.copytree(run_dir, tmp_path / "b")
+    other = dict(step, wall_s=2.0, usage={}, details={})  # timings and usage differ, and a removed count
+    (tmp_path / "b" / "steps.jsonl").write_text(json.dumps(other) + "\n")
+    assert run("same_run.py", str(run_dir), str(tmp_path / "b"), "--ignore", "details.old")[-1] == (
+        "same_run: library_equal=true program_equal=true steps_equal=true steps=1,1")
+    (tmp_path / "b" / "steps.jsonl").write_text(json.dumps(dict(other, groups_kept=1)) + "\n")
+    lines = run("same_run.py", str(run_dir), str(tmp_path / "b"))
+    assert lines[-1].endswith("steps_equal=false steps=1,1") and any(line.startswith("step 0 groups_kept") for line in lines)

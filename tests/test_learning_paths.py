@@ -7,7 +7,7 @@ import pytest
 from scripted_lm import ScriptedLM
 from test_contrast import compile_contrast, contrast_learner
 from test_optimizer import LESSON, compile_with, learner
-from tfgrpo.optimizers.result import Failed, LearningPath, Lessons, StepResult, TrainingFreeGRPOResult
+from tfgrpo.optimizers.records import Failed, LearningPath, Lessons, StepResult, TrainingFreeGRPOResult
 from tfgrpo.signatures.operations import Operation
 
 
@@ -22,7 +22,7 @@ class WorstAnswerPath(LearningPath):
         def call():
             with dspy.context(lm=run.reflection_lm):
                 return dspy.Predict("attempt, feedback -> rule")(attempt=worst.text, feedback=worst.feedback).rule
-        return run.executor.call("why", f"why/{group.index}", call)  # checkpointed, charged, metered, counted
+        return run.runner.call("why", f"why/{group.index}", call)  # checkpointed, charged, metered, counted
 
     def finish(self, run, library, results):
         proposals = [(group.key, Operation(action="add", text=rule)) for group, rule in results
@@ -82,7 +82,7 @@ def test_a_teacher_is_refused():
 def test_a_path_learns_from_groups_it_is_given_and_the_plan_applies_to_a_copy():
     """What benchmarks/learning_paths.py does: a learning path alone, on groups scored elsewhere (no rollout)."""
     from test_optimizer import make_trainset
-    from tfgrpo.optimizers.result import Attempt, Group, Scored
+    from tfgrpo.optimizers.records import Attempt, Group, Scored
     from tfgrpo.optimizers.learning_paths import ContrastPath
     from tfgrpo.optimizers.knobs import Knobs
     from tfgrpo.optimizers.step import learn_from_groups

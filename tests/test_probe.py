@@ -134,13 +134,13 @@ def _partial(example, pred, trace=None):
 
 def _probe(programs, candidates):
     """A probe on 4 training queries, every attempt run in turn (one thread), nothing saved."""
-    from tfgrpo.optimizers.execution import Executor
+    from tfgrpo.optimizers.runner import Runner
     from tfgrpo.optimizers.judge import Probe
     from tfgrpo.optimizers.knobs import Knobs
 
-    executor = Executor(Knobs(num_threads=1), _partial)
-    with executor.scope("probe"):
-        return Probe(candidates, [0, 1, 2, 3]).run(executor, programs,
+    runner = Runner(Knobs(num_threads=1), _partial)
+    with runner.scope("probe"):
+        return Probe(candidates, [0, 1, 2, 3]).run(runner, programs,
                                                                                       make_trainset(4))
 
 

@@ -11,8 +11,8 @@ from test_optimizer import learner, make_trainset, metric
 from tfgrpo.optimizers import TrainingFreeGRPO
 from tfgrpo.optimizers.checkpoint import Checkpoint
 from tfgrpo.optimizers.knobs import Knobs
-from tfgrpo.optimizers.result import Demo
-from tfgrpo.optimizers.execution import Executor
+from tfgrpo.optimizers.records import Demo
+from tfgrpo.optimizers.runner import Runner
 from tfgrpo.optimizers.worth import FILLER, Attribution, Learned, _halves
 from tfgrpo.programs.library import ExperienceLibrary
 
@@ -59,7 +59,7 @@ def queries(n=8):
 def attribute(tmp_path=None, **knobs):
     lm = ScriptedLM(student)
     dspy.configure(lm=lm)
-    attribution = Attribution(Executor(Knobs(attribution=True, num_threads=2, **knobs), reward, Checkpoint(tmp_path)))
+    attribution = Attribution(Runner(Knobs(attribution=True, num_threads=2, **knobs), reward, Checkpoint(tmp_path)))
     return attribution.run(dspy.Predict("question -> answer"), ["self"], learned(), queries()), lm
 
 
@@ -114,7 +114,7 @@ def test_a_prune_that_scores_worse_on_the_check_half_is_not_kept():
         return base if example.question in choose or "E2" in pred.answer else max(0.0, base - 0.5)
 
     dspy.configure(lm=ScriptedLM(student))
-    worth, kept = Attribution(Executor(Knobs(attribution=True, prune=True, num_threads=2), noisy, Checkpoint(None))).run(
+    worth, kept = Attribution(Runner(Knobs(attribution=True, prune=True, num_threads=2), noisy, Checkpoint(None))).run(
         dspy.Predict("question -> answer"), ["self"], learned(), queries())
     assert worth.prune_check["dropped"] == ["E3", "E2"] and worth.prune_check["kept"] == "unpruned"
     assert worth.prune_check["difference"] == pytest.approx(-0.25)  # E3's 0.25 back, E2's 0.5 lost
@@ -126,7 +126,7 @@ def test_knob_checks():
         Knobs(prune=True)
     with pytest.raises(ValueError, match="at least 4 attribution queries"):
         dspy.configure(lm=ScriptedLM(student))
-        Attribution(Executor(Knobs(attribution=True, prune=True), reward, Checkpoint(None))).run(
+        Attribution(Runner(Knobs(attribution=True, prune=True), reward, Checkpoint(None))).run(
             dspy.Predict("question -> answer"), ["self"], learned(), queries(3))
 
 
@@ -203,7 +203,7 @@ def test_runs_are_named_by_what_the_items_say_so_a_changed_library_is_measured_a
     state["experiences"][2]["text"] = "Apply the alpha rule twice."  # E3 now says what E1 says: no longer harmful
     lm = ScriptedLM(student)
     dspy.configure(lm=lm)
-    worth, _ = Attribution(Executor(Knobs(attribution=True, num_threads=2), reward, Checkpoint(tmp_path))).run(
+    worth, _ = Attribution(Runner(Knobs(attribution=True, num_threads=2), reward, Checkpoint(tmp_path))).run(
         dspy.Predict("question -> answer"), ["self"], Learned(ExperienceLibrary.from_state(state), changed.demos),
         queries())
     assert lm.calls and {it.id: round(it.worth, 6) for it in worth.items}["E3"] == 0.0 != first.items[2].worth
@@ -211,7 +211,7 @@ def test_runs_are_named_by_what_the_items_say_so_a_changed_library_is_measured_a
 
 def test_nothing_learned_costs_nothing():
     dspy.configure(lm=(lm := ScriptedLM(student)))
-    worth, kept = Attribution(Executor(Knobs(attribution=True), reward, Checkpoint(None))).run(
+    worth, kept = Attribution(Runner(Knobs(attribution=True), reward, Checkpoint(None))).run(
         dspy.Predict("question -> answer"), ["self"], Learned(ExperienceLibrary(), []), queries())
     assert worth.items == [] and worth.program_runs == 0 and lm.calls == []
 
@@ -223,7 +223,7 @@ def test_of_two_items_that_stand_in_for_each_other_prune_drops_one():
         return 0.25 + 0.5 * ("E1" in pred.answer or "D1" in pred.answer) - 0.25 * ("E3" in pred.answer)
 
     dspy.configure(lm=ScriptedLM(student))
-    worth, kept = Attribution(Executor(Knobs(attribution=True, prune=True, num_threads=2), either, Checkpoint(None))).run(
+    worth, kept = Attribution(Runner(Knobs(attribution=True, prune=True, num_threads=2), either, Checkpoint(None))).run(
         dspy.Predict("question -> answer"), ["self"], learned(), queries())
     assert {it.id: it.worth for it in worth.items} == {"E1": 0.0, "E2": 0.0, "E3": -0.25, "D1": 0.0}
     assert worth.pruned == ["E3", "E1", "E2"] and [i for _, i, _ in kept.items()] == ["D1"]

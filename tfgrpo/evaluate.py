@@ -16,9 +16,8 @@ from typing import Callable
 import dspy
 
 from tfgrpo.base.util import bootstrap_ci, read_jsonl_rows, write_atomic
-from tfgrpo.optimizers.execution import Executor, with_own_lms
+from tfgrpo.optimizers.runner import Runner, metered, with_own_lms
 from tfgrpo.optimizers.knobs import Knobs
-from tfgrpo.optimizers.parallel import metered
 from tfgrpo.optimizers.rewards import call_metric
 
 
@@ -28,15 +27,15 @@ def evaluate_program(program: dspy.Module, examples: list, metric: Callable, *, 
                      extra_metrics: dict[str, Callable] | None = None) -> list[dict]:
     """One row per (problem, run): score, tool calls, the extracted answer, and the program's error if it raised
     (scored 0; `failed` when its LM call failed); `extra_metrics` (name -> metric) are scored too, under `metrics`. A
-    metric that fails stops the evaluation with a `MetricError`. Runs through the optimizer's execution layer."""
+    metric that fails stops the evaluation with a `MetricError`. Runs through the optimizer's runner."""
     program = program.deepcopy()
     program.set_lm(lm)
     candidates = [with_own_lms(program, **({"rollout_id": r} if num_runs > 1 else {})) for r in range(num_runs)]
     jobs = [(i, r) for i in range(len(examples)) for r in range(num_runs)]
-    stage, executor = f"evaluate {name}", Executor(Knobs(num_threads=num_threads, progress=progress), metric)
-    with executor.scope(stage):
-        records = executor.scored(stage, [(None, candidates[r], examples[i]) for i, r in jobs])
-        usage = executor.meter(stage).totals()
+    stage, runner = f"evaluate {name}", Runner(Knobs(num_threads=num_threads, progress=progress), metric)
+    with runner.scope(stage):
+        records = runner.scored(stage, [(None, candidates[r], examples[i]) for i, r in jobs])
+        usage = runner.meter(stage).totals()
     rows = []
     for (i, r), rec in zip(jobs, records):
         row = {"program": name, "problem": i, "run": r, "score": rec["reward"] or 0.0, "feedback": rec["feedback"],

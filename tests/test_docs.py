@@ -21,7 +21,7 @@ import pytest
 
 import tfgrpo.lms
 from tfgrpo.optimizers.knobs import KNOBS
-from tfgrpo.optimizers.result import EpochResult, StepResult, TrainingFreeGRPOResult
+from tfgrpo.optimizers.records import EpochResult, StepResult, TrainingFreeGRPOResult
 from tfgrpo.optimizers.training_free_grpo import TrainingFreeGRPO
 from tfgrpo.testing import FakeLMServer
 
@@ -125,10 +125,11 @@ def test_the_example_script_runs(tmp_path):
 
 @pytest.fixture(scope="module")
 def api_page(tmp_path_factory) -> str:
-    """The built API page's HTML (mkdocs build --strict, as CI builds the site)."""
+    """The built API page's HTML (mkdocs build --strict, as CI builds the site; not -q, with which mkdocs 1.6 drops its
+    warnings before --strict counts them)."""
     pytest.importorskip("mkdocstrings_handlers.python", reason="the docs extra is not installed")
     site = tmp_path_factory.mktemp("site")
-    build = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(site)], cwd=ROOT,
+    build = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)], cwd=ROOT,
                            capture_output=True, text=True, timeout=300, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert build.returncode == 0, build.stderr[-3000:]
     return (site / "api" / "index.html").read_text(encoding="utf-8")
@@ -163,14 +164,50 @@ def test_the_api_page_documents_every_knob_from_its_one_declaration(api_page):
 
 def test_the_api_page_documents_compile(api_page):
     cls = "tfgrpo.optimizers.training_free_grpo.TrainingFreeGRPO"
-    rows = table_rows(section(api_page, f"{cls}.compile", "tfgrpo.optimizers.result.TrainingFreeGRPOResult"))
+    rows = table_rows(section(api_page, f"{cls}.compile", "tfgrpo.optimizers.records.TrainingFreeGRPOResult"))
     assert set(rows) >= {"student", "trainset", "teacher", "valset"} and all(rows.values())
 
 
 @pytest.mark.parametrize("record", [TrainingFreeGRPOResult, StepResult, EpochResult], ids=lambda c: c.__name__)
 def test_the_api_page_gives_every_result_field_a_sentence(api_page, record):
-    identifier = f"tfgrpo.optimizers.result.{record.__name__}"
+    identifier = f"tfgrpo.optimizers.records.{record.__name__}"
     following = re.search(r'id="(tfgrpo\.[\w.]+)"', api_page[api_page.index(f'id="{identifier}"') + 10:])
     rows = table_rows(section(api_page, identifier, following.group(1) if following else ""))
     assert list(rows) == [f.name for f in dataclasses.fields(record)], "the Attributes section lists every field"
     assert all(len(description.split()) >= 3 for description in rows.values()), rows
+
+
+def test_the_home_page_shows_the_readme_quick_start():
+    """docs/index.md's API quick start is the README's, line for line (examples/api_model.py runs the README's:
+    tests/test_api_models.py)."""
+    readme = python_blocks(ROOT / "README.md")[0]
+    assert "TrainingFreeGRPO(" in readme and readme in python_blocks(ROOT / "docs" / "index.md")
+
+
+def test_the_tutorial_shows_what_the_simulator_script_prints(tmp_path):
+    """docs/tutorial.md pastes the output of examples/provider_simulator.py (deterministic: the provider simulator's
+    replies are fixed by each request); when the code changes what it prints, run the script and paste it again."""
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / "provider_simulator.py")], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.startswith("== plan ==\nplan: preset 'paper'"), run.stdout
+    assert run.stdout in (ROOT / "docs" / "tutorial.md").read_text(encoding="utf-8"), \
+        "docs/tutorial.md no longer shows what examples/provider_simulator.py prints:\n" + run.stdout
+
+
+def test_the_presets_table_is_the_code_s():
+    """docs/choosing.md's table of the `auto` presets: each knob's value per preset, and as declared."""
+    from tfgrpo.optimizers.knobs import PRESETS
+
+    page = (ROOT / "docs" / "choosing.md").read_text(encoding="utf-8")
+    table = page[page.index("## The `auto` presets"):]
+    header = next(line for line in table.splitlines() if line.startswith("| knob |"))
+    columns = [c.strip().strip("`").split("`")[0] for c in header.strip("|").split("|")][1:]
+    assert columns[:-1] == list(PRESETS) and columns[-1].startswith("declared default")
+    rows = {cells[0].strip("`"): cells[1:] for line in table.splitlines() if line.startswith("| `")
+            for cells in [[c.strip() for c in line.strip("|").split("|")]]}
+    assert set(rows) == {k for preset in PRESETS.values() for k in preset}, "every knob a preset sets, no other"
+    for name, cells in rows.items():
+        declared = KNOBS[name].default
+        expected = [repr(PRESETS[p].get(name, declared)) for p in PRESETS] + [repr(declared)]
+        assert cells == expected, f"{name}: the page says {cells}, the code {expected}"

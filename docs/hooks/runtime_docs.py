@@ -24,8 +24,10 @@ class RuntimeDocs(griffe.Extension):
         from tfgrpo.optimizers.training_free_grpo import TrainingFreeGRPO
 
         cls = pkg[CLASS]  # its docstring is assigned (`__doc__ = DOC + args_doc()`), so the source shows none
+        # warn_missing_types: the knobs' types are in their declaration (and the usage page's table), not annotated on
+        # the signature Python builds from it
         cls.docstring = griffe.Docstring(inspect.getdoc(TrainingFreeGRPO), lineno=cls.lineno, endlineno=cls.endlineno,
-                                         parent=cls, parser="google")
+                                         parent=cls, parser="google", parser_options={"warn_missing_types": False})
         defaults = {name: p.default for name, p in inspect.signature(TrainingFreeGRPO).parameters.items()}
         for param in cls.members["__init__"].parameters:
             if defaults.get(param.name, inspect.Parameter.empty) is not inspect.Parameter.empty:

@@ -188,7 +188,7 @@ class Checkpoint:
 
 # fingerprint entries kept as digests: only that they differ is known
 DIGESTS = {"instructions": "the program's instructions", "trainset": "the trainset", "valset": "the valset",
-           "initial_library": "the starting library", "metric_code": "the metric's code",
+           "initial_library": "the starting library", "initial_demos": "the demos the student carries", "metric_code": "the metric's code",
            "program_code": "the program's code (its module classes)"}
 
 

@@ -105,11 +105,25 @@ def demo_candidates(groups: list[Group], step: int, *, min_reward: float = 1.0) 
     return found
 
 
+def carried_demos(program: dspy.Module, targets: list[str]) -> list[Demo]:
+    """The demos the target predictors of a student already carry (learned before, by this model or another), as
+    demos the run keeps, probes against and may replace: each one call of its predictor, known by its place."""
+    demos = []
+    for name, predictor in program.named_predictors():
+        fields = predictor.signature.input_fields, predictor.signature.output_fields
+        for j, example in enumerate(predictor.demos if name in targets else []):
+            values = dict(example)
+            demos.append(Demo(query=f"{name}[{j}]", trace=[{
+                "predictor": name, "inputs": {k: values[k] for k in fields[0] if k in values},
+                "outputs": {k: values[k] for k in fields[1] if k in values}}]))
+    return demos
+
+
 def best_demos(demos: list[Demo], n: int, score: str = "advantage") -> list[Demo]:
     """The `n` demos with the highest `score` (their group "advantage", or a probe's "gain", 0 where none was
-    measured; the earlier step first on ties), one per query."""
+    measured; the earlier step first on ties, a carried demo first of all), one per query."""
     best_per_query: dict[str, Demo] = {}
-    for demo in sorted(demos, key=lambda d: (-(getattr(d, score) or 0.0), d.step, d.query)):
+    for demo in sorted(demos, key=lambda d: (-(getattr(d, score) or 0.0), -1 if d.step is None else d.step, d.query)):
         best_per_query.setdefault(demo.query, demo)
     return list(best_per_query.values())[: max(n, 0)]
 

@@ -189,6 +189,14 @@ class Knobs:
         "solved every probe query: nothing is left to learn from these training queries; said in the log and in "
         "`stopped_early`."))
     # what each learned item is worth (worth.py)
+    refit: bool | str = knob("auto", one_of("auto", True, False), fingerprinted=True, doc=(
+        "Before the steps, measure what each experience and demo the student carries is worth on this run's model, as "
+        "`attribution` does, on held-out queries (the valset, or compile's `attribution_set`), and leave out those "
+        "that do not help, as `prune` does (chosen on half of the queries, checked on the other); the steps then go "
+        "on from what is left (`num_train_epochs=0`: the refit alone). In `detailed_results.refit`, each item with "
+        "where it was learned and its worth there when the saved program recorded them. \"auto\": when the student "
+        "carries items that its saved provenance says were learned with another policy model; True: whenever it "
+        "carries any; False: never."))
     attribution: bool = knob(False, FLAG, doc=(
         "After the compile, measure what each kept experience and demo is worth on held-out queries (the valset, or "
         "compile's `attribution_set`): the compiled program against it with each item left out, paired per query "

@@ -29,8 +29,10 @@ from dspy.adapters.chat_adapter import ChatAdapter
 from tfgrpo.base.util import digest
 from tfgrpo.optimizers.checkpoint import Checkpoint, code_fingerprint, prompt_versions
 from tfgrpo.optimizers.runner import fixed_temperature, model_price
+from tfgrpo.optimizers.judge import carried_demos
 from tfgrpo.optimizers.knobs import Knobs, fingerprinted_knobs, resolve
-from tfgrpo.programs.inject import resolve_targets, starting_library
+from tfgrpo.optimizers.records import Demo
+from tfgrpo.programs.inject import PROVENANCE_KEY, resolve_targets, starting_library
 from tfgrpo.programs.learning import AdvantageExtractor, Consolidator, Summarizer
 from tfgrpo.programs.library import ExperienceLibrary
 
@@ -77,6 +79,9 @@ class Plan:
     fingerprint: dict = field(default_factory=dict, repr=False)  # what a resume of the run must match
     targets: list[str] = field(default_factory=list, repr=False)
     library: ExperienceLibrary | None = field(default=None, repr=False)  # the starting library
+    demos: list[Demo] = field(default_factory=list, repr=False)  # the demos the student carries (with max_demos)
+    refit: bool = False  # the carried items are measured on this run's model before the steps (`refit`)
+    carried: dict = field(default_factory=dict, repr=False)  # the student's saved provenance: where it learned
 
     def summary(self) -> str:
         """The plan in a few lines, as the run starts and the dry run print it."""
@@ -88,7 +93,7 @@ class Plan:
         lines = [f"plan: preset {self.preset!r}, {self.learning_path} path, {reachable} step(s){cut} of "
                  f"{self.knobs.batch_size} queries x {self.knobs.num_generations} attempts; reflection model "
                  f"{self.models['reflection']!r}",
-                 "reads: " + ", ".join(f"{n:,} {name} example(s)" for name, n in reads.items() if n) +
+                 "reads: " + (", ".join(f"{n:,} {name} example(s)" for name, n in reads.items() if n) or "nothing") +
                  f"; a reply counted at {total.get('reply', '?')}",
                  f"expected: {total['calls']:,} calls, {total['prompt_tokens']:,} prompt + "
                  f"{total['completion_tokens']:,} completion tokens ({total['cached_tokens']:,} prompt tokens cached), "
@@ -109,12 +114,11 @@ def make_plan(optimizer, student: dspy.Module, trainset: list, valset: list | No
     (compile does)."""
     check_program(student)
     held_out = attribution_set if attribution_set is not None else valset
-    if attribution_set is not None and not optimizer.attribution:
-        raise ValueError("attribution_set is only read with attribution=True")
     if optimizer.attribution and not held_out:
         raise ValueError("attribution=True measures the kept items on held-out queries: pass valset= or "
                          "attribution_set=")
-    sets = {"trainset": trainset, "valset": valset, "attribution_set": held_out if optimizer.attribution else None}
+    sets = {"trainset": trainset, "valset": valset,
+            "attribution_set": held_out if optimizer.attribution or attribution_set is not None else None}
     for name, examples in sets.items():
         if examples is not None:
             check_examples(name, examples)
@@ -133,20 +137,42 @@ def make_plan(optimizer, student: dspy.Module, trainset: list, valset: list | No
         check_prices(lms, knobs.prices)
     library = starting_library(student, program, targets, max_words=knobs.max_words_per_experience,
                                max_experiences=knobs.max_experiences)
+    demos = carried_demos(program, targets) if knobs.max_demos else []
+    if say and (len(library) or demos):
+        logger.warning("The student carries what was learned before: %d experience(s) and %d demo(s); the run goes on "
+                       "from them (probed, rewritten or replaced like its own)", len(library), len(demos))
+    carried = getattr(student, PROVENANCE_KEY, None) if isinstance(getattr(student, PROVENANCE_KEY, None), dict) else {}
+    policy = sorted({str(lm.model) for lm in lms["policy"]})
+    elsewhere = bool(carried.get("policy")) and sorted(carried["policy"]) != policy
+    refit = bool(len(library) or demos) and (knobs.refit is True or (knobs.refit == "auto" and elsewhere))
+    if attribution_set is not None and not optimizer.attribution and not refit:
+        raise ValueError("attribution_set is only read with attribution=True, or by the refit of a student that carries "
+                         "what it learned elsewhere (refit)")
+    if refit and not held_out:
+        if knobs.refit is True:
+            raise ValueError("refit=True measures the carried items on held-out queries: pass valset= or "
+                             "attribution_set=")
+        notes.append(f"the student's items were learned with {carried['policy']}, not {policy}, but there are no "
+                     "held-out queries to refit them on (valset= or attribution_set=): they are kept as they are")
+        refit = False
+    if refit and say:
+        logger.warning("Refit: each of the %d carried item(s) measured on %s before the steps (learned with %s)",
+                       len(library) + len(demos), ", ".join(policy), ", ".join(carried.get("policy") or ["?"]))
     if not hasattr(type(program), "forward") and not hasattr(type(program), "aforward"):
         raise TypeError(f"{type(program).__name__} defines neither forward() nor aforward(): a dspy.Module runs one of "
                         "them on each example")
-    fingerprint = make_fingerprint(knobs, program, targets, trainset, valset, library, lms, optimizer.metric)
+    fingerprint = make_fingerprint(knobs, program, targets, trainset, valset, library, demos, lms, optimizer.metric)
     saved = Checkpoint(knobs.log_dir).check(fingerprint, other_versions=knobs.resume_other_versions)  # as compile
     expected, bound = estimate(knobs, program, trainset, valset, held_out, lms, learning_path=path,
-                               reply_tokens=reply_tokens)
+                               reply_tokens=reply_tokens, refit_items=(len(library) + len(demos)) * refit)
     budget = {"max_cost": knobs.max_cost, "max_total_tokens": knobs.max_total_tokens,
               "max_metric_calls": knobs.max_metric_calls}
-    models = {"policy": sorted({str(lm.model) for lm in lms["policy"]}), "reflection": str(lms["reflection"].model)}
+    models = {"policy": policy, "reflection": str(lms["reflection"].model)}
     return Plan(knobs=knobs, preset=preset, learning_path=path, models=models, steps=knobs.total_steps(len(trainset)),
                 turns=_turns(program),
                 expected=expected, bound=bound, budget=budget, resume={"saved_units": saved}, notes=notes,
-                fingerprint=fingerprint, targets=targets, library=library)
+                fingerprint=fingerprint, targets=targets, library=library, demos=demos, refit=refit,
+                carried=carried)
 
 
 # -- checks -----------------------------------------------------------------------------------------------------------
@@ -271,9 +297,10 @@ def check_prices(lms: dict, prices: dict | None) -> None:
 
 
 def make_fingerprint(knobs: Knobs, program, targets, trainset: list, valset: list | None,
-                     library: ExperienceLibrary, lms: dict, metric) -> dict:
+                     library: ExperienceLibrary, demos: list[Demo], lms: dict, metric) -> dict:
     """What a resume must match: the knobs that change what is computed, the targets, the LMs' models, the program's
-    instructions and code, the metric, the data (trainset, valset) and the starting library."""
+    instructions and code, the metric, the data (trainset, valset), the starting library and demos, and the versions
+    that make the prompts."""
     models = {"policy": sorted({str(getattr(lm, "model", type(lm).__name__)) for lm in lms["policy"]}),
               "reflection": str(getattr(lms["reflection"], "model", type(lms["reflection"]).__name__))}
     fingerprinted = fingerprinted_knobs(knobs)
@@ -283,7 +310,8 @@ def make_fingerprint(knobs: Knobs, program, targets, trainset: list, valset: lis
     return {"knobs": fingerprinted, "targets": targets, "models": models,
             "instructions": digest([p.signature.instructions for _, p in program.named_predictors()]),
             "trainset": digest([dict(x) for x in trainset]), "valset": digest([dict(x) for x in valset or []]),
-            "initial_library": digest(library.dump_state()), **code_fingerprint(metric, program),
+            "initial_library": digest(library.dump_state()), "initial_demos": digest([d.to_record() for d in demos]),
+            **code_fingerprint(metric, program),
             "versions": prompt_versions()}
 
 
@@ -292,8 +320,8 @@ TRIES = 2  # the most times a call is sent: once, and once more when its reply d
 
 
 def estimate(knobs: Knobs, program: dspy.Module, trainset: list, valset: list | None, held_out: list | None,
-             lms: dict, *, learning_path: str,
-             reply_tokens: int | None = None) -> tuple[dict, dict]:
+             lms: dict, *, learning_path: str, reply_tokens: int | None = None, refit_items: int = 0
+             ) -> tuple[dict, dict]:
     """Calls, tokens and dollars per stage of a step (`per_step`) and for the whole run (`total`, with `metric_calls`;
     `held_out`: the attribution's queries): expected (see the module docstring), and as an upper bound (every call
     sent twice, every rewrite, a full library, replies at the `max_tokens` cap)."""
@@ -315,12 +343,14 @@ def estimate(knobs: Knobs, program: dspy.Module, trainset: list, valset: list | 
     per_epoch = -(-len(trainset) // knobs.batch_size)
     validated = min(knobs.num_train_epochs, -(-steps // per_epoch) if steps == scheduled else steps // per_epoch)
     items = attribution_runs(knobs, len(trainset), len(held_out or []), steps=steps)
-    sizes["runs"] = validated * len(valset or []) + items["runs"]
+    queries, choose = len(held_out or []), (len(held_out or []) + 1) // 2  # a refit: leave-one-out, pruned, checked
+    refit_runs = choose * (2 * refit_items + 3) + 2 * (queries - choose) if refit_items and queries else 0
+    sizes["runs"] = validated * len(valset or []) + items["runs"] + refit_runs
     expected, bound = _tally(knobs, sizes, learning_path, False, steps), _tally(knobs, sizes, learning_path, True, steps)
     batch = min(knobs.batch_size, len(trainset))
     reads = {"trainset": min(len(trainset), steps * batch + steps * min(knobs.probe_size, len(trainset))),
-             "valset": len(valset or []) if validated else 0, "attribution_set": len(held_out or []) if items["runs"]
-             else 0}
+             "valset": len(valset or []) if validated else 0,
+             "attribution_set": len(held_out or []) if items["runs"] or refit_runs else 0}
     for tally in (expected, bound):
         tally["total"].update(steps=steps, scheduled_steps=scheduled, examples_read=reads,
                               reply=f"{sizes['reply']} tokens (from {sizes['reply_source']})")

@@ -274,6 +274,9 @@ class ItemWorth:
         worth: The mean score the program loses per query when the item is left out (leave-one-out), or the item's
             Shapley value (above `attribution_max_items` items). Negative: the program does better without it.
         ci95: 95% bootstrap CI of `worth` over the queries.
+        learned_on: For an item the student carried (a refit): where it was learned, as the saved program recorded
+            it (`policy`: the models; `worth`: what the attribution measured there, None if it measured nothing);
+            else None.
     """
 
     kind: str
@@ -281,6 +284,7 @@ class ItemWorth:
     text: str
     worth: float
     ci95: tuple[float, float]
+    learned_on: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -338,6 +342,9 @@ class TrainingFreeGRPOResult(_Record):
         reused_units: Units of work read back from `log_dir` instead of computed again.
         stopped_early: Why the run stopped before its last step (a budget ran out, say), or None.
         worth: With `attribution`, what each kept item is worth on held-out queries (`WorthResult`); else None.
+        refit: With `refit`, what each item the student carried was worth on this run's model before the steps
+            (`WorthResult`, each item's `learned_on` where the program recorded it; `pruned`: those left out); else
+            None.
         limits: What limited the run: `attempts_solved` (the rollouts that solved their own query, of all answered),
             `best_written` (the demo candidate that solved most of its probe's queries: step, solved, of) against
             `kept` (the kept program on the last probe), a `verdict`, the `calls` per stage, why it `stopped`, and
@@ -353,4 +360,5 @@ class TrainingFreeGRPOResult(_Record):
     reused_units: int
     stopped_early: str | None
     worth: WorthResult | None = None
+    refit: WorthResult | None = None
     limits: dict = field(default_factory=dict)

@@ -270,7 +270,7 @@ class Runner:
                 except BudgetExhausted:
                     raise
                 except Exception as exc:  # a failed learning call is counted, not fatal
-                    value = Failed(f"{type(exc).__name__}: {exc}")
+                    value = Failed(_why(exc))
                 else:
                     self.ckpt.put(key, value)
             self._done(stage, value.error if isinstance(value, Failed) else None)
@@ -374,6 +374,18 @@ def no_answer(exc: BaseException) -> bool:
     """Whether `exc` says the provider gave no answer: an LM call that failed, or a reply with nothing to parse (DSPy's
     adapters raise an `AdapterParseError` for no choices, or an empty content such as a content filter leaves)."""
     return isinstance(exc, LMError) or (isinstance(exc, AdapterParseError) and EMPTY_REPLY in str(exc))
+
+
+REASONING_HINT = ("the reflection LM's reply had no content: a reasoning model may have put all of it in its "
+                  "reasoning (reasoning_content) or run out of max_tokens before answering; give it more max_tokens, "
+                  "or use a model that answers in its content")
+
+
+def _why(exc: BaseException) -> str:
+    """A failed learning call's error as text, its hint first where the reply had no content (what a reasoning model
+    that answers only in its reasoning sends), since the error's own text is long and its end gets cut in logs."""
+    text = f"{type(exc).__name__}: {exc}"
+    return f"{REASONING_HINT} ({text})" if EMPTY_REPLY in text else text
 
 
 def rollout_id(*parts) -> int:

@@ -15,6 +15,7 @@ budget before it starts and meters it, so a crashed or stopped run resumes witho
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import inspect
@@ -31,7 +32,7 @@ from tfgrpo.optimizers.runner import ROLE, BudgetExhausted, Runner, StageBars, a
 from tfgrpo.optimizers.knobs import KNOBS, Knobs, args_doc, check_knob
 from tfgrpo.optimizers.learning_paths import ContrastPath, PaperPath
 from tfgrpo.optimizers.plan import Plan, make_plan
-from tfgrpo.optimizers.records import EpochResult, StepResult, TrainingFreeGRPOResult
+from tfgrpo.optimizers.records import EpochResult, StepResult, TrainingFreeGRPOResult, WorthResult
 from tfgrpo.optimizers.rewards import metric_takes_trace
 from tfgrpo.optimizers.step import Run, State, step
 from tfgrpo.optimizers.worth import Attribution, Learned, log_worth
@@ -163,7 +164,7 @@ class TrainingFreeGRPO(Teleprompter):
                     logger.info("resuming from %s: %d finished units found", ckpt.root, saved)
                     run.runner.recheck(run.program, trainset)
                 held_out = attribution_set if attribution_set is not None else valset
-                compiled = self._learn(run, plan, student, valset, held_out, trackers)
+                compiled = self._learn(run, plan, valset, held_out, trackers)
                 for tracker in trackers:
                     tracker.finish(compiled)
             return compiled
@@ -171,6 +172,9 @@ class TrainingFreeGRPO(Teleprompter):
     def _run(self, plan: Plan, student: dspy.Module, trainset: list, ckpt: Checkpoint) -> Run:
         """What every step of the compile of `plan` shares: the resolved knobs, the path, the LMs, the runner."""
         knobs, program = plan.knobs, student.deepcopy()
+        for name, predictor in program.named_predictors() if plan.demos else ():
+            if name in plan.targets:  # the demos it carries are the run's own from here (State.demos)
+                predictor.demos = []
         path = knobs.learning_path if not isinstance(knobs.learning_path, str) else \
             ContrastPath() if plan.learning_path == "contrast" else PaperPath()
         reflection_lm = self.reflection_lm or dspy.settings.lm or next(
@@ -180,16 +184,20 @@ class TrainingFreeGRPO(Teleprompter):
                    trainset=trainset, instructions=" ".join(p.signature.instructions
                                                             for _, p in program.named_predictors()))
 
-    def _learn(self, run: Run, plan: Plan, student: dspy.Module, valset: list | None, held_out: list | None,
-               trackers: list) -> dspy.Module:
-        """The epochs' steps and validations, then the attribution on `held_out`; the compiled copy of the student."""
-        knobs, state, total = run.knobs, State(library=plan.library), plan.steps
-        steps, epochs, best, stopped = [], [], None, None
+    def _learn(self, run: Run, plan: Plan, valset: list | None, held_out: list | None, trackers: list) -> dspy.Module:
+        """With `plan.refit`, the carried items measured and pruned on `held_out`; then the epochs' steps and
+        validations, then the attribution on `held_out`; the compiled copy of the student (of `run.program`, the
+        student's copy the run learns for)."""
+        knobs, state, total = run.knobs, State(library=plan.library, demos=list(plan.demos)), plan.steps
+        steps, epochs, best, stopped, refit = [], [], None, None, None
         bar = knobs.progress or StageBars(resumed=True)  # the whole run: steps done of all, with its ETA
         if total:
             bar("step", sum(run.runner.record(Keys.done(i), reused=False) is not None for i in range(total)), total)
         rng = random.Random(knobs.seed)
         try:
+            if plan.refit:
+                refit, kept = _refit(run, plan, state, held_out)
+                state = State(library=kept.library, demos=kept.demos)
             for epoch in range(knobs.num_train_epochs):
                 if state.step == total:  # max_steps reached with the last epoch
                     break
@@ -218,18 +226,22 @@ class TrainingFreeGRPO(Teleprompter):
             logger.info("Keeping the library of epoch %d: validation score %.3f, the best of %d validated epoch(s) (ties "
                         "go to the later epoch); %d experiences", best[0].epoch, best[0].val_score, len(epochs),
                         len(best[1].library))
-        learned, worth = self._attribution(run, student, learned, held_out, stopped)
+        learned, worth = self._attribution(run, learned, held_out, stopped)
         run_usage = {"policy": {}, "reflection": {}}  # the whole run's: its steps' (those reused from log_dir
         by_stage = [*((stage, used) for stats in steps for stage, used in stats.usage.items()),  # included) and the
                     *run.runner.unrecorded.items()]  # validations, the attribution, a step stopped part way
         for stage, used in by_stage:
             add_usage(run_usage[ROLE.get(stage, "reflection")], used)
-        compiled = with_learned(student, run.targets, *learned)
+        compiled = with_learned(run.program, run.targets, *learned)
         compiled.detailed_results = TrainingFreeGRPOResult(
             steps=steps, epochs=epochs, best_val_score=best[0].val_score if best else None,
             best_epoch=best[0].epoch if best else None, usage=run.runner.spent, run_usage=run_usage,
-            reused_units=run.runner.ckpt.reused, stopped_early=stopped, worth=worth,
+            reused_units=run.runner.ckpt.reused, stopped_early=stopped, worth=worth, refit=refit,
             limits=_limits(steps, run.runner.spent, stopped, run.runner.unrecorded, run.runner.ckpt.reused))
+        compiled.provenance = {"policy": plan.models["policy"], "reflection": plan.models["reflection"],
+                               "knobs": plan.fingerprint["knobs"], "steps": len(steps),
+                               "worth": {item.id: item.worth for item in worth.items} if worth else None,
+                               "carried_from": plan.carried or None}
         compiled._compiled = True
 
         return compiled
@@ -259,7 +271,7 @@ class TrainingFreeGRPO(Teleprompter):
         return state, None
 
     @staticmethod
-    def _attribution(run: Run, student, learned: Learned, examples: list | None, stopped: str | None):
+    def _attribution(run: Run, learned: Learned, examples: list | None, stopped: str | None):
         """What each kept item is worth (`attribution`), and what the compiled program keeps (pruned with `prune`)."""
         if not run.knobs.attribution:
             return learned, None
@@ -267,13 +279,31 @@ class TrainingFreeGRPO(Teleprompter):
             logger.warning("Attribution skipped: %s", stopped)
             return learned, None
         try:
-            worth, learned = Attribution(run.runner).run(student, run.targets, learned, examples)
+            worth, learned = Attribution(run.runner).run(run.program, run.targets, learned, examples)
         except BudgetExhausted as exc:
             logger.warning("Attribution stopped: %s; the compiled program keeps every item", exc)
             return learned, None
         log_worth(worth)
         run.runner.keep("worth", worth.to_dict())
         return learned, worth
+
+
+def _refit(run: Run, plan: Plan, state: State, examples: list) -> tuple[WorthResult, Learned]:
+    """What each item the student carries is worth on this run's model, measured on `examples` as the attribution
+    measures (beside its controls), and the items kept: those worth more than nothing, chosen on half the queries and
+    checked on the other (`prune`). Each item's `learned_on` says where the saved program learned it, and its worth
+    there where the program recorded one."""
+    worth, kept = Attribution(run.runner).run(run.program, run.targets, Learned(state.library, state.demos), examples,
+                                              prune=True)
+    there = plan.carried.get("worth") or {}
+    items = [dataclasses.replace(item, learned_on={"policy": plan.carried.get("policy"), "worth": there.get(item.id)})
+             for item in worth.items] if plan.carried else worth.items
+    worth = dataclasses.replace(worth, items=items)
+    logger.warning("Refit on %s: %d of %d carried item(s) kept%s", ", ".join(plan.models["policy"]),
+                   len(kept.items()), len(items), f" ({', '.join(worth.pruned)} left out)" if worth.pruned else "")
+    log_worth(worth)
+    run.runner.keep("refit", worth.to_dict())
+    return worth, kept
 
 
 def validate(run: Run, state: State, valset: list, epoch: int) -> EpochResult:

@@ -79,18 +79,20 @@ class Attribution:
 
     runner: Runner
 
-    def run(self, base: dspy.Module, targets: list[str], learned: Learned,
-            examples: list) -> tuple[WorthResult, Learned]:
-        """The items' worth, and what the compiled program keeps: `learned`, or its pruned part (with `prune`)."""
+    def run(self, base: dspy.Module, targets: list[str], learned: Learned, examples: list, *,
+            prune: bool | None = None) -> tuple[WorthResult, Learned]:
+        """The items' worth, and what the compiled program keeps: `learned`, or its pruned part (with `prune`, the
+        knob's value unless given)."""
         with self.runner.scope("attribution"):
             knobs, ids = self.runner.knobs, [i for _, i, _ in learned.items()]
+            prune = knobs.prune if prune is None else prune
             ci = functools.partial(bootstrap_ci, seed=knobs.seed, resamples=2000)  # a 95% CI over the queries
             if not ids:
                 logger.info("Attribution: nothing was learned, so there is nothing to measure")
                 return WorthResult(method="leave-one-out", queries=0, score=0.0, items=[], library=0.0,
                                    library_ci95=(0.0, 0.0), control=0.0, control_ci95=(0.0, 0.0), pruned=[],
                                    prune_check=None, program_runs=0), learned
-            choose, check = _halves(examples, knobs.seed) if knobs.prune else (list(examples), [])
+            choose, check = _halves(examples, knobs.seed) if prune else (list(examples), [])
             scores = _Scores(self, base, targets, learned, choose)
             full, none = scores.of(set(ids)), scores.of(set())
             control = scores.runs(f"control-{learned.key()}", _control(base, targets, learned), choose)
@@ -98,7 +100,7 @@ class Attribution:
             per_item = _shapley(scores, ids, knobs) if shapley else {i: _minus(full, scores.of(set(ids) - {i})) for i in ids}
             items = [ItemWorth(kind=kind, id=i, text=text, worth=statistics.fmean(per_item[i]),
                                ci95=ci(per_item[i])) for kind, i, text in learned.items()]
-            dropped = _backward(scores, items) if knobs.prune else []
+            dropped = _backward(scores, items) if prune else []
             check_record, kept, checked = None, learned, 0
             if dropped:
                 pruned = learned.only(set(ids) - set(dropped))

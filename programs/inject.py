@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 PREAMBLE = "Lessons learned from earlier attempts at this task; apply the ones that fit the problem at hand."
 LIBRARY_KEY = "experience_library"  # attribute on the program and key in the saved JSON
+PROVENANCE_KEY = "provenance"  # attribute on a compiled program, and key in the saved JSON's metadata: where it learned
 
 _BLOCK = re.compile(r"\s*" + re.escape(OPEN_TAG) + r".*?" + re.escape(CLOSE_TAG) + r"\s*$", re.DOTALL)
 
@@ -147,7 +148,9 @@ def starting_library(student: dspy.Module, program: dspy.Module, targets: list[s
 
 
 def save_program(program: dspy.Module, path: str | Path) -> Path:
-    """Save like `program.save(path)` but never write LM settings (model, base URL, keys): `lm` is null."""
+    """Save like `program.save(path)` but never write LM settings (model, base URL, keys): `lm` is null; a compiled
+    program's `provenance` (the models it was learned with, its knobs, what each item was worth) goes into the
+    metadata, which `load_program` reads back and stock DSPy reads past."""
     path = Path(path)
     state = program.dump_state()
     if isinstance(program, dspy.Predict):  # a bare predictor dumps a flat state, without its attributes
@@ -158,6 +161,8 @@ def save_program(program: dspy.Module, path: str | Path) -> Path:
         if isinstance(value, dict) and "lm" in value:
             value["lm"] = None
     state["metadata"] = {"dependency_versions": _versions(), "saved_by": "tfgrpo"}
+    if isinstance(provenance := getattr(program, PROVENANCE_KEY, None), dict):  # stock DSPy reads past it
+        state["metadata"][PROVENANCE_KEY] = provenance
     return write_atomic(path, json.dumps(state, indent=2, ensure_ascii=False))
 
 
@@ -181,6 +186,7 @@ def load_program(program: dspy.Module, path: str | Path, target_predictors: list
             library = ExperienceLibrary.from_state(state[LIBRARY_KEY])
         except ValueError as exc:
             raise ValueError(f"{path}: {exc}") from exc
+    provenance = (state.get("metadata") or {}).get(PROVENANCE_KEY) if isinstance(state.get("metadata"), dict) else None
     if isinstance(program, dspy.Predict):  # a bare predictor was saved as one flat state
         state = {"self": {k: v for k, v in state.items() if k not in (LIBRARY_KEY, "metadata")}}
     names = [name for name, _ in program.named_predictors()]
@@ -204,6 +210,8 @@ def load_program(program: dspy.Module, path: str | Path, target_predictors: list
     except Exception as exc:  # dspy raises many types on malformed state
         raise ValueError(f"{path}: malformed predictor state ({type(exc).__name__}: {exc})") from exc
     load_into(program)
+    if isinstance(provenance, dict):
+        setattr(program, PROVENANCE_KEY, provenance)
     return program
 
 

@@ -176,3 +176,19 @@ def test_the_plan_is_the_run_the_budget_lets_go():
     assert sum(s.metric_calls for s in result.steps) == total["metric_calls"]
     rollouts = sum(s.usage["rollout"]["calls"] for s in result.steps)
     assert rollouts == total["steps"] * plan.expected["per_step"]["rollout"]["calls"] == 2000
+
+
+def test_a_reflection_lm_that_answers_only_in_its_reasoning_gets_a_hint(caplog):
+    """A reflection model whose replies carry nothing in their content (all of it in reasoning_content) fails each
+    learning call; the failure says why, first, not only DSPy's parse error."""
+    from test_optimizer import compile_with
+
+    from tfgrpo.optimizers.runner import REASONING_HINT
+
+    student = ScriptedLM(learner())
+    silent = ScriptedLM(lambda messages, kwargs: "")  # an empty content: the answer went into the reasoning
+    with caplog.at_level(logging.WARNING, logger="tfgrpo"):
+        compiled = compile_with(student, dspy.Predict("question -> answer"), reflection_lm=silent,
+                                learning_path="paper", max_failure_rate=1.0)
+    assert compiled.detailed_results.steps[0].learning_failures > 0
+    assert REASONING_HINT[:60] in caplog.text

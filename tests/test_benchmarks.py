@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 X = r"[+-]?\d+\.\d+"  # a figure as the benchmarks print them
 COVERED = {"api_run.py", "faults.py", "learning_paths.py", "local_learning.py", "local_math.py", "local_throughput.py",
            "local_web.py", "peers.py", "replay.py", "rule_ceiling.py", "step_latency.py", "worth.py", "ceiling.py",
-           "resume_saved.py", "same_run.py"}  # each has a test below
+           "resume_saved.py", "same_run.py", "carry.py"}  # each has a test below
 NOT_BENCHMARKS = {"__init__.py", "common.py", "fault_child.py", "log_dir_checks.py", "stop_rows.py",
                   "trust_rows.py"}  # helpers of the benchmarks
 
@@ -414,3 +414,16 @@ def test_same_run(tmp_path):
     (tmp_path / "b" / "steps.jsonl").write_text(json.dumps(dict(other, groups_kept=1)) + "\n")
     lines = run("same_run.py", str(run_dir), str(tmp_path / "b"))
     assert lines[-1].endswith("steps_equal=false steps=1,1") and any(line.startswith("step 0 groups_kept") for line in lines)
+
+
+def test_carry(fake, tmp_path):
+    """The shipped Game of 24 program carried to another model (here the fake server), every arm at its smallest size,
+    and its line; a second run reuses what was saved."""
+    args = ["--task", "game24", "--seeds", "0", "--problems", "2", "--train", "2", "--refit-queries", "2",
+            "--threads", "2", "--out", str(tmp_path), *endpoint(fake)]
+    lines = run("carry.py", *args, timeout=600)
+    assert re.fullmatch(rf"carry: task=game24 from=qwen2.5-coder-1.5b to=fake seeds=1 problems=2 baseline={X} "
+                        rf"carried={X} refit={X} refit_steps={X} fresh={X} calls_refit=\d+ calls_fresh=\d+ "
+                        rf"ci_low_refit_vs_fresh={X}", lines[-1]), lines[-1]
+    before = fake.stats()["calls"]
+    assert run("carry.py", *args)[-1] == lines[-1] and fake.stats()["calls"] == before

@@ -69,3 +69,19 @@ def test_a_resumed_run_restores_the_demos(tmp_path):
     again = compile_with(lm, dspy.Predict("question -> answer"), **kw)
     assert lm.calls == []  # every step came from the checkpoint
     assert [d.toDict() for d in again.demos] == [d.toDict() for d in first.demos]
+
+
+def test_a_student_that_carries_demos_keeps_them_beside_what_it_learns(caplog):
+    """A student whose predictor already holds a demo (learned before, by this model or another) goes on from it: the
+    run says so as it starts, the demo is one of the run's own (it competes for the max_demos slots: without a probe,
+    by group advantage, where it counts 0) and the compiled program keeps it beside the demos this run learned, where a
+    slot is left, instead of dropping it for them."""
+    import logging
+
+    student = dspy.Predict("question -> answer")
+    student.demos = [dspy.Example(question="What is 100 + 110?", answer="210")]
+    with caplog.at_level(logging.WARNING, logger="tfgrpo"):
+        compiled = compile_with(ScriptedLM(learner()), student, batch_size=2, max_demos=3)
+    assert "carries what was learned before: 0 experience(s) and 1 demo(s)" in caplog.text
+    assert [d.question for d in compiled.demos] == ["What is 0 + 10?", "What is 2 + 12?", "What is 100 + 110?"]
+    assert [d.question for d in student.demos] == ["What is 100 + 110?"]  # the student is left as it was

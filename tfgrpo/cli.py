@@ -141,14 +141,16 @@ def _tracking(cfg: Config):
         console.print(f"MLflow run {run.info.run_id}{see}", markup=False, highlight=False)
 
 
-def _compile(config: Config, parts, policy, reflection) -> Path:
+def _compile(config: Config, parts, policy, reflection, *, start: Path | None = None, steps: int = 0) -> Path:
+    """The config's compile; with `start` (a saved program.json), from that program, refit on the config's model
+    first, then `steps` learning steps (0: the refit alone)."""
     import dspy
 
     from tfgrpo.optimizers import DirectExperiences, TrainingFreeGRPO
     from tfgrpo.optimizers.checkpoint import RunMismatchError
     from tfgrpo.optimizers.knobs import resolve
     from tfgrpo.plots import learning_curve
-    from tfgrpo.programs import save_program
+    from tfgrpo.programs import load_program, save_program
 
     make, load, reward = parts.make, parts.load, parts.reward
     t, o, run_dir = config.task, config.optimizer, Path(config.run_dir)
@@ -164,6 +166,8 @@ def _compile(config: Config, parts, policy, reflection) -> Path:
         compiled, steps = optimizer.compile(make(), trainset=trainset), []
     else:
         knobs = config.optimizer_knobs()
+        if start is not None:  # the refit decides what the steps start from; none asked: the refit alone
+            knobs = {**knobs, "refit": True, **({"max_steps": steps} if steps else {"num_train_epochs": 0})}
         optimizer = TrainingFreeGRPO(reward, reflection_lm=reflection, log_dir=str(run_dir / "checkpoint"),
                                      use_mlflow=bool(config.tracking and config.tracking.enabled), **knobs)
         k = resolve(optimizer, optimizer.explicit_knobs(), str(reflection.model))[0]  # the `auto` preset applied
@@ -173,7 +177,8 @@ def _compile(config: Config, parts, policy, reflection) -> Path:
         try:
             with _progress() as progress:
                 optimizer.progress = _bars(progress, k.num_train_epochs)
-                compiled = optimizer.compile(make(), trainset=trainset, valset=valset, attribution_set=held_out)
+                student = make() if start is None else load_program(make(), start)
+                compiled = optimizer.compile(student, trainset=trainset, valset=valset, attribution_set=held_out)
         except RunMismatchError as exc:  # in the config's terms: run_dir, not log_dir
             if not exc.changes:
                 raise RunMismatchError(f"run_dir {run_dir}: {exc}") from exc
@@ -186,10 +191,11 @@ def _compile(config: Config, parts, policy, reflection) -> Path:
     write_atomic(run_dir / "steps.jsonl", "".join(json.dumps(s) + "\n" for s in steps))
     if steps:
         learning_curve({run_dir.name: steps}, run_dir / "learning_curve.png")
-    if worth := getattr(compiled.detailed_results, "worth", None):
-        write_atomic(run_dir / "worth.json", json.dumps(worth.to_dict(), indent=2, ensure_ascii=False))
-    else:  # an earlier compile's measurements do not describe this program
-        (run_dir / "worth.json").unlink(missing_ok=True)
+    for name in ("worth", "refit"):  # an earlier compile's measurements do not describe this program: removed
+        if measured := getattr(compiled.detailed_results, name, None):
+            write_atomic(run_dir / f"{name}.json", json.dumps(measured.to_dict(), indent=2, ensure_ascii=False))
+        else:
+            (run_dir / f"{name}.json").unlink(missing_ok=True)
     demos = sum(len(p.demos) for _, p in compiled.named_predictors())
     console.print(f"compiled in {time.time() - started:.0f} s: {len(compiled.experience_library)} experiences, "
                   f"{demos} demos")
@@ -214,11 +220,16 @@ def _compile(config: Config, parts, policy, reflection) -> Path:
 
 
 def _print_worth(folder: Path) -> None:
-    """What each learned item is worth, when the folder holds the attribution's worth.json."""
+    """What each carried item was worth on this model (refit.json) and each learned item (worth.json), where the folder
+    holds them."""
     from tfgrpo.report import worth_markdown
 
+    if (path := folder / "refit.json").exists():
+        console.print(worth_markdown(json.loads(path.read_text(encoding="utf-8")), "What each carried item is worth "
+                                     "on this model"), markup=False, highlight=False, soft_wrap=True)
     if (path := folder / "worth.json").exists():
-        console.print(worth_markdown(json.loads(path.read_text(encoding="utf-8"))), markup=False, highlight=False)
+        console.print(worth_markdown(json.loads(path.read_text(encoding="utf-8"))), markup=False, highlight=False,
+                      soft_wrap=True)
 
 
 def _cost_text(usage: dict) -> str:
@@ -368,6 +379,24 @@ def compile(config: Path = CONFIG, verbose: bool = VERBOSE,
             return _dry_run(cfg)
         with _run_dir(cfg), _session(cfg) as (policy, reflection, parts), _tracking(cfg):
             path = _compile(cfg, parts, policy, reflection)
+    console.print(f"artifacts in {path.parent}", markup=False, highlight=False)
+
+
+@app.command(cls=HelpCommand)
+def refit(program: Path = typer.Argument(..., metavar="PROGRAM", help="a saved program.json (tfgrpo's or stock DSPy's)"),
+          config: Path = CONFIG, steps: int = typer.Option(0, "--steps", metavar="N", min=0, help="learning steps "
+                                                           "after the refit (0: the refit alone)"),
+          verbose: bool = VERBOSE, debug: bool = DEBUG) -> None:
+    """Carry a learned program to the config's model: each experience and demo it holds measured there on held-out
+    queries (task.valset or task.attribution_set), those that do not help left out, then --steps N steps from the
+    rest; writes program.json, library.json and refit.json into the config's run_dir."""
+    _setup_logging(verbose)
+    cfg = _load_config(config)
+    if not program.is_file():
+        _error(f"no such program file: {program}")
+        raise typer.Exit(2)
+    with _errors(debug), _run_dir(cfg), _session(cfg) as (policy, reflection, parts), _tracking(cfg):
+        path = _compile(cfg, parts, policy, reflection, start=program, steps=steps)
     console.print(f"artifacts in {path.parent}", markup=False, highlight=False)
 
 

@@ -63,6 +63,7 @@ def load_run(run_dir: Path) -> dict:
     return {"name": run_dir.name, "evals": evals, "steps": steps,
             "library_size": len(library["experiences"]) if library else None,
             "worth": _saved(run_dir / "worth.json", WORTH_KEYS),
+            "refit": _saved(run_dir / "refit.json", WORTH_KEYS),
             "limits": _saved(run_dir / "limits.json", ("summary", "stopped"))}
 
 
@@ -72,17 +73,21 @@ def limits_line(name: str, limits: dict) -> str:
     return f"- {name}: {limits['summary']}. Calls by stage: {calls or 'none'}. Stopped: {limits['stopped']}."
 
 
-def worth_markdown(worth: dict) -> str:
-    """A `WorthResult` (as data) as a Markdown table: each item's worth with its CI, then the two controls."""
+def worth_markdown(worth: dict, title: str = "What each learned item is worth") -> str:
+    """A `WorthResult` (as data) as a Markdown table: each item's worth with its CI (and, for a refit's carried item,
+    where it was learned and its worth there), then the two controls."""
     def ci(pair) -> str:
         return f"[{pair[0]:+.3f}, {pair[1]:+.3f}]"
 
     pruned = set(worth["pruned"])
-    lines = [f"What each learned item is worth ({worth['method']}, {worth['queries']} held-out queries, score "
+    lines = [f"{title} ({worth['method']}, {worth['queries']} held-out queries, score "
              f"{worth['score']:.3f} with every item; {worth['program_runs']} program runs):", "",
              "| item | kind | worth [95% CI] | text |", "|---|---|---|---|"]
     for item in worth["items"]:
         text = item["text"].replace("|", "\\|").replace("\n", " ")
+        if there := item.get("learned_on"):
+            was = "not measured" if there.get("worth") is None else f"{there['worth']:+.3f}"
+            text = f"{text} (learned with {', '.join(there.get('policy') or ['?'])}: worth there {was})"
         lines.append(f"| {item['id']}{' (pruned)' if item['id'] in pruned else ''} | {item['kind']} | "
                      f"{item['worth']:+.3f} {ci(item['ci95'])} | {text} |")
     lines += [f"| all items | vs nothing learned | {worth['library']:+.3f} {ci(worth['library_ci95'])} | |",
@@ -135,6 +140,9 @@ def build_report(run_dirs: list[Path], out: Path) -> tuple[Path, Path | None]:
     if lines := [limits_line(r["name"], r["limits"]) for r in runs if r["limits"]]:
         text += "\nWhat limited each run:\n\n" + "\n".join(lines) + "\n"
     for run in runs:
+        if run["refit"]:
+            text += f"\n## {run['name']}: the refit\n\n" + worth_markdown(
+                run["refit"], "What each carried item is worth on this model")
         if run["worth"]:
             text += f"\n## {run['name']}\n\n" + worth_markdown(run["worth"])
     if plot:

@@ -3,7 +3,8 @@
 Made to check that a change of the code changes nothing it does not mean to: compile once at the code before and once
 after, on one DSPy cache (the second compile then sends no LM call: its `policy: 0 new calls` line says so), and
 compare the two run directories. A step record's timings and usage (calls that reached the provider: none from the
-cache) are left out, and so is any field named with `--ignore` (a removed mechanism's own record).
+cache) are left out, and so is any field named with `--ignore` (a removed mechanism's own record); a program is
+compared without its provenance (where it learned).
 
     DSPY_CACHEDIR=/tmp/cache tfgrpo compile configs/local.toml      # at each commit, each into its own run_dir
     python -m benchmarks.same_run BEFORE_RUN_DIR AFTER_RUN_DIR [--ignore evidence,details.excerpts]
@@ -19,6 +20,15 @@ import json
 from pathlib import Path
 
 TIMINGS = ("usage", "seconds", "wall_s", "usage_before_resume")
+
+
+def saved(path: Path) -> dict:
+    """A saved file's data; of a program, without its provenance (where it learned: the models, the knobs, the steps),
+    which says where it was made, not what it computes."""
+    data = json.loads(path.read_text())
+    if isinstance(data.get("metadata"), dict):
+        data["metadata"].pop("provenance", None)
+    return data
 
 
 def steps(run_dir: Path, ignore: list[str]) -> list[dict]:
@@ -41,8 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ignore", default="", help="comma-separated step fields to leave out (details.NAME for one count)")
     args = ap.parse_args(argv)
     ignore = [name for name in args.ignore.split(",") if name]
-    same = {name: json.loads((args.before / name).read_text()) == json.loads((args.after / name).read_text())
-            for name in ("library.json", "program.json")}
+    same = {name: saved(args.before / name) == saved(args.after / name) for name in ("library.json", "program.json")}
     a, b = steps(args.before, ignore), steps(args.after, ignore)
     for i, (x, y) in enumerate(zip(a, b)):
         for key in sorted(set(x) | set(y)):

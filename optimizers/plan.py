@@ -157,7 +157,8 @@ def make_plan(optimizer, student: dspy.Module, trainset: list, valset: list | No
         refit = False
     if refit and say:
         logger.warning("Refit: each of the %d carried item(s) measured on %s before the steps (learned with %s)",
-                       len(library) + len(demos), ", ".join(policy), ", ".join(carried.get("policy") or ["?"]))
+                       len(library) + len(demos), ", ".join(policy),
+                       ", ".join(carried.get("policy") or ["a model the program did not record"]))
     if not hasattr(type(program), "forward") and not hasattr(type(program), "aforward"):
         raise TypeError(f"{type(program).__name__} defines neither forward() nor aforward(): a dspy.Module runs one of "
                         "them on each example")
@@ -348,9 +349,10 @@ def estimate(knobs: Knobs, program: dspy.Module, trainset: list, valset: list | 
     sizes["runs"] = validated * len(valset or []) + items["runs"] + refit_runs
     expected, bound = _tally(knobs, sizes, learning_path, False, steps), _tally(knobs, sizes, learning_path, True, steps)
     batch = min(knobs.batch_size, len(trainset))
+    measured = bool(items["runs"] or refit_runs)  # the held-out queries an attribution or a refit reads
     reads = {"trainset": min(len(trainset), steps * batch + steps * min(knobs.probe_size, len(trainset))),
-             "valset": len(valset or []) if validated else 0,
-             "attribution_set": len(held_out or []) if items["runs"] or refit_runs else 0}
+             "valset": len(valset or []) if validated or (measured and held_out is valset) else 0,
+             "attribution_set": len(held_out or []) if measured and held_out is not valset else 0}
     for tally in (expected, bound):
         tally["total"].update(steps=steps, scheduled_steps=scheduled, examples_read=reads,
                               reply=f"{sizes['reply']} tokens (from {sizes['reply_source']})")

@@ -31,6 +31,7 @@ import dspy
 
 from benchmarks.common import DEFAULT_MODEL
 from benchmarks.peers import MAIN_ARM, Counted, compile_arm, task_parts
+from benchmarks.same_run import saved as program_state
 from tfgrpo.programs import save_program
 
 
@@ -75,7 +76,7 @@ def resume(task: str, seed: int, source: Path, out: Path, args) -> str:
            for k in ("calls", "prompt_tokens", "completion_tokens", "cached_tokens")}
     cut = not_asked(result.steps, where / "checkpoint")
     save_program(compiled, where / "program.json")
-    same = json.loads((where / "program.json").read_text()) == json.loads((saved / "program.json").read_text())
+    same = program_state(where / "program.json") == program_state(saved / "program.json")  # where it learned aside
     if same and (saved / "eval.jsonl").exists():
         shutil.copy(saved / "eval.jsonl", where / "eval.jsonl")
     info = {**{k: v - cut[k] for k, v in run.items()}, "metric_calls": sum(s.metric_calls for s in result.steps),

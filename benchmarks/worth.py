@@ -31,7 +31,7 @@ from tfgrpo.lms import local_dspy_lm
 from tfgrpo.optimizers.checkpoint import Checkpoint
 from tfgrpo.optimizers.knobs import Knobs
 from tfgrpo.optimizers.runner import Runner
-from tfgrpo.optimizers.records import Demo
+from tfgrpo.optimizers.judge import carried_demos
 from tfgrpo.optimizers.worth import Attribution, Learned
 from tfgrpo.programs.inject import library_from_instructions
 from tfgrpo.programs.library import ExperienceLibrary
@@ -44,15 +44,7 @@ def learned_items(program: dspy.Module) -> Learned:
     """The library in a loaded program's instructions and its demos, each demo a one-call trace of its predictor."""
     targets = [name for name, _ in program.named_predictors()]
     library = library_from_instructions(program, targets) or ExperienceLibrary()
-    demos = []
-    for name, predictor in program.named_predictors():
-        fields = predictor.signature.input_fields, predictor.signature.output_fields
-        for j, demo in enumerate(predictor.demos):
-            values = dict(demo)
-            demos.append(Demo(query=f"{name}[{j}]", trace=[{
-                "predictor": name, "inputs": {k: values[k] for k in fields[0] if k in values},
-                "outputs": {k: values[k] for k in fields[1] if k in values}}]))
-    return Learned(library, demos)
+    return Learned(library, carried_demos(program, targets))
 
 
 def measure(where: Path, args, lm: dspy.LM) -> str:

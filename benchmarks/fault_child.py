@@ -26,7 +26,7 @@ STOPPED = 3  # exit code of a child stopped by a documented error (TooManyFailur
 LEARNING = ("summary", "advantage", "consolidation")
 DEFAULTS = dict(queries=6, num_generations=4, num_train_epochs=2, batch_size=3, num_threads=8, max_experiences=5,
                 max_failure_rate=0.5, seed=0, lm_timeout=10.0, num_retries=3, metric="exact", disable_history=False,
-                max_total_tokens=None, metric_timeout_s=None)
+                max_total_tokens=None, metric_timeout_s=None, backend="threads")
 
 
 # -- the compile that runs in children (and in tests) --------------------------------------------------------
@@ -81,7 +81,7 @@ def compile_once(api_base: str, log_dir: str | None, *, child: bool = False, **o
     dspy.configure(lm=dspy.LM("openai/fake", api_base=api_base, api_key="x", cache=False,
                               num_retries=o["num_retries"], timeout=o["lm_timeout"]))
     knobs = {k: o[k] for k in ("num_generations", "num_train_epochs", "batch_size", "num_threads", "max_experiences",
-                               "max_failure_rate", "seed", "max_total_tokens", "metric_timeout_s")}
+                               "max_failure_rate", "seed", "max_total_tokens", "metric_timeout_s", "backend")}
     opt = TrainingFreeGRPO(METRICS[o["metric"]], log_dir=log_dir, progress=lambda *_: None, **knobs)
     with dspy.context(disable_history=o["disable_history"]):
         return opt.compile(make_program(), trainset=make_trainset(o["queries"]))
@@ -176,8 +176,8 @@ def kill_and_resume(make_server, root: Path, opts: dict, kill_after: int, kill_k
             "rewritten": rewritten, "faults": {k: after["faults"][k] for k in FAULTS}}
 
 
-def server(**faults_kw) -> FakeLMServer:
-    return FakeLMServer(latency=0.005, seed=0, vary_identical=False, hang_seconds=1.5, retry_after=0.01, **faults_kw)
+def server(latency: float = 0.005, **faults_kw) -> FakeLMServer:
+    return FakeLMServer(latency=latency, seed=0, vary_identical=False, hang_seconds=1.5, retry_after=0.01, **faults_kw)
 
 
 def corrupted(opts: dict, results: list, log_dirs: list[Path]) -> int:

@@ -29,7 +29,7 @@ from tfgrpo.lms import open_lms
 from tfgrpo.task import task_parts
 from tfgrpo.optimizers.records import Attempt, Group, Scored
 from tfgrpo.optimizers.knobs import Knobs
-from tfgrpo.optimizers.learning_paths import ContrastPath, PaperPath
+from tfgrpo.optimizers.step import ContrastPath, PaperPath
 from tfgrpo.optimizers.step import learn_from_groups
 from tfgrpo.programs.render import query_key
 from tfgrpo.programs import ExperienceLibrary

@@ -162,14 +162,14 @@ class Knobs:
     max_demos: int = knob(0, integer(0), fingerprinted=True, doc=(
         "Winning attempts kept as few-shot demos of the target predictors: after each step, a query's best attempt "
         "that fully succeeded (reward >= 1) while its groupmates did worse, ranked by group advantage, one per query "
-        "(see optimizers/judge.py). An extension of the paper for small policy models, which copy a working example "
+        "(see optimizers/step.py). An extension of the paper for small policy models, which copy a working example "
         "far better than they follow advice. 0: off."))
     probe_size: int = knob(0, integer(0), fingerprinted=True, doc=(
         "Each step's candidate edits (library operations, demos) are tried on this many training queries outside "
         "the step's batch, one attempt each, against the current program on the same queries, ranked by full "
         "successes first and mean reward second: an operation is kept only if it ranks no lower; a demo, or an "
         "experience carrying an excerpt, only if it adds full successes; of the winning demos the best one's set "
-        "is kept, and of the winning experiences with an excerpt the best one (optimizers/judge.py). Needs "
+        "is kept, and of the winning experiences with an excerpt the best one (optimizers/step.py). Needs "
         "use_ground_truth. 0: off, every valid operation is applied, as in the paper."))
     max_probed_edits: int = knob(3, integer(1), fingerprinted=True, doc=(
         "Most candidate edits probed per step (half of them demos, when max_demos > 0); edits beyond it are "
@@ -216,6 +216,13 @@ class Knobs:
         "the other half, which chose nothing. What was dropped is in `detailed_results.worth.pruned`."))
     # execution
     num_threads: int = knob(8, integer(1), doc="Concurrent LM calls of a step (all stages share them).")
+    backend: str = knob("threads", one_of("threads", "ray"), doc=(
+        "Where the program's attempts run (rollouts, probe, validation, attribution): \"threads\", in this process; "
+        "\"ray\", each attempt (the program run and, where it is scored in the same unit, its metric) as a task on a "
+        "Ray cluster (`pip install \"tfgrpo[ray]\"`; the cluster named by RAY_ADDRESS, or the one `ray.init()` "
+        "finds or starts), for programs whose own work (tools, sandboxed code, page fetching) outgrows one machine. "
+        "num_threads is then the attempts in flight. The budget, the checkpoint, the failure rule, the rewards of "
+        "the rollouts and the learning calls stay in this process. See docs/ray.md."))
     max_failure_rate: float = knob(0.5, number(0, 1), doc=(
         "When more than this share of a step's attempts, summaries or group advantages, or of an epoch's "
         "validation runs, fail, the run stops with `TooManyFailuresError` and the step is not done; a resume "

@@ -29,7 +29,7 @@ from dspy.adapters.chat_adapter import ChatAdapter
 from tfgrpo.base.util import digest
 from tfgrpo.optimizers.checkpoint import Checkpoint, code_fingerprint, prompt_versions
 from tfgrpo.optimizers.runner import fixed_temperature, model_price
-from tfgrpo.optimizers.judge import carried_demos
+from tfgrpo.optimizers.step import carried_demos
 from tfgrpo.optimizers.knobs import Knobs, fingerprinted_knobs, resolve
 from tfgrpo.optimizers.records import Demo
 from tfgrpo.programs.inject import PROVENANCE_KEY, resolve_targets, starting_library
@@ -104,6 +104,24 @@ class Plan:
         if self.resume.get("saved_units"):
             lines.append(f"resume: {self.resume['saved_units']} finished unit(s) in log_dir are reused")
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+
+    def projection(self, steps: list) -> str:
+        """After a step, for the progress log: what the run's steps (`StepResult`s) spent so far, the total of the steps
+        the plan expects the run to reach at that rate, and the plan's own figure for them."""
+        reachable, done = max(self.expected["total"].get("steps", self.steps), len(steps)), len(steps)
+        used = [u for s in steps for u in s.usage.values()]
+        calls, costs = sum(u.get("calls", 0) for u in used), [u["cost"] for u in used if u.get("cost") is not None]
+        completion = sum(u.get("completion_tokens", 0) for u in used)
+        planned = {k: sum(stage.get(k) or 0 for stage in self.expected["per_step"].values()) * reachable
+                   for k in ("calls", "cost")}
+        unknown = any(stage.get("cost") is None for stage in self.expected["per_step"].values())
+        dollars = (f", ${sum(costs):.4f}" if costs else "", f", ${sum(costs) / done * reachable:.4f}" if costs else "",
+                   "" if unknown else f", ${planned['cost']:.4f}")
+        reply = f"; replies averaged {completion / calls:.0f} tokens" if calls else ""
+        return (f"after step {done} of {reachable}: the steps spent {calls:,} calls{dollars[0]}; at this rate "
+                f"{reachable} step(s) make ~{round(calls / done * reachable):,} calls{dollars[1]} (the plan: "
+                f"{planned['calls']:,} calls{dollars[2]}){reply}")
 
 
 def make_plan(optimizer, student: dspy.Module, trainset: list, valset: list | None, attribution_set: list | None, *,

@@ -25,8 +25,10 @@ Every read and write of the checkpoint goes through the runner: the units throug
 `score`, `call`, `calls`), the step's and the run's own records (a finished step, its usage so far, a validation, the
 attribution) through `record` and `keep`. Its concurrency is one seam: `Workers`, a bounded pool whose `map` runs a
 stage's units and whose `each` runs a step's groups side by side; another backend (asyncio, a cluster) takes its place
-behind the same two verbs without the step changing. Below the runner: that pool, the meters that price every call,
-and the budget they are charged to.
+behind the same two verbs without the step changing. With `backend="ray"` the pool's threads stay the units in flight
+and each attempt's body (the program run, and its metric where the unit scores it) runs as a task on a Ray cluster
+(`RayAttempts`); everything else of a unit (the checkpoint, the budget, the meters, the failure count) stays here.
+Below the runner: that pool, the meters that price every call, and the budget they are charged to.
 """
 
 from __future__ import annotations
@@ -51,12 +53,12 @@ import tqdm
 from dspy.utils.exceptions import AdapterParseError, LMError
 from dspy.utils.usage_tracker import UsageTracker
 
-from tfgrpo.base.util import digest, jsonable
+from tfgrpo.base.util import clip, digest, jsonable
 from tfgrpo.optimizers.checkpoint import Checkpoint, RunMismatchError
 from tfgrpo.optimizers.knobs import Knobs
 from tfgrpo.optimizers.records import Attempt, Failed
 from tfgrpo.optimizers.rewards import score_attempt
-from tfgrpo.programs.render import MAX_FEEDBACK_CHARS, count_tool_calls, format_attempt
+from tfgrpo.programs.render import MAX_ATTEMPT_CHARS, MAX_FEEDBACK_CHARS, count_tool_calls, format_attempt
 
 logger = logging.getLogger(__name__)
 
@@ -128,10 +130,11 @@ class Runner:
         self.spent: dict[str, dict] = {"policy": {}, "reflection": {}}  # by this process, every scope
         self.unrecorded: dict[str, dict] = {}  # by stage, what no step record holds (validation, attribution, a stop)
         self.direct_calls = 0  # LM calls of the program outside its predictors (they get no library)
-        self.clipped = False  # a metric's feedback was cut for the learning calls (said once)
+        self.clipped: set[str] = set()  # what was cut for the learning calls: "feedback", "attempt" (each said once)
         self._lock, self._cond = threading.Lock(), threading.Condition()
         self.name = self.prefix = ""
         self.meters, self.failures, self.finished, self.work, self.tally = {}, {}, {}, None, lambda usage: None
+        self.ray = RayAttempts(knobs.prices) if knobs.backend == "ray" else None
 
     @contextlib.contextmanager
     def scope(self, name: str, groups: list = (), *, prefix: str = "", tally: Callable[[dict], None] | None = None):
@@ -146,6 +149,10 @@ class Runner:
         with Workers(self.knobs.num_threads, progress=self.knobs.progress or bars, meters=self.meters) as self.work:
             try:
                 yield self
+            except KeyboardInterrupt:
+                if self.ray is not None:  # Ctrl-C ends the run's tasks on the cluster too
+                    self.ray.cancel()
+                raise
             finally:
                 bars.close()
                 for stage, meter in self.meters.items():
@@ -176,7 +183,7 @@ class Runner:
             with dspy.context(usage_tracker=own):
                 value = fn()
         finally:
-            self.meter(stage).absorb(own)
+            self.meter(stage).absorb(own.usage_data)
             failed = isinstance(value, dict) and value.get("failed")
             self.budget.release(stage, share, own.totals(), 0 if failed else metric_calls)
         direct = sum(e["direct"] for entries in list(own.usage_data.values()) for e in entries)
@@ -207,8 +214,8 @@ class Runner:
         if key is not None and (record := self.ckpt.get(key)) is not None:
             self.budget.add({}, metric_calls=1)  # reused: it counts in the run's metric calls all the same
         else:
-            metric = self.metric if score else None
-            record = self._unit(stage, lambda: _attempt_record(program, example, metric, self.knobs.metric_timeout_s),
+            metric, body = self.metric if score else None, _attempt_record if self.ray is None else self.ray.attempt
+            record = self._unit(stage, lambda: body(program, example, metric, self.knobs.metric_timeout_s),
                                 metric_calls=1)
             if key is not None and not record["error"] and "timeout" not in record:
                 self.ckpt.put(key, record)
@@ -232,15 +239,19 @@ class Runner:
         self._say_clipped(scored)
         return scored
 
-    def _say_clipped(self, scored: dict) -> None:
-        """Say once per run that the metric's feedback was cut for the learning calls."""
-        cut = "feedback_chars" in scored
-        with self._lock:
-            first, self.clipped = cut and not self.clipped, self.clipped or cut
-        if first:
-            logger.warning("The metric's feedback on an attempt ran to %d characters: the learning calls read it cut to "
-                           "%d (its head and tail; further cuts are not said again)", scored["feedback_chars"],
-                           MAX_FEEDBACK_CHARS)
+    def _say_clipped(self, record: dict) -> None:
+        """Say once per run that an attempt's text, or the metric's feedback on it, was cut for the learning calls."""
+        cuts = {"attempt": ("attempt_chars", MAX_ATTEMPT_CHARS, "An attempt"),
+                "feedback": ("feedback_chars", MAX_FEEDBACK_CHARS, "The metric's feedback on an attempt")}
+        for kind, (key, limit, what) in cuts.items():
+            if key not in record:
+                continue
+            with self._lock:
+                first = kind not in self.clipped
+                self.clipped.add(kind)
+            if first:
+                logger.warning("%s ran to %d characters: the learning calls read it cut to %d (its head and tail; "
+                               "further cuts are not said again)", what, record[key], limit)
 
     # -- the run's own records ---------------------------------------------------------------------------------------
     def record(self, key: str, *, reused: bool = True) -> Any | None:
@@ -359,12 +370,22 @@ def _attempt_record(program: dspy.Module, example: dspy.Example, metric: Callabl
     """An attempt's checkpoint record: `run_program`'s, with the attempt as the learning calls read it; with `metric`,
     its score too (none for an attempt whose LM call failed)."""
     _, rec = run_program(program, example)
-    rec["attempt"] = format_attempt(dict(example.inputs().items()), rec["outputs"], rec["trace"], rec["error"])
+    text = format_attempt(dict(example.inputs().items()), rec["outputs"], rec["trace"], rec["error"], limit=None)
+    rec["attempt"] = clip(text, MAX_ATTEMPT_CHARS)
+    if len(text) > MAX_ATTEMPT_CHARS:  # said once by the runner
+        rec["attempt_chars"] = len(text)
     if metric is None:
         return rec
     if rec["failed"]:
         return {**rec, "reward": None, "feedback": ""}
     return {**rec, **score_attempt(metric, example, rec, timeout_s)}
+
+
+def _no_answer_record(example: dspy.Example, metric: Callable | None, error: str) -> dict:
+    """The record of an attempt that got no answer because it never ran to the end (a Ray task lost with its node)."""
+    rec = {"outputs": None, "error": error, "failed": True, "trace": [], "tool_calls": 0,
+           "attempt": format_attempt(dict(example.inputs().items()), None, [], error)}
+    return rec if metric is None else {**rec, "reward": None, "feedback": ""}
 
 
 EMPTY_REPLY = "The LM returned an empty or null response"  # what DSPy's adapters raise for a reply with no content
@@ -557,6 +578,68 @@ class Cancelled(Exception):
     """A unit of work was cancelled because another one failed: the failure that caused it is raised instead."""
 
 
+class RayAttempts:
+    """The attempts of a run as Ray tasks: `attempt` has `_attempt_record`'s contract, and runs it on any node of the
+    cluster (RAY_ADDRESS, else the one `ray.init()` finds or starts; a cluster the caller connected to is used as it
+    is). What travels: the program (its LM copies with their settings), the example, the metric when the unit scores
+    the attempt, and DSPy's `lm` and `adapter` settings; what comes back: the attempt's record and the usage of its LM
+    calls, metered here as a local call is. A task whose worker or node dies is sent again by Ray (`max_retries`);
+    lost for good, it is an attempt with no answer (`failed`, never scored), as a failed LM call is. The program's
+    classes must import on the nodes: tfgrpo's do wherever it is installed; a class of the caller's own module needs
+    that module there (installed, or Ray's `runtime_env`)."""
+
+    max_retries = 3  # sends of one task whose worker or node died, after the first
+
+    def __init__(self, prices: dict | None = None):
+        try:
+            import ray
+        except ImportError:
+            raise ImportError('backend="ray" needs Ray on this machine and the nodes: pip install "tfgrpo[ray]"') from None
+        if not ray.is_initialized():
+            ray.init(logging_level="WARNING")
+        self._ray, self.prices = ray, prices
+        self._task = ray.remote(_remote_attempt).options(max_retries=self.max_retries, retry_exceptions=False)
+        self._lock, self._running = threading.Lock(), set()
+
+    def attempt(self, program: dspy.Module, example: dspy.Example, metric: Callable | None,
+                timeout_s: float | None) -> dict:
+        settings = {"lm": dspy.settings.lm, "adapter": dspy.settings.adapter}
+        ref = self._task.remote(program, example, metric, timeout_s, settings, self.prices)
+        with self._lock:
+            self._running.add(ref)
+        try:
+            record, usage = self._ray.get(ref)
+        except self._ray.exceptions.RayTaskError as exc:  # the task's own error (a program that cannot unpickle)
+            raise exc.as_instanceof_cause() from None
+        except self._ray.exceptions.RayError as exc:  # its worker or node died more than max_retries times
+            record, usage = _no_answer_record(example, metric, f"RayTaskLost: {type(exc).__name__}: {exc}"), {}
+        finally:
+            with self._lock:
+                self._running.discard(ref)
+        if dspy.settings.usage_tracker is not None:  # the unit's own meter
+            dspy.settings.usage_tracker.absorb(usage)
+        return record
+
+    def cancel(self) -> None:
+        """End the tasks still running (Ctrl-C on the driver)."""
+        with self._lock:
+            running, self._running = list(self._running), set()
+        for ref in running:
+            self._ray.cancel(ref, force=True)
+
+
+_WORKER_PRICES: dict = {}  # a Ray worker's price lookups, kept for its later tasks (each looks a model up once)
+
+
+def _remote_attempt(program: dspy.Module, example: dspy.Example, metric: Callable | None, timeout_s: float | None,
+                    settings: dict, prices: dict | None) -> tuple[dict, dict]:
+    """A Ray task's body: the attempt's record and its LM calls' usage (`UsageMeter.usage_data`)."""
+    meter = UsageMeter(_WORKER_PRICES, custom=prices)
+    with dspy.context(usage_tracker=meter, **settings):
+        record = _attempt_record(program, example, metric, timeout_s)
+    return record, dict(meter.usage_data)
+
+
 # -- meters and prices -------------------------------------------------------------------------------------------------
 def model_price(model: str, prices: dict | None = None) -> dict[str, float] | None:
     """USD per token of `model` (a dspy.LM model string): {"input", "output", "cached_input"}, from `prices` (per
@@ -614,10 +697,10 @@ class UsageMeter(UsageTracker):
         costs = [e["cost"] for e in entries if e.get("cost") is not None]
         return {**total, "cost": sum(costs)} if costs else total
 
-    def absorb(self, other: UsageMeter) -> None:
-        """Take in every call another meter saw (a unit's own meter, into its stage's)."""
+    def absorb(self, usage_data: dict[str, list[dict]]) -> None:
+        """Take in every call another meter saw (its `usage_data`: a unit's own meter, into its stage's; a Ray task's)."""
         with self._lock:
-            for lm, entries in other.usage_data.items():
+            for lm, entries in usage_data.items():
                 self.usage_data[lm].extend(entries)
 
 

@@ -30,7 +30,7 @@ from tfgrpo.base import hooks
 from tfgrpo.optimizers.checkpoint import Checkpoint, Keys
 from tfgrpo.optimizers.runner import ROLE, BudgetExhausted, Runner, StageBars, add_usage, with_own_lms
 from tfgrpo.optimizers.knobs import KNOBS, Knobs, args_doc, check_knob
-from tfgrpo.optimizers.learning_paths import ContrastPath, PaperPath
+from tfgrpo.optimizers.step import ContrastPath, PaperPath
 from tfgrpo.optimizers.plan import Plan, make_plan
 from tfgrpo.optimizers.records import EpochResult, StepResult, TrainingFreeGRPOResult, WorthResult
 from tfgrpo.optimizers.rewards import metric_takes_trace
@@ -203,7 +203,7 @@ class TrainingFreeGRPO(Teleprompter):
                     break
                 order = list(range(len(run.trainset)))
                 rng.shuffle(order)
-                state, stopped = self._epoch(run, state, epoch, order, steps, trackers, bar)
+                state, stopped = self._epoch(run, plan, state, epoch, order, steps, trackers, bar)
                 if stopped:
                     break
                 if valset:  # the epoch's program on the valset: the best so far (the later on a tie) is kept
@@ -247,10 +247,11 @@ class TrainingFreeGRPO(Teleprompter):
         return compiled
 
     @staticmethod
-    def _epoch(run: Run, state: State, epoch: int, order: list[int], steps: list[StepResult], trackers: list,
-               bar: Callable) -> tuple[State, str | None]:
+    def _epoch(run: Run, plan: Plan, state: State, epoch: int, order: list[int], steps: list[StepResult],
+               trackers: list, bar: Callable) -> tuple[State, str | None]:
         """The epoch's steps, one batch of `order` after another, each from what the one before it kept (each step's
-        record appended to `steps` and told to the trackers and the bar); why the run stops, if it does."""
+        record appended to `steps` and told to the trackers and the bar, with the plan's projection logged); why the
+        run stops, if it does."""
         knobs, total = run.knobs, run.knobs.total_steps(len(run.trainset))
         for at in range(0, len(order), knobs.batch_size):
             if state.step == total:
@@ -262,6 +263,7 @@ class TrainingFreeGRPO(Teleprompter):
                 return state, short
             state, stats = step(run, state, epoch, batch)
             steps.append(stats)
+            logger.info("%s", plan.projection(steps))
             for tracker in trackers:
                 tracker.step(stats)
             if total:

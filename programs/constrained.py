@@ -32,7 +32,7 @@ def output_schema(signature: type[dspy.Signature], *, lengths: bool = False) -> 
     schema = _get_structured_outputs_response_format(signature).model_json_schema()
     for name, field in signature.output_fields.items():
         if lengths and field.metadata and name in schema["properties"]:  # DSPy's builder drops constraints
-            bounds = pydantic.TypeAdapter(Annotated[field.annotation, *field.metadata]).json_schema()
+            bounds = pydantic.TypeAdapter(Annotated[(field.annotation, *field.metadata)]).json_schema()
             schema["properties"][name].update({k: v for k, v in bounds.items() if k in LENGTH_KEYS})
     return schema
 

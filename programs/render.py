@@ -20,8 +20,9 @@ def format_fields(values: dict[str, Any]) -> str:
     return "\n".join(f"{k}: {as_text(v)}" for k, v in values.items())
 
 
-def format_prediction(pred: Any) -> str:
-    """A prediction as text for a learning call: ReAct trajectories step by step, then the other outputs."""
+def format_prediction(pred: Any, limit: int | None = MAX_ATTEMPT_CHARS) -> str:
+    """A prediction as text for a learning call: ReAct trajectories step by step, then the other outputs (cut to
+    `limit` characters; None: whole)."""
     if pred is None:
         return "(no output)"
     values = dict(pred.items()) if hasattr(pred, "items") else {"output": pred}
@@ -32,23 +33,26 @@ def format_prediction(pred: Any) -> str:
     elif trajectory is not None:
         parts.append(f"trajectory: {as_text(trajectory)}")
     parts.append(format_fields(values))
-    return clip("\n".join(p for p in parts if p), MAX_ATTEMPT_CHARS)
+    text = "\n".join(p for p in parts if p)
+    return text if limit is None else clip(text, limit)
 
 
-def format_attempt(task_inputs: dict, outputs: dict | None, steps: list[dict], error: str | None) -> str:
-    """An attempt as text: the prediction alone when one predictor call made it, else every call in order.
+def format_attempt(task_inputs: dict, outputs: dict | None, steps: list[dict], error: str | None, *,
+                   limit: int | None = MAX_ATTEMPT_CHARS) -> str:
+    """An attempt as text, cut to `limit` characters (None: whole): the prediction alone when one predictor call made
+    it, else every call in order.
 
     A step shows its outputs, and of its inputs only what is new: the task's own inputs are left out (the
     learning call sees them), an earlier step's output is named by reference, and an input that grew since
     the previous call (a ReAct trajectory) shows only its new tail.
     """
     if len(steps) <= 1:
-        text = format_prediction(outputs) if outputs is not None else ""
+        text = format_prediction(outputs, None) if outputs is not None else ""
     else:
         text = _format_steps(task_inputs, outputs or {}, steps)
     if error:
         text = f"{text}\n(the program failed: {error})" if text else f"(the program failed: {error})"
-    return clip(text, MAX_ATTEMPT_CHARS)
+    return text if limit is None else clip(text, limit)
 
 
 def _format_steps(task_inputs: dict, outputs: dict, steps: list[dict]) -> str:

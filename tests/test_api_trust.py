@@ -112,6 +112,31 @@ def test_a_long_feedback_is_cut_for_the_learning_calls_and_said_once(caplog):
     assert f"cut to {MAX_FEEDBACK_CHARS}" in caplog.text
 
 
+class Verbose(dspy.Module):
+    """A program whose prediction carries a note of 9,000 characters beside its answer."""
+
+    def __init__(self):
+        super().__init__()
+        self.solve = dspy.Predict("question -> answer")
+
+    def forward(self, question):
+        return dspy.Prediction(answer=self.solve(question=question).answer, notes="y" * 9000)
+
+
+def test_a_long_attempt_is_cut_for_the_learning_calls_and_said_once(caplog):
+    from tfgrpo.programs.render import MAX_ATTEMPT_CHARS
+
+    lm = ScriptedLM(learner())
+    dspy.configure(lm=lm)
+    with caplog.at_level(logging.WARNING, logger="tfgrpo"):
+        TrainingFreeGRPO(metric, auto="off", num_generations=4, num_train_epochs=1, batch_size=4, num_threads=2,
+                         learning_path="paper").compile(Verbose(), trainset=make_trainset(4))
+    summaries = [c for c in lm.calls if "attempt" in json.dumps(c["messages"]) and "y" * 100 in json.dumps(c["messages"])]
+    runs = [len(r) for c in summaries for r in re.findall(r"y{100,}", json.dumps(c["messages"]))]
+    assert runs and max(runs) < MAX_ATTEMPT_CHARS  # the note reaches no learning call whole
+    assert caplog.text.count("An attempt ran to ") == 1 and f"cut to {MAX_ATTEMPT_CHARS}" in caplog.text
+
+
 def test_a_resume_under_other_versions_is_refused_naming_both_unless_asked(tmp_path, monkeypatch):
     """run.json records the versions that make the prompts; a resume under another DSPy (or tfgrpo, LiteLLM, adapter)
     is refused with both versions and the way to go on; resume_other_versions=True reuses the saved units."""
@@ -154,7 +179,7 @@ def test_what_a_stopped_run_spent_is_in_its_usage_and_a_run_that_sent_nothing_sa
     assert "compile spent: nothing (no call was made)" in caplog.text and "every unit reused" not in caplog.text
 
 
-def test_the_plan_is_the_run_the_budget_lets_go():
+def test_the_plan_is_the_run_the_budget_lets_go(caplog):
     """500 training examples, every default (the paper preset, 2,000 metric calls): the plan says the 8 steps the budget
     lets the run start, not the 30 scheduled, the examples those steps read, and the rollouts and metric calls the run
     makes. (Its learning calls are the scripted LM's, many of them answered from DSPy's cache: the calls sent are
@@ -170,9 +195,16 @@ def test_the_plan_is_the_run_the_budget_lets_go():
     assert "400 trainset example(s)" in plan.summary() and "from the output fields" in plan.summary()
     lm = ScriptedLM(learner())
     dspy.configure(lm=lm)
-    compiled = optimizer.compile(dspy.Predict("question -> answer"), trainset=trainset)
+    with caplog.at_level(logging.INFO, logger="tfgrpo.optimizers.training_free_grpo"):
+        compiled = optimizer.compile(dspy.Predict("question -> answer"), trainset=trainset)
     result = compiled.detailed_results
     assert len(result.steps) == 8 and "max_metric_calls=2000" in result.stopped_early
+    # as the run goes, each step's line projects the steps' total from what they spent so far
+    projections = [r.getMessage() for r in caplog.records if r.getMessage().startswith("after step")]
+    spent = sum(u["calls"] for s in result.steps for u in s.usage.values())
+    assert len(projections) == 8 and projections[0].startswith("after step 1 of 8: the steps spent ")
+    assert projections[-1].startswith(f"after step 8 of 8: the steps spent {spent:,} calls; at this rate 8 step(s) "
+                                      f"make ~{spent:,} calls (the plan: ")
     assert sum(s.metric_calls for s in result.steps) == total["metric_calls"]
     rollouts = sum(s.usage["rollout"]["calls"] for s in result.steps)
     assert rollouts == total["steps"] * plan.expected["per_step"]["rollout"]["calls"] == 2000

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 X = r"[+-]?\d+\.\d+"  # a figure as the benchmarks print them
 COVERED = {"api_run.py", "faults.py", "learning_paths.py", "local_learning.py", "local_math.py", "local_throughput.py",
            "local_web.py", "peers.py", "replay.py", "rule_ceiling.py", "step_latency.py", "worth.py", "ceiling.py",
-           "resume_saved.py", "same_run.py", "carry.py"}  # each has a test below
+           "resume_saved.py", "same_run.py", "carry.py", "ray_backend.py"}  # each has a test below
 NOT_BENCHMARKS = {"__init__.py", "common.py", "fault_child.py", "log_dir_checks.py", "stop_rows.py",
                   "trust_rows.py"}  # helpers of the benchmarks
 
@@ -54,6 +54,18 @@ def endpoint(server: FakeLMServer) -> list[str]:
 def test_every_benchmark_has_a_test_here():
     scripts = {p.name for p in (ROOT / "benchmarks").glob("*.py")} - NOT_BENCHMARKS
     assert scripts == COVERED
+
+
+def test_ray_backend():
+    """Its three lines at the smallest size, on a cluster of two `ray start` nodes the benchmark starts and ends."""
+    lines = run("ray_backend.py", "--queries", "3", "--units", "4", "--loops", "100000", timeout=600)
+    rows = {line.split(":")[0]: dict(f.split("=") for f in line.split(": ", 1)[1].split()) for line in lines
+            if line.startswith("ray_")}
+    assert rows["ray_same"]["library_equal"] == rows["ray_same"]["steps_equal"] == "true"
+    assert rows["ray_same"]["calls_threads"] == rows["ray_same"]["calls_ray"]
+    assert {k: rows["ray_faults"][k] for k in ("killed", "crashes", "corrupted", "charged_twice", "library_equal")} \
+        == {"killed": "1", "crashes": "0", "corrupted": "0", "charged_twice": "0", "library_equal": "true"}
+    float(rows["ray_overhead"]["unit_ms"]), float(rows["ray_overhead"]["ray_s"])  # figures, printed as numbers
 
 
 def test_faults(tmp_path):

@@ -9,11 +9,15 @@ Asked to, the server also behaves like a paid API (`provider`): `PrefixCache` co
 prompt as DeepSeek and OpenAI bill it, `Provider` adds prices and a bill, reasoning models (OpenAI's refuse a
 temperature other than 1 with HTTP 400) and a rate limit, and `dspy_prices(model)` reads the per-token prices DSPy
 itself bills a model at, for a server that bills the same.
+
+`LocalRayCluster` starts a Ray cluster of several nodes on this machine, each its own `ray start` process, and can kill
+one: for `backend="ray"`.
 """
 
 from tfgrpo.testing.fake_lm_server import FAULTS, REPLY_FAULTS, TRANSIENT_FAULTS, FakeLMServer
 from tfgrpo.testing.prompts import KINDS, field_values, kind_of, output_fields
 from tfgrpo.testing.provider import PrefixCache, Provider, dspy_prices
+from tfgrpo.testing.ray_cluster import LocalRayCluster
 
-__all__ = ["FAULTS", "KINDS", "REPLY_FAULTS", "TRANSIENT_FAULTS", "FakeLMServer", "PrefixCache", "Provider",
+__all__ = ["FAULTS", "KINDS", "REPLY_FAULTS", "TRANSIENT_FAULTS", "FakeLMServer", "LocalRayCluster", "PrefixCache", "Provider",
            "dspy_prices", "field_values", "kind_of", "output_fields"]

@@ -1,0 +1,135 @@
+"""`backend="ray"`: the attempts of a compile as tasks on a real Ray cluster of two nodes on this machine (a head and a
+worker, each its own `ray start` process, started here), against the fake LM server."""
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import dspy
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from benchmarks.fault_child import make_trainset, metric, server  # noqa: E402
+from benchmarks.ray_backend import ROOT, _compile, faults_row, same_row  # noqa: E402
+from tfgrpo.optimizers.knobs import Knobs  # noqa: E402
+from tfgrpo.optimizers.runner import RayAttempts, Runner, with_own_lms  # noqa: E402
+from tfgrpo.testing.ray_cluster import LocalRayCluster  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # the nodes import this module (its programs) and the benchmarks as a user's nodes import their own code
+    with LocalRayCluster(nodes=2, env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}) as c:
+        os.environ["RAY_ADDRESS"] = c.address
+        ray.init(address=c.address, logging_level="ERROR")
+        try:
+            yield c
+        finally:
+            ray.shutdown()
+            os.environ.pop("RAY_ADDRESS", None)
+
+
+def test_a_compile_on_the_cluster_is_the_compile_on_threads(cluster, tmp_path):
+    row, ray_run = same_row(queries=4, nodes=2)
+    assert row["calls_threads"] == row["calls_ray"] > 0
+    assert row["library_equal"] and row["program_equal"] and row["steps_equal"], row
+    assert ray_run["library"]["experiences"], "the run learned something to compare"
+    nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    assert len(nodes) == 2
+
+
+def test_a_run_on_the_cluster_resumes_on_threads_with_no_call(cluster, tmp_path):
+    with server() as a:
+        first = _compile(a, tmp_path / "run", queries=4, backend="ray")
+    with server() as b:
+        again = _compile(b, tmp_path / "run", queries=4)  # every unit saved by the cluster's run is reused
+    assert again["calls"] == 0 and again["library"] == first["library"]
+
+
+def _attempt(program, example, backend="ray", threads=1):
+    runner = Runner(Knobs(backend=backend, num_threads=threads, progress=lambda *_: None), metric)
+    with runner.scope("test"):
+        return runner.scored("validation", [(None, program, example)])[0], runner
+
+
+class Exits(dspy.Module):
+    """A program whose process dies in the middle of its attempt, as a node does."""
+
+    def forward(self, question):
+        os._exit(1)
+
+
+class Sleeps(dspy.Module):
+    def __init__(self):
+        super().__init__()
+        self.solve = dspy.Predict("question -> answer")
+
+    def forward(self, question):
+        time.sleep(120)
+
+
+def test_a_task_lost_for_good_is_an_attempt_with_no_answer_not_a_zero(cluster, monkeypatch):
+    monkeypatch.setattr(RayAttempts, "max_retries", 1)
+    with server() as srv, dspy.context(lm=srv.lm()):
+        record, runner = _attempt(Exits(), make_trainset(1)[0])
+    assert record["failed"] and record["reward"] is None and "RayTaskLost" in record["error"]
+    assert runner.failures["validation"][0][0].startswith("RayTaskLost")  # counted, as a failed LM call is
+    assert runner.budget.spent["metric_calls"] == 0  # an attempt that got no answer is not charged as a metric call
+
+
+def test_the_usage_of_a_remote_attempt_is_metered_here(cluster):
+    with server() as srv, dspy.context(lm=srv.lm()):
+        program = with_own_lms(_ProgramWithLM(), rollout_id=3)
+        record, runner = _attempt(program, make_trainset(1)[0])
+        local, local_runner = _attempt(with_own_lms(_ProgramWithLM(), rollout_id=3), make_trainset(1)[0], "threads")
+    assert record["outputs"] == local["outputs"] and record["reward"] == local["reward"]
+    remote, here = runner.meter("validation").totals(), local_runner.meter("validation").totals()
+    assert remote["calls"] == here["calls"] == 1 and remote["prompt_tokens"] == here["prompt_tokens"] > 0
+
+
+class _ProgramWithLM(dspy.Module):
+    def __init__(self):
+        super().__init__()
+        self.solve = dspy.Predict("question -> answer")
+
+    def forward(self, question):
+        return self.solve(question=question)
+
+
+def test_cancel_ends_the_tasks_in_flight(cluster):
+    done = {}
+    with server() as srv, dspy.context(lm=srv.lm()):
+        runner = Runner(Knobs(backend="ray", num_threads=1, progress=lambda *_: None), metric)
+        program, example = with_own_lms(Sleeps()), make_trainset(1)[0]
+
+        def attempt():
+            with runner.scope("test"):
+                done["record"] = runner.scored("validation", [(None, program, example)])[0]
+
+        thread = threading.Thread(target=attempt, daemon=True)
+        thread.start()
+        while not runner.ray._running:
+            time.sleep(0.05)
+        time.sleep(1.0)
+        t0 = time.time()
+        runner.ray.cancel()
+        thread.join(60)
+    assert not thread.is_alive() and time.time() - t0 < 30
+    assert done["record"]["failed"] and "TaskCancelled" in done["record"]["error"]
+
+
+def test_a_worker_node_killed_mid_run_loses_nothing(cluster):
+    # the last test of the module: the cluster has one node after it
+    reference = same_row(queries=4, nodes=2)[1]
+    row = faults_row(cluster, queries=4, kill_at=6, reference=reference)
+    assert row["killed"] == 1 and row["processes_killed"] > 0, row
+    assert row["crashes"] == 0 and row["corrupted"] == 0 and row["charged_twice"] == 0, row
+    assert row["library_equal"], row
+
+
+def test_the_backend_knob_is_checked():
+    with pytest.raises(ValueError, match="backend"):
+        Knobs(backend="dask")
+    assert Path(ROOT / "docs/ray.md").exists()

@@ -101,6 +101,9 @@ class Plan:
                  f"budget: {limits}" + ("; the run may stop sooner where more calls cannot pay (probe_min_power, "
                                         "stop_when_nothing_to_learn)" if self.knobs.probe_min_power or
                                         self.knobs.stop_when_nothing_to_learn else "")]
+        if self.knobs.backend == "ray":
+            lines.append("backend: ray: each attempt a task on the Ray cluster (RAY_ADDRESS, or the one ray.init() "
+                         "finds); the budget, checkpoint and learning calls here")
         if self.resume.get("saved_units"):
             lines.append(f"resume: {self.resume['saved_units']} finished unit(s) in log_dir are reused")
         return "\n".join(lines + [f"note: {n}" for n in self.notes])

@@ -597,6 +597,9 @@ class RayAttempts:
             raise ImportError('backend="ray" needs Ray on this machine and the nodes: pip install "tfgrpo[ray]"') from None
         if not ray.is_initialized():
             ray.init(logging_level="WARNING")
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        logger.info("backend ray: attempts run as tasks on %d node(s), %g CPU(s) (%s)", len(nodes),
+                    ray.cluster_resources().get("CPU", 0), ray.get_runtime_context().gcs_address)
         self._ray, self.prices = ray, prices
         self._task = ray.remote(_remote_attempt).options(max_retries=self.max_retries, retry_exceptions=False)
         self._lock, self._running = threading.Lock(), set()

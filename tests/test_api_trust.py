@@ -224,3 +224,65 @@ def test_a_reflection_lm_that_answers_only_in_its_reasoning_gets_a_hint(caplog):
                                 learning_path="paper", max_failure_rate=1.0)
     assert compiled.detailed_results.steps[0].learning_failures > 0
     assert REASONING_HINT[:60] in caplog.text
+
+
+class Biller(ThreadingHTTPServer):
+    """An OpenAI-compatible server that answers sums (with a few sentences of reasoning where the prompt asks for it)
+    and bills every request by its own count: a token per 4 characters of the messages and of the reply, at
+    gpt-4o-mini's list prices."""
+
+    PRICES = {"input": 0.15, "output": 0.60}  # USD per million tokens
+
+    def __init__(self):
+        super().__init__(("127.0.0.1", 0), BillingHandler)
+        self.bill, self.requests, self.lock = 0.0, 0, threading.Lock()
+
+    def reply(self, body: dict) -> dict:
+        text = body["messages"][-1]["content"]
+        a, b = re.findall(r"What is (\d+) \+ (\d+)\?", text)[-1]
+        answer = str(int(a) + int(b))
+        reasoning = (f"We need the sum of {a} and {b}. Adding the ones digits first and carrying where needed, then "
+                     f"the tens, gives {answer}. Checking by subtracting {b} from {answer} gives back {a}.")
+        fields = {"reasoning": reasoning, "answer": answer} if "[[ ## reasoning ## ]]" in body["messages"][0][
+            "content"] else {"answer": answer}
+        content = "".join(f"[[ ## {k} ## ]]\n{v}\n\n" for k, v in fields.items()) + "[[ ## completed ## ]]"
+        prompt = sum(len(m["content"]) for m in body["messages"]) // 4
+        completion = len(content) // 4
+        with self.lock:
+            self.requests += 1
+            self.bill += (prompt * self.PRICES["input"] + completion * self.PRICES["output"]) / 1e6
+        return {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                             "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                          "total_tokens": prompt + completion}}
+
+
+class BillingHandler(Handler):
+    pass
+
+
+@pytest.mark.parametrize("program", ["Predict", "ChainOfThought"])
+def test_after_the_first_step_the_projected_dollars_are_the_bill_within_35_percent(program, caplog):
+    """The program's calls against a server of this test's own, which counts the tokens itself. Before any call the
+    plan can only guess a reply's length (from the output fields) and assumes a library that grows; after the first
+    step the progress line projects the steps' dollars from what they cost: within 35% of what the server billed."""
+    server = Biller()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        dspy.configure(lm=dspy.LM("openai/biller", api_base=f"http://127.0.0.1:{server.server_port}/v1",
+                                  api_key="x", cache=False, num_retries=0))
+        optimizer = TrainingFreeGRPO(metric, reflection_lm=ScriptedLM(learner()), auto="off", num_generations=4,
+                                     num_train_epochs=1, batch_size=4, num_threads=2, learning_path="paper",
+                                     prices={"openai/biller": Biller.PRICES})
+        student = getattr(dspy, program)("question -> answer")
+        with caplog.at_level(logging.INFO, logger="tfgrpo.optimizers.training_free_grpo"):
+            compiled = optimizer.compile(student, trainset=make_trainset(8))
+    finally:
+        server.shutdown()
+    steps = compiled.detailed_results.steps
+    assert server.requests == sum(s.usage["rollout"]["calls"] for s in steps) == 32
+    first = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("after step 1 of 2"))
+    projected = float(re.search(r"make ~[\d,]+ calls, \$([\d.]+)", first).group(1))
+    assert abs(projected - server.bill) <= 0.35 * server.bill, (first, server.bill)
+    assert "replies averaged" in first and "(the plan: " in first

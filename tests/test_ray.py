@@ -1,6 +1,7 @@
 """`backend="ray"`: the attempts of a compile as tasks on a real Ray cluster of two nodes on this machine (a head and a
 worker, each its own `ray start` process, started here), against the fake LM server."""
 
+import json
 import os
 import threading
 import time
@@ -120,6 +121,39 @@ def test_cancel_ends_the_tasks_in_flight(cluster):
     assert done["record"]["failed"] and "TaskCancelled" in done["record"]["error"]
 
 
+def test_the_backend_knob_is_checked():
+    with pytest.raises(ValueError, match="backend"):
+        Knobs(backend="dask")
+    assert Path(ROOT / "docs/ray.md").exists()
+
+
+def test_tfgrpo_run_sends_its_compile_and_evaluation_to_the_cluster(cluster, tmp_path):
+    """`tfgrpo run` with `backend = "ray"` in the config's [optimizer] section: the same library and scores as the run
+    on threads (each against a fresh fake server)."""
+    from typer.testing import CliRunner
+
+    from test_cli import config
+    from tfgrpo.cli import app
+    from tfgrpo.testing import FakeLMServer
+
+    found = {}
+    for backend in ("threads", "ray"):
+        folder = tmp_path / backend
+        folder.mkdir()
+        path = config(folder, "API_BASE")
+        with FakeLMServer(latency=0.001) as srv:
+            path.write_text(path.read_text().replace("API_BASE", srv.api_base)
+                            .replace("[optimizer]\n", f'[optimizer]\nbackend = "{backend}"\n'))
+            result = CliRunner().invoke(app, ["run", str(path)])
+            assert result.exit_code == 0, result.output
+        run = folder / "run"
+        summary = json.loads((run / "eval" / "summary.json").read_text())
+        found[backend] = (json.loads((run / "library.json").read_text()),
+                          {k: summary[k]["mean_at_k"] for k in ("baseline", "compiled")})
+        assert ("backend: ray" in result.output) == (backend == "ray")
+    assert found["ray"] == found["threads"]
+
+
 def test_a_worker_node_killed_mid_run_loses_nothing(cluster):
     # the last test of the module: the cluster has one node after it
     reference = same_row(queries=4, nodes=2)[1]
@@ -127,9 +161,3 @@ def test_a_worker_node_killed_mid_run_loses_nothing(cluster):
     assert row["killed"] == 1 and row["processes_killed"] > 0, row
     assert row["crashes"] == 0 and row["corrupted"] == 0 and row["charged_twice"] == 0, row
     assert row["library_equal"], row
-
-
-def test_the_backend_knob_is_checked():
-    with pytest.raises(ValueError, match="backend"):
-        Knobs(backend="dask")
-    assert Path(ROOT / "docs/ray.md").exists()

@@ -263,7 +263,7 @@ def _evaluate(config: Config, parts, policy, examples: list, programs: dict, pro
             started = time.time()
             rows[name] = evaluate_program(program, examples, metric, lm=policy, num_runs=e.num_runs,
                                           num_threads=e.num_threads, name=name, progress=bars,
-                                          extra_metrics=parts.extra_metrics)
+                                          extra_metrics=parts.extra_metrics, backend=config.optimizer.backend)
             seconds[name] = time.time() - started
             write_rows(rows[name], out / f"{name}.jsonl")
     summary = {name: {**summarize(r), "seconds": seconds[name]} for name, r in rows.items()}

@@ -24,15 +24,16 @@ from tfgrpo.optimizers.rewards import call_metric
 def evaluate_program(program: dspy.Module, examples: list, metric: Callable, *, lm: dspy.BaseLM, num_runs: int = 1,
                      num_threads: int = 4, name: str = "program",
                      progress: Callable[[str, int, int], None] | None = None,
-                     extra_metrics: dict[str, Callable] | None = None) -> list[dict]:
+                     extra_metrics: dict[str, Callable] | None = None, backend: str = "threads") -> list[dict]:
     """One row per (problem, run): score, tool calls, the extracted answer, and the program's error if it raised
     (scored 0; `failed` when its LM call failed); `extra_metrics` (name -> metric) are scored too, under `metrics`. A
-    metric that fails stops the evaluation with a `MetricError`. Runs through the optimizer's runner."""
+    metric that fails stops the evaluation with a `MetricError`. Runs through the optimizer's runner, on its
+    `backend` ("ray": each run a task on a Ray cluster, as a compile's attempts)."""
     program = program.deepcopy()
     program.set_lm(lm)
     candidates = [with_own_lms(program, **({"rollout_id": r} if num_runs > 1 else {})) for r in range(num_runs)]
     jobs = [(i, r) for i in range(len(examples)) for r in range(num_runs)]
-    stage, runner = f"evaluate {name}", Runner(Knobs(num_threads=num_threads, progress=progress), metric)
+    stage, runner = f"evaluate {name}", Runner(Knobs(num_threads=num_threads, progress=progress, backend=backend), metric)
     with runner.scope(stage):
         records = runner.scored(stage, [(None, candidates[r], examples[i]) for i, r in jobs])
         usage = runner.meter(stage).totals()

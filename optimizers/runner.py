@@ -631,13 +631,13 @@ class RayAttempts:
             self._ray.cancel(ref, force=True)
 
 
-_WORKER_PRICES: dict = {}  # a Ray worker's price lookups, kept for its later tasks (each looks a model up once)
+_WORKER_PRICES: dict[str, dict] = {}  # a Ray worker's price lookups by the run's `prices`, kept for its later tasks
 
 
 def _remote_attempt(program: dspy.Module, example: dspy.Example, metric: Callable | None, timeout_s: float | None,
                     settings: dict, prices: dict | None) -> tuple[dict, dict]:
     """A Ray task's body: the attempt's record and its LM calls' usage (`UsageMeter.usage_data`)."""
-    meter = UsageMeter(_WORKER_PRICES, custom=prices)
+    meter = UsageMeter(_WORKER_PRICES.setdefault(digest(prices), {}), custom=prices)
     with dspy.context(usage_tracker=meter, **settings):
         record = _attempt_record(program, example, metric, timeout_s)
     return record, dict(meter.usage_data)

@@ -18,7 +18,7 @@ process: `tfgrpo.testing.LocalRayCluster`), with the fake LM server (`benchmarks
 With `--main-job RUN_DIR CACHE` it also runs the README's main job (`configs/local.toml`) through the cluster on the
 DSPy cache `CACHE` of a thread-pool run whose folder is RUN_DIR (the nodes read the same cache), and prints
 `ray_same: job=main nodes=2 new_calls=.. library_equal=.. program_equal=.. steps_equal=..` (benchmarks.same_run's
-comparison).
+comparison, with the fields of the mechanisms removed since that run left out).
 
     python -m benchmarks.ray_backend [--queries 6] [--units 12] [--threads 2] [--kill-at 10]
     python -m benchmarks.ray_backend --main-job /tmp/before/runs/local-game24 /tmp/mjcache
@@ -36,21 +36,22 @@ import time
 from pathlib import Path
 
 from benchmarks.fault_child import DEFAULTS, compile_once, corrupted, server
+from benchmarks.same_run import saved
+from benchmarks.same_run import steps as step_records
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMING = ("seconds", "wall_s")
 
 
 def _compile(srv, log_dir: Path | None, **opts) -> dict:
-    """One compile of fault_child's program: what it learned, its program's JSON and step records, and its calls."""
+    """One compile of fault_child's program: what it learned, its program's JSON (without its provenance, which names
+    the backend) and step records, and its calls."""
     compiled = compile_once(srv.api_base, None if log_dir is None else str(log_dir), **opts)
-    program = tempfile.mktemp(suffix=".json")
-    compiled.save(program)
-    saved = json.loads(Path(program).read_text())
-    os.unlink(program)
-    saved.get("metadata", {}).pop("provenance", None)
+    with tempfile.TemporaryDirectory() as tmp:
+        compiled.save(f"{tmp}/program.json")
+        program = saved(Path(tmp) / "program.json")
     steps = [{k: v for k, v in s.to_dict().items() if k not in TIMING} for s in compiled.detailed_results.steps]
-    return {"library": compiled.experience_library.dump_state(), "program": saved, "steps": steps,
+    return {"library": compiled.experience_library.dump_state(), "program": program, "steps": steps,
             "calls": srv.stats()["calls"], "metric_calls": sum(s["metric_calls"] for s in steps)}
 
 
@@ -145,16 +146,14 @@ def main_job_row(run_dir: Path, cache: Path, nodes: int) -> dict:
                           .replace("[optimizer]\n", '[optimizer]\nbackend = "ray"\n', 1))
         env = {**os.environ, "DSPY_CACHEDIR": str(cache)}
         subprocess.run([sys.executable, "-m", "tfgrpo.cli", "compile", str(config)], env=env, cwd=ROOT, check=True)
-        same = subprocess.run([sys.executable, "-m", "benchmarks.same_run", str(run_dir), f"{tmp}/run", "--ignore",
-                               "evidence,details.excerpts,details.excerpts_refused"], cwd=ROOT, text=True,
-                              capture_output=True)
-        print(same.stdout.strip())
-        steps = [json.loads(line) for line in (Path(tmp) / "run/steps.jsonl").read_text().splitlines() if line]
-        new_calls = sum(u.get("calls", 0) for s in steps for u in s.get("usage", {}).values())
-        last = same.stdout.strip().splitlines()[-1] if same.stdout.strip() else ""
-        fields = dict(f.split("=", 1) for f in last.removeprefix("same_run: ").split() if "=" in f)
-        return {"job": "main", "nodes": nodes, "new_calls": new_calls,
-                **{k: fields.get(k) == "true" for k in ("library_equal", "program_equal", "steps_equal")}}
+        run = Path(tmp) / "run"
+        ignore = ["evidence", "details.excerpts", "details.excerpts_refused"]  # the removed mechanisms' own fields
+        records = [json.loads(line) for line in (run / "steps.jsonl").read_text().splitlines() if line]
+        return {"job": "main", "nodes": nodes,
+                "new_calls": sum(u.get("calls", 0) for s in records for u in s.get("usage", {}).values()),
+                **{f"{name}_equal": saved(run_dir / f"{name}.json") == saved(run / f"{name}.json")
+                   for name in ("library", "program")},
+                "steps_equal": step_records(run_dir, ignore) == step_records(run, ignore)}
 
 
 def line(name: str, row: dict) -> str:

@@ -108,23 +108,24 @@ class Plan:
             lines.append(f"resume: {self.resume['saved_units']} finished unit(s) in log_dir are reused")
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
-
     def projection(self, steps: list) -> str:
         """After a step, for the progress log: what the run's steps (`StepResult`s) spent so far, the total of the steps
         the plan expects the run to reach at that rate, and the plan's own figure for them."""
-        reachable, done = max(self.expected["total"].get("steps", self.steps), len(steps)), len(steps)
+        done = len(steps)
+        reachable = max(self.expected["total"].get("steps", self.steps), done)
         used = [u for s in steps for u in s.usage.values()]
-        calls, costs = sum(u.get("calls", 0) for u in used), [u["cost"] for u in used if u.get("cost") is not None]
-        completion = sum(u.get("completion_tokens", 0) for u in used)
-        planned = {k: sum(stage.get(k) or 0 for stage in self.expected["per_step"].values()) * reachable
-                   for k in ("calls", "cost")}
-        unknown = any(stage.get("cost") is None for stage in self.expected["per_step"].values())
-        dollars = (f", ${sum(costs):.4f}" if costs else "", f", ${sum(costs) / done * reachable:.4f}" if costs else "",
-                   "" if unknown else f", ${planned['cost']:.4f}")
+        calls, completion = sum(u.get("calls", 0) for u in used), sum(u.get("completion_tokens", 0) for u in used)
+        costs = [u["cost"] for u in used if u.get("cost") is not None]
+        stages = self.expected["per_step"].values()
+        planned_calls = sum(stage["calls"] for stage in stages) * reachable
+        spent = f", ${sum(costs):.4f}" if costs else ""
+        projected = f", ${sum(costs) / done * reachable:.4f}" if costs else ""
+        planned = "" if any(stage.get("cost") is None for stage in stages) else \
+            f", ${sum(stage['cost'] for stage in stages) * reachable:.4f}"
         reply = f"; replies averaged {completion / calls:.0f} tokens" if calls else ""
-        return (f"after step {done} of {reachable}: the steps spent {calls:,} calls{dollars[0]}; at this rate "
-                f"{reachable} step(s) make ~{round(calls / done * reachable):,} calls{dollars[1]} (the plan: "
-                f"{planned['calls']:,} calls{dollars[2]}){reply}")
+        return (f"after step {done} of {reachable}: the steps spent {calls:,} calls{spent}; at this rate "
+                f"{reachable} step(s) make ~{round(calls / done * reachable):,} calls{projected} (the plan: "
+                f"{planned_calls:,} calls{planned}){reply}")
 
 
 def make_plan(optimizer, student: dspy.Module, trainset: list, valset: list | None, attribution_set: list | None, *,

@@ -117,6 +117,11 @@ def run_program(program: dspy.Module, example: dspy.Example) -> tuple[dspy.Predi
 
 
 # -- the runner -------------------------------------------------------------------------------------------------------
+# what a record says was cut for the learning calls: kind -> (its key, the length kept, what it is)
+CUTS = {"attempt": ("attempt_chars", MAX_ATTEMPT_CHARS, "An attempt"),
+        "feedback": ("feedback_chars", MAX_FEEDBACK_CHARS, "The metric's feedback on an attempt")}
+
+
 class Runner:
     """Runs every unit of work of a run (see the module docstring): `attempt` (a program on an example, scored in the
     same unit or later by `score`), `scored` (attempts scored: the probe, validation, the attribution) and `call` (a
@@ -241,9 +246,7 @@ class Runner:
 
     def _say_clipped(self, record: dict) -> None:
         """Say once per run that an attempt's text, or the metric's feedback on it, was cut for the learning calls."""
-        cuts = {"attempt": ("attempt_chars", MAX_ATTEMPT_CHARS, "An attempt"),
-                "feedback": ("feedback_chars", MAX_FEEDBACK_CHARS, "The metric's feedback on an attempt")}
-        for kind, (key, limit, what) in cuts.items():
+        for kind, (key, limit, what) in CUTS.items():
             if key not in record:
                 continue
             with self._lock:

@@ -63,9 +63,7 @@ class Exits(dspy.Module):
 
 
 class Sleeps(dspy.Module):
-    def __init__(self):
-        super().__init__()
-        self.solve = dspy.Predict("question -> answer")
+    """A program whose attempt outlasts the test unless it is cancelled."""
 
     def forward(self, question):
         time.sleep(120)
@@ -82,21 +80,12 @@ def test_a_task_lost_for_good_is_an_attempt_with_no_answer_not_a_zero(cluster, m
 
 def test_the_usage_of_a_remote_attempt_is_metered_here(cluster):
     with server() as srv, dspy.context(lm=srv.lm()):
-        program = with_own_lms(_ProgramWithLM(), rollout_id=3)
+        program = with_own_lms(dspy.Predict("question -> answer"), rollout_id=3)
         record, runner = _attempt(program, make_trainset(1)[0])
-        local, local_runner = _attempt(with_own_lms(_ProgramWithLM(), rollout_id=3), make_trainset(1)[0], "threads")
+        local, local_runner = _attempt(program, make_trainset(1)[0], "threads")
     assert record["outputs"] == local["outputs"] and record["reward"] == local["reward"]
     remote, here = runner.meter("validation").totals(), local_runner.meter("validation").totals()
     assert remote["calls"] == here["calls"] == 1 and remote["prompt_tokens"] == here["prompt_tokens"] > 0
-
-
-class _ProgramWithLM(dspy.Module):
-    def __init__(self):
-        super().__init__()
-        self.solve = dspy.Predict("question -> answer")
-
-    def forward(self, question):
-        return self.solve(question=question)
 
 
 def test_cancel_ends_the_tasks_in_flight(cluster):

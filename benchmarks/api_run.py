@@ -25,6 +25,17 @@ more call per group with contrast, a per-group update, and no cached prefix), fr
 
 The last line is `api_run: preset=paper calls=N cost=$C budget=$B overshoot_calls=K plan_error=E cached_share=S
 failed_calls=F failures_in_groups=0 reference_cost=$R`.
+
+    python -m benchmarks.api_run --carry-to openai/gpt-4o-mini [--refit-queries 8]
+
+learns with the simulator's model, then carries the program to another model on the same simulator: a `carry_api:`
+line with the refit's calls and dollars against a fresh compile on the new model (see `carried`).
+
+    python -m benchmarks.api_run --train 2 --rate-limit-rpm 30 [--rate-threads 4,16,64]
+
+runs one compile per thread count against a provider that takes 30 requests a sliding minute, first with the
+LM unpaced (every 429 waits its Retry-After), then with a RequestPacer at 30 (`max_requests_per_minute`): a
+`rate_limit:` line each.
 """
 
 from __future__ import annotations
@@ -41,6 +52,8 @@ import benchmarks  # noqa: F401  (before dspy: LiteLLM's bundled price map, no f
 import dspy
 from benchmarks.log_dir_checks import unit_files
 from tfgrpo.optimizers import TrainingFreeGRPO
+from tfgrpo.optimizers.runner import RequestPacer
+from tfgrpo.programs import load_program, save_program
 from tfgrpo.testing import FakeLMServer, dspy_prices
 # isort: on
 
@@ -51,9 +64,9 @@ def metric(example, pred, trace=None):
     return float(str(getattr(pred, "answer", "")).strip() == example.answer)
 
 
-def trainset(n: int) -> list[dspy.Example]:
+def trainset(n: int, start: int = 0) -> list[dspy.Example]:
     return [dspy.Example(question=f"What is {3 * i + 7} + {5 * i + 11}?", answer=str(8 * i + 18)).with_inputs("question")
-            for i in range(n)]
+            for i in range(start, start + n)]
 
 
 def simulator(rate429: float) -> FakeLMServer:
@@ -95,23 +108,58 @@ def failures_in_groups(log_dir: Path) -> int:
     return found
 
 
-def rate_limited(rpm: int, threads: int, args, log_dir: Path) -> str:
+def rate_limited(rpm: int, threads: int, paced: bool, args, log_dir: Path) -> str:
     """One unbudgeted compile against a provider that takes `rpm` requests a sliding minute and answers the rest 429
-    with the wait as Retry-After: its minutes against the least a run of that many requests takes (the first minute's
-    rpm at once, then rpm a minute), and the share of requests answered 429."""
+    with the wait as Retry-After, with or without the LM's RequestPacer at `rpm` (`max_requests_per_minute`): its
+    minutes against answered / rpm (`per_r`; a run of that many requests at R a minute) and against the least such a
+    run takes (`floor`: the first minute's rpm at once, then rpm a minute), and the share of requests answered 429."""
     with FakeLMServer(prices={MODEL: dspy_prices(MODEL)}, token_chars=4, log_requests=True,
                       rate_limit_rpm=rpm) as server:
-        lm = dspy.LM(MODEL, api_base=server.api_base, api_key="x", cache=False, num_retries=8, max_tokens=512)
+        lm = dspy.LM(MODEL, api_base=server.api_base, api_key="x", cache=False, num_retries=8, max_tokens=512,
+                     callbacks=[RequestPacer(rpm)] if paced else [])
         started = time.time()
         with dspy.context(lm=lm):
             TrainingFreeGRPO(metric, num_threads=threads, log_dir=str(log_dir)).compile(
                 dspy.Predict("question -> answer"), trainset=trainset(args.train))
         minutes, stats = (time.time() - started) / 60, server.stats()
     answered = stats["statuses"].get("200", 0)
-    floor = max(answered - rpm, 0) / rpm  # the first minute's rpm requests go at once, every later one waits its turn
-    return (f"rate_limit: rpm={rpm} threads={threads} requests={stats['calls']} answered={answered} "
-            f"minutes={minutes:.2f} floor={floor:.2f} ratio={minutes / max(floor, 1e-9):.2f} "
+    floor = max(answered - rpm, 0) / rpm
+    return (f"rate_limit: rpm={rpm} threads={threads} paced={'yes' if paced else 'no'} requests={stats['calls']} "
+            f"answered={answered} minutes={minutes:.2f} per_r={answered / rpm:.2f} "
+            f"ratio={minutes / (answered / rpm):.2f} floor={floor:.2f} "
             f"share_429={stats['statuses'].get('429', 0) / stats['calls']:.2f}")
+
+
+def carried(target: str, args, root: Path) -> str:
+    """A program learned with MODEL, carried to `target` on the same simulator: the refit's calls and dollars
+    (`refit=True, num_train_epochs=0`, each carried item measured on `args.refit_queries` sums outside the trainset)
+    against a fresh compile on `target` from the uncompiled program (the default construction, the same trainset).
+    The simulator answers by a hash, so what an item is worth there says nothing of a real model: only the costs
+    carry over. Each phase's calls and dollars are the simulator's own count."""
+    prices = {MODEL: dspy_prices(MODEL), target: dspy_prices(target)}
+    with FakeLMServer(prefix_cache=True, prices=prices, token_chars=4, log_requests=True) as server:
+
+        def run(model: str, student: dspy.Module, name: str, **knobs) -> tuple[dspy.Module, dict]:
+            server.reset_stats()
+            lm = dspy.LM(model, api_base=server.api_base, api_key="x", cache=False, num_retries=3, max_tokens=512)
+            valset = trainset(args.refit_queries, start=1000) if knobs else None
+            with dspy.context(lm=lm):
+                optimizer = TrainingFreeGRPO(metric, num_threads=args.threads, log_dir=str(root / name), **knobs)
+                planned = optimizer.plan(student, trainset(args.train), valset).expected["total"]["calls"]
+                program = optimizer.compile(student, trainset=trainset(args.train), valset=valset)
+            return program, {**server.stats(), "planned": planned}
+
+        learned, first = run(MODEL, dspy.Predict("question -> answer"), "learn")
+        save_program(learned, root / "learned.json")
+        start = load_program(dspy.Predict("question -> answer"), root / "learned.json")
+        refit, spent = run(target, start, "refit", refit=True, num_train_epochs=0)
+        _, fresh = run(target, dspy.Predict("question -> answer"), "fresh")
+    items = refit.detailed_results.refit.items if refit.detailed_results.refit else []
+    pruned = refit.detailed_results.refit.pruned if refit.detailed_results.refit else []
+    return (f"carry_api: from={MODEL} to={target} learned_calls={first['calls']} learned_cost=${first['billed_usd']:.4f} "
+            f"items={len(items)} kept={len(items) - len(pruned)} "
+            f"calls_refit={spent['calls']} planned_refit={spent['planned']} cost_refit=${spent['billed_usd']:.4f} calls_fresh={fresh['calls']} "
+            f"cost_fresh=${fresh['billed_usd']:.4f} cost_share={spent['billed_usd'] / fresh['billed_usd']:.2f}")
 
 
 def main() -> None:
@@ -125,14 +173,23 @@ def main() -> None:
     ap.add_argument("--budget-train", type=int, default=200, help="run 4: training examples, more than its budget reads")
     ap.add_argument("--budget-calls", type=int, default=500, help="run 4: its max_metric_calls")
     ap.add_argument("--rate-limit-rpm", type=int, default=None, help="only measure runs against a provider that "
-                    "takes this many requests a minute, at --rate-threads threads each (rate_limit: lines)")
+                    "takes this many requests a minute, at --rate-threads threads each, unpaced then paced "
+                    "(rate_limit: lines)")
     ap.add_argument("--rate-threads", default="4,16,64")
+    ap.add_argument("--carry-to", default=None, help="only measure a program learned with the simulator's model "
+                    "carried to this one: the refit's calls and dollars against a fresh compile (carry_api: line)")
+    ap.add_argument("--refit-queries", type=int, default=8, help="--carry-to: sums outside the trainset for the refit")
     args = ap.parse_args()
     logging.basicConfig(level=logging.ERROR)
     root = Path(tempfile.mkdtemp(prefix="api_run-"))
+    if args.carry_to:
+        print(carried(args.carry_to, args, root), flush=True)
+        return
     if args.rate_limit_rpm:
-        for threads in [int(t) for t in args.rate_threads.split(",")]:
-            print(rate_limited(args.rate_limit_rpm, threads, args, root / f"rpm-{threads}"), flush=True)
+        for paced in (False, True):
+            for threads in [int(t) for t in args.rate_threads.split(",")]:
+                print(rate_limited(args.rate_limit_rpm, threads, paced, args, root / f"rpm-{threads}-{paced}"),
+                      flush=True)
         return
     with simulator(args.rate429) as server:  # 1. unbudgeted, against its plan
         _, plan, compiled = compile_on(server, root / "full", args)

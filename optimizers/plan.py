@@ -366,8 +366,7 @@ def estimate(knobs: Knobs, program: dspy.Module, trainset: list, valset: list | 
     per_epoch = -(-len(trainset) // knobs.batch_size)
     validated = min(knobs.num_train_epochs, -(-steps // per_epoch) if steps == scheduled else steps // per_epoch)
     items = attribution_runs(knobs, len(trainset), len(held_out or []), steps=steps)
-    queries, choose = len(held_out or []), (len(held_out or []) + 1) // 2  # a refit: leave-one-out, pruned, checked
-    refit_runs = choose * (2 * refit_items + 3) + 2 * (queries - choose) if refit_items and queries else 0
+    refit_runs = measure_runs(knobs, refit_items, len(held_out or []), prune=True)["runs"] if refit_items else 0
     sizes["runs"] = validated * len(valset or []) + items["runs"] + refit_runs
     expected, bound = _tally(knobs, sizes, learning_path, False, steps), _tally(knobs, sizes, learning_path, True, steps)
     batch = min(knobs.batch_size, len(trainset))
@@ -460,18 +459,26 @@ def _tally(knobs: Knobs, sizes: dict, learning_path: str, bound: bool, steps: in
 def attribution_runs(knobs: Knobs, trainset_size: int, queries: int, *, steps: int | None = None) -> dict:
     """The attribution's program runs (`attribution`, worth.py) on `queries` held-out queries, for the items `steps`
     steps are expected to keep (`GROWTH` experiences a step, and max_demos), or (None) as an upper bound, for every
-    experience the steps can add (or max_experiences) and max_demos; leave-one-out runs each query with all items,
-    none, the control and each item left out; Shapley runs up to one subset per item and sampled order; prune tries up
-    to one more subset per item, then checks two programs on the other half."""
+    experience the steps can add (or max_experiences) and max_demos."""
     if not knobs.attribution or not queries:
         return {"items": 0, "runs": 0, "method": None}
     added = knobs.total_steps(trainset_size) * knobs.batch_size * knobs.max_operations_per_group if steps is None \
         else GROWTH * steps
     items = min(knobs.max_experiences if knobs.max_experiences is not None else added, added) + knobs.max_demos
-    choose = (queries + 1) // 2 if knobs.prune else queries
+    return measure_runs(knobs, items, queries, prune=knobs.prune)
+
+
+def measure_runs(knobs: Knobs, items: int, queries: int, *, prune: bool) -> dict:
+    """The program runs of measuring `items` items on `queries` queries (worth.py, the attribution's and a refit's):
+    leave-one-out runs each query with all items, none, the control and each item left out; Shapley (past
+    `attribution_max_items` items) up to one subset per item and sampled order; `prune` tries up to one more subset
+    per item on half the queries, then checks two programs on the other half."""
+    if not items or not queries:
+        return {"items": 0, "runs": 0, "method": None}
+    choose = (queries + 1) // 2 if prune else queries
     shapley = items > knobs.attribution_max_items
     per_query = knobs.attribution_permutations * items + 2 if shapley else items + 3
-    per_query += items if knobs.prune else 0
+    per_query += items if prune else 0
     return {"items": items, "runs": choose * per_query + 2 * (queries - choose),
             "method": "shapley" if shapley else "leave-one-out"}
 

@@ -34,6 +34,7 @@ Below the runner: that pool, the meters that price every call, and the budget th
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -50,6 +51,7 @@ from typing import Any, Callable, Iterator
 import dspy
 import pydantic
 import tqdm
+from dspy.utils.callback import BaseCallback
 from dspy.utils.exceptions import AdapterParseError, LMError
 from dspy.utils.usage_tracker import UsageTracker
 
@@ -610,6 +612,10 @@ class RayAttempts:
     def attempt(self, program: dspy.Module, example: dspy.Example, metric: Callable | None,
                 timeout_s: float | None) -> dict:
         settings = {"lm": dspy.settings.lm, "adapter": dspy.settings.adapter}
+        if paced(settings["lm"]) or any(paced(p.lm) for p in program.predictors()):
+            raise ValueError('backend="ray" sends the attempts\' calls from the nodes, where a RequestPacer '
+                             "(max_requests_per_minute) paces nothing: leave it off and let the provider's 429s and "
+                             'num_retries pace the run, or use backend="threads"')
         ref = self._task.remote(program, example, metric, timeout_s, settings, self.prices)
         with self._lock:
             self._running.add(ref)
@@ -732,6 +738,52 @@ def add_usage(total: dict[str, float], more: dict[str, float]) -> dict[str, floa
     for k, v in more.items():
         total[k] = total.get(k, 0) + v
     return total
+
+
+class RequestPacer(BaseCallback):
+    """Holds an LM's calls to `per_minute` starts in any sliding minute, as a provider's requests-per-minute limit
+    counts them: a call that would be one too many waits for the oldest start to leave the window instead of drawing a
+    429 and a Retry-After wait. Add it to the LM (`dspy.LM(..., callbacks=[RequestPacer(500)])`, or
+    `max_requests_per_minute` in a config's LM section); `lm.copy()` shares it, so every copy the optimizer makes is
+    paced together.
+
+    It paces the calls of one process; a call DSPy answers from its cache takes a start too. A provider's other
+    limits (tokens a minute) are still met by its 429 and DSPy's retries (`num_retries`)."""
+
+    window_s = 60.0
+    margin_s = 0.25  # a start waits this much past the window: the provider's clock sees the request a little later
+
+    def __init__(self, per_minute: int):
+        if not isinstance(per_minute, int) or per_minute < 1:
+            raise ValueError(f"RequestPacer needs a whole number of requests a minute, at least 1 (got {per_minute!r})")
+        self.per_minute = per_minute
+        self._starts: collections.deque[float] = collections.deque()
+        self._lock = threading.Lock()
+        self.waited_s = 0.0  # the time calls spent waiting for a start, all threads together
+
+    def on_lm_start(self, call_id, instance, inputs) -> None:
+        while True:
+            with self._lock:
+                now = time.monotonic()
+                while self._starts and now - self._starts[0] >= self.window_s + self.margin_s:
+                    self._starts.popleft()
+                if len(self._starts) < self.per_minute:
+                    self._starts.append(now)
+                    return
+                wait = self.window_s + self.margin_s - (now - self._starts[0])
+                self.waited_s += wait
+            time.sleep(wait)
+
+    def __deepcopy__(self, memo) -> RequestPacer:
+        return self  # a deep copy of a program's LM still shares the provider's limit
+
+    def __reduce__(self):
+        return RequestPacer, (self.per_minute,)  # the lock cannot travel; a copy in another process paces apart
+
+
+def paced(lm) -> bool:
+    """Whether `lm` carries a RequestPacer."""
+    return any(isinstance(c, RequestPacer) for c in getattr(lm, "callbacks", None) or [])
 
 
 # -- the budget -------------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import json
 import logging
 import re
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import dspy
@@ -286,3 +287,84 @@ def test_after_the_first_step_the_projected_dollars_are_the_bill_within_35_perce
     projected = float(re.search(r"make ~[\d,]+ calls, \$([\d.]+)", first).group(1))
     assert abs(projected - server.bill) <= 0.35 * server.bill, (first, server.bill)
     assert "replies averaged" in first and "(the plan: " in first
+
+
+class RateLimited(Biller):
+    """The Biller behind a requests-per-window limit, as a provider's requests-a-minute one (a window of `window_s`
+    seconds here, to keep the test short): a request past `limit` in the sliding window is answered 429 with the wait
+    as Retry-After."""
+
+    def __init__(self, limit: int, window_s: float):
+        super().__init__()
+        self.limit, self.window_s, self.accepted, self.refused = limit, window_s, [], 0
+
+    def admit(self) -> float | None:
+        """None if the request is taken, else the seconds until it would be."""
+        with self.lock:
+            now = time.monotonic()
+            recent = [t for t in self.accepted if now - t < self.window_s]
+            if len(recent) < self.limit:
+                self.accepted.append(now)
+                return None
+            self.refused += 1
+            return self.window_s - (now - recent[0])
+
+
+class RateLimitedHandler(Handler):
+    def do_POST(self):
+        wait = self.server.admit()
+        if wait is None:
+            return super().do_POST()
+        self.rfile.read(int(self.headers["Content-Length"]))
+        data = json.dumps({"error": {"message": "rate limit reached", "type": "rate_limit_error"}}).encode()
+        self.send_response(429)
+        self.send_header("Retry-After", f"{wait:.2f}")
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.mark.parametrize("paced", [False, True])
+def test_a_paced_lm_keeps_within_the_providers_requests_a_minute(paced):
+    """16 rollouts at 4 threads against a provider that takes 6 requests a window: unpaced, some draw a 429 (and wait
+    its Retry-After); with `max_requests_per_minute`'s RequestPacer on the same window, none does, and every window
+    holds at most 6 starts."""
+    from tfgrpo.optimizers.runner import RequestPacer
+
+    server = RateLimited(limit=6, window_s=1.5)
+    server.RequestHandlerClass = RateLimitedHandler
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    pacer = RequestPacer(6)
+    pacer.window_s = server.window_s
+    try:
+        dspy.configure(lm=dspy.LM("openai/biller", api_base=f"http://127.0.0.1:{server.server_port}/v1", api_key="x",
+                                  cache=False, num_retries=8, callbacks=[pacer] if paced else []))
+        optimizer = TrainingFreeGRPO(metric, reflection_lm=ScriptedLM(learner()), auto="off", num_generations=4,
+                                     num_train_epochs=1, batch_size=4, num_threads=4, learning_path="paper")
+        compiled = optimizer.compile(dspy.Predict("question -> answer"), trainset=make_trainset(4))
+    finally:
+        server.shutdown()
+    (step,) = compiled.detailed_results.steps
+    assert step.failed_calls == 0 and len(server.accepted) == 16
+    if not paced:
+        assert server.refused > 0  # the provider does limit: 16 at once is past 6 a window
+        return
+    assert server.refused == 0 and pacer.waited_s > 0
+    starts = sorted(server.accepted)
+    assert all(b - a >= server.window_s for a, b in zip(starts, starts[6:]))  # 7 starts never share a window
+
+
+def test_a_config_sections_max_requests_per_minute_paces_its_lm(tmp_path):
+    from tfgrpo.config import Config
+    from tfgrpo.lms import open_lms
+    from tfgrpo.optimizers.runner import RequestPacer
+
+    path = tmp_path / "api.toml"
+    path.write_text('[policy]\nbackend = "litellm"\nmodel = "openai/x"\napi_base = "http://127.0.0.1:9/v1"\n'
+                    'max_requests_per_minute = 500\n[task]\nname = "math"\n')
+    with open_lms(Config.load(path)) as (policy, reflection, _):
+        (pacer,) = policy.callbacks
+        assert isinstance(pacer, RequestPacer) and pacer.per_minute == 500 and reflection is policy
+    with pytest.raises(ValueError, match="at least 1"):
+        RequestPacer(0)

@@ -90,6 +90,20 @@ def test_api_run():
     assert int(found.group(1)) <= 4 and float(found.group(2)) <= 0.25 and found.group(3) == "0"
 
 
+def test_api_run_carry_and_rate_limit():
+    """Its other two modes at their smallest: a program carried to another model on the simulator (the refit's calls
+    and dollars beside a fresh compile's), and a run against a requests-a-minute limit unpaced and paced."""
+    (line,) = run("api_run.py", "--train", "2", "--threads", "4", "--refit-queries", "4", "--carry-to",
+                  "openai/gpt-4o-mini")
+    carried = re.fullmatch(rf"carry_api: from=deepseek/deepseek-chat to=openai/gpt-4o-mini learned_calls=\d+ "
+                           rf"learned_cost=\$\S+ items=(\d+) kept=\d+ calls_refit=(\d+) planned_refit=\d+ "
+                           rf"cost_refit=\$\S+ calls_fresh=(\d+) cost_fresh=\$\S+ cost_share={X}", line)
+    assert carried and int(carried.group(1)) > 0 and 0 < int(carried.group(2)) < int(carried.group(3)), line
+    lines = run("api_run.py", "--train", "1", "--rate-limit-rpm", "600", "--rate-threads", "4")
+    assert [re.fullmatch(rf"rate_limit: rpm=600 threads=4 paced=(no|yes) requests=\d+ answered=\d+ minutes={X} "
+                         rf"per_r={X} ratio={X} floor={X} share_429={X}", line).group(1) for line in lines] == ["no", "yes"]
+
+
 def test_step_latency():
     lines = run("step_latency.py", "--batch", "2", "--group", "2", "--latency", "0.01", "--threads", "4", "--no-floor")
     assert any(re.fullmatch(r"LM calls: \d+; bound .*: holds", line) for line in lines)

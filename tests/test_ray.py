@@ -110,6 +110,15 @@ def test_cancel_ends_the_tasks_in_flight(cluster):
     assert done["record"]["failed"] and "TaskCancelled" in done["record"]["error"]
 
 
+def test_a_paced_lm_is_refused_on_the_cluster(cluster):
+    """A RequestPacer paces one process: on the nodes each task would get a copy of its own, so it is refused."""
+    from tfgrpo.optimizers.runner import RequestPacer
+
+    with server() as srv, dspy.context(lm=srv.lm(callbacks=[RequestPacer(60)])):
+        with pytest.raises(ValueError, match="RequestPacer"):
+            _attempt(dspy.Predict("question -> answer"), make_trainset(1)[0])
+
+
 def test_the_backend_knob_is_checked():
     with pytest.raises(ValueError, match="backend"):
         Knobs(backend="dask")

@@ -10,6 +10,7 @@ import dspy
 
 from tfgrpo.config import Config, LMConfig
 from tfgrpo.local_model import ensure_server
+from tfgrpo.optimizers.runner import RequestPacer
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,8 @@ def local_dspy_lm(model: str, api_base: str, *, max_tokens: int, **kwargs) -> ds
 def _build(cfg: LMConfig, stack: contextlib.ExitStack, started: dict) -> dspy.LM:
     common = dict(temperature=cfg.temperature, max_tokens=cfg.max_tokens, num_retries=cfg.num_retries,
                   timeout=cfg.timeout_s, cache=cfg.cache, **cfg.extra)
+    if cfg.max_requests_per_minute:
+        common["callbacks"] = [RequestPacer(cfg.max_requests_per_minute)]
     if cfg.backend == "local":
         key = (cfg.model, cfg.n_ctx, cfg.n_threads, cfg.speculative, cfg.parallel)
         if key not in started:

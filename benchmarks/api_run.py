@@ -17,7 +17,8 @@ Three compiles, each on a fresh simulator:
      its library is said beside run 1's, which the 429s it meets, drawn anew, may make differ);
   4. `--budget-train` examples under `max_metric_calls=--budget-calls`, planned with no reply length given: the steps
      the plan says the budget lets the run start against those it ran, and its calls and dollars against the
-     simulator's count (`plan_budget:` line; the simulator's replies are a few tokens, a real model's longer).
+     simulator's count (`plan_budget:` line; the simulator's replies are a few tokens, a real model's longer), and
+     the dollars of a plan made with `pilot=4` (`pilot_cost_error`: its sizes from 4 calls to the simulator).
 `reference_cost`: what run 1's workload costs the way the reference implementation runs it (../shared/SPEC.md: one
 more call per group with contrast, a per-group update, and no cached prefix), from run 1's own tokens.
 
@@ -225,12 +226,15 @@ def main() -> None:
         with dspy.context(lm=lm):
             optimizer = TrainingFreeGRPO(metric, num_threads=args.threads, max_metric_calls=args.budget_calls)
             budgeted = optimizer.plan(dspy.Predict("question -> answer"), trainset(args.budget_train))
+            piloted = optimizer.plan(dspy.Predict("question -> answer"), trainset(args.budget_train), pilot=4)
+            server.reset_stats()  # the pilot's 4 calls are not the run's
             ran = optimizer.compile(dspy.Predict("question -> answer"), trainset=trainset(args.budget_train))
         served = server.stats()
     want, sent = budgeted.expected["total"], len(billed_calls(served))
     print(f"plan_budget: scheduled={budgeted.steps} reachable={want['steps']} steps_run={len(ran.detailed_results.steps)} "
           f"calls={sent} planned={want['calls']} error={abs(want['calls'] - sent) / max(sent, 1):.2f} "
           f"cost_error={abs(want['cost'] - served['billed_usd']) / max(served['billed_usd'], 1e-12):.2f} "
+          f"pilot_cost_error={abs(piloted.expected['total']['cost'] - served['billed_usd']) / served['billed_usd']:.2f} "
           f"read={want['examples_read']['trainset']} of {args.budget_train} ({want['reply']})")
     print(f"api_run: preset={plan.preset} calls={calls} cost=${cost:.4f} budget=${budget:.4f} "
           f"overshoot_calls={overshoot(billed_calls(cut), budget)} "

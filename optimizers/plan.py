@@ -2,7 +2,8 @@
 
 `compile` makes its plan first, and the CLI's dry run prints the same object: every check compile makes (the program,
 the examples, the LMs, a budget that can be measured, a `log_dir` that holds another run), the preset and learning path
-chosen, the budget, and what the run is expected to send, in calls, tokens and dollars. Nothing is called or written.
+chosen, the budget, and what the run is expected to send, in calls, tokens and dollars. Nothing is written, and nothing
+called unless a pilot is asked for.
 
 The estimate covers the steps the budgets let the run start (`reachable_steps`: each budget checked as the run checks
 it before a step), and assumes that every group has reward contrast (so every learning call is made: an upper bound
@@ -10,7 +11,9 @@ for them) and that no reply fails; prompts are the program's own, rendered by DS
 queries, with a library that grows by `GROWTH` experiences a step (the paper's reference re-run: 27 in 6 steps), and a
 tool loop (ReAct) that answers halfway through its `max_iters` turns (a guess, not a measurement); replies are counted
 at `reply_tokens` (default: by the program's output fields, `FIELD_REPLY`, for the program; `LEARNING_REPLY` for a
-learning call).
+learning call). A pilot (`plan(..., pilot=N)`) runs the student on N training queries first and takes a reply's tokens,
+and the prompts' as the provider counted them, from those calls: the one way a plan makes LM calls.
+`cost_unlearned` is the same run with a library that stays as it starts.
 Dollars are those tokens at the models' prices; where the price map gives a cheaper price for cached prompt tokens
 (DeepSeek, OpenAI), the part of each prompt that a stage's calls share (instructions, library, demos: they come first)
 is priced as cached after the stage's first call of a step, as those providers bill a repeated prefix.
@@ -28,7 +31,7 @@ from dspy.adapters.chat_adapter import ChatAdapter
 
 from tfgrpo.base.util import digest
 from tfgrpo.optimizers.checkpoint import Checkpoint, code_fingerprint, prompt_versions
-from tfgrpo.optimizers.runner import fixed_temperature, model_price
+from tfgrpo.optimizers.runner import fixed_temperature, metered, model_price
 from tfgrpo.optimizers.step import carried_demos
 from tfgrpo.optimizers.knobs import Knobs, fingerprinted_knobs, resolve
 from tfgrpo.optimizers.records import Demo
@@ -42,7 +45,9 @@ EXAMPLE_HINT = "dspy.Example(question=..., answer=...).with_inputs('question')"
 CHARS_PER_TOKEN = 4
 GROWTH = 5  # experiences a step adds to the library, on average (the paper's reference re-run: 27 in 6 steps)
 EXPERIENCE_TOKENS = 40  # one experience in a prompt: its ID and about 25 words
-LEARNING_REPLY = 150  # tokens of a learning call's reply, when `reply_tokens` does not say
+# tokens of a learning call's reply, when `reply_tokens` does not say: the embedded 1.5B's contrast replies averaged 67
+# (the main job's 9 contrast calls); the simulator's summaries and advantages take 32-54
+LEARNING_REPLY = 70
 
 
 @dataclass(frozen=True)
@@ -86,7 +91,9 @@ class Plan:
     def summary(self) -> str:
         """The plan in a few lines, as the run starts and the dry run print it."""
         total, b = self.expected["total"], self.budget
-        cost = f"${total['cost']:.4f}" if total.get("cost") is not None else "no price known"
+        cost = "no price known" if total.get("cost") is None else f"${total['cost']:.4f}" + (
+            f" (${total['cost_unlearned']:.4f} if the library stays as it starts)"
+            if total.get("cost_unlearned") is not None else "")
         limits = ", ".join(f"{k}={v:g}" for k, v in b.items() if v is not None) or "none"
         reachable, reads = total.get("steps", self.steps), total.get("examples_read", {})
         cut = f" (of {self.steps} scheduled: the budget stops the run there)" if reachable < self.steps else ""
@@ -129,11 +136,10 @@ class Plan:
 
 
 def make_plan(optimizer, student: dspy.Module, trainset: list, valset: list | None, attribution_set: list | None, *,
-              reply_tokens: int | None = None,
-              say: bool = False) -> Plan:
+              reply_tokens: int | None = None, pilot: int = 0, say: bool = False) -> Plan:
     """Every check compile makes, the resolved knobs and path, the fingerprint and the estimate (see the module
-    docstring); raises what compile would raise, with nothing called or written. `say`: log the preset and path chosen
-    (compile does)."""
+    docstring); raises what compile would raise, with nothing written, and nothing called unless `pilot` (the student
+    run on that many training queries first, `pilot_usage`). `say`: log the preset and path chosen (compile does)."""
     check_program(student)
     held_out = attribution_set if attribution_set is not None else valset
     if optimizer.attribution and not held_out:
@@ -186,8 +192,16 @@ def make_plan(optimizer, student: dspy.Module, trainset: list, valset: list | No
                         "them on each example")
     fingerprint = make_fingerprint(knobs, program, targets, trainset, valset, library, demos, lms, optimizer.metric)
     saved = Checkpoint(knobs.log_dir).check(fingerprint, other_versions=knobs.resume_other_versions)  # as compile
+    measured = pilot_usage(program, trainset[:pilot], knobs) if pilot else None
+    if measured is not None:
+        notes.append(f"the pilot: {measured['calls']} call(s) on {min(pilot, len(trainset))} training "
+                     f"queries{measured['spent']}; their replies and prompts set the estimate's sizes")
+    elif pilot:
+        notes.append(f"the pilot's {pilot} queries brought back no usage (every call failed, or the LM reports none): "
+                     "the estimate's sizes are guesses")
     expected, bound = estimate(knobs, program, trainset, valset, held_out, lms, learning_path=path,
-                               reply_tokens=reply_tokens, refit_items=(len(library) + len(demos)) * refit)
+                               reply_tokens=reply_tokens, pilot=measured,
+                               carries=bool(len(library) or demos), refit_items=(len(library) + len(demos)) * refit)
     budget = {"max_cost": knobs.max_cost, "max_total_tokens": knobs.max_total_tokens,
               "max_metric_calls": knobs.max_metric_calls}
     models = {"policy": policy, "reflection": str(lms["reflection"].model)}
@@ -343,18 +357,27 @@ TRIES = 2  # the most times a call is sent: once, and once more when its reply d
 
 
 def estimate(knobs: Knobs, program: dspy.Module, trainset: list, valset: list | None, held_out: list | None,
-             lms: dict, *, learning_path: str, reply_tokens: int | None = None, refit_items: int = 0
-             ) -> tuple[dict, dict]:
+             lms: dict, *, learning_path: str, reply_tokens: int | None = None, pilot: dict | None = None,
+             carries: bool = False, refit_items: int = 0) -> tuple[dict, dict]:
     """Calls, tokens and dollars per stage of a step (`per_step`) and for the whole run (`total`, with `metric_calls`;
     `held_out`: the attribution's queries): expected (see the module docstring), and as an upper bound (every call
-    sent twice, every rewrite, a full library, replies at the `max_tokens` cap)."""
+    sent twice, every rewrite, a full library, replies at the `max_tokens` cap). `pilot` (`pilot_usage`): a reply's
+    tokens as measured, and, for a student that `carries` nothing, the prompts scaled to the tokens the provider
+    counted for them."""
     policy = lms["policy"][0]
     signatures = [p.signature for _, p in program.named_predictors()]
     cap = policy.kwargs.get("max_tokens") or policy.kwargs.get("max_completion_tokens") or 1024
-    sizes = {"query": _tokens(signatures, [x.inputs() for x in trainset]), "system": _tokens(signatures, [{}]),
-             "turns": _turns(program), "expected_turns": _turns(program, expected=True), "trainset": len(trainset),
-             "reply": reply_tokens or _reply_tokens(signatures, cap),
-             "reply_source": "reply_tokens" if reply_tokens else "the output fields",
+    reply, source = (reply_tokens, "reply_tokens") if reply_tokens else \
+        (pilot["reply"], f"{pilot['calls']} pilot call(s)") if pilot else (_reply_tokens(signatures, cap),
+                                                                           "the output fields")
+    query, system, expected_turns = (_tokens(signatures, [x.inputs() for x in trainset]), _tokens(signatures, [{}]),
+                                     _turns(program, expected=True))
+    if pilot and not carries:  # the student's step-0 prompt as the provider counted it, against this module's count
+        scale = pilot["prompt"] / max(query + (expected_turns - 1) * reply // 2, 1)
+        query, system = round(query * scale), round(system * scale)
+    sizes = {"query": query, "system": system,
+             "turns": _turns(program), "expected_turns": expected_turns, "trainset": len(trainset),
+             "reply": reply, "reply_source": source, "learning_reply": reply_tokens or LEARNING_REPLY,
              "cap": cap,
              "runs": knobs.num_train_epochs * len(valset or []) + attribution_runs(knobs, len(trainset),
                                                                                    len(held_out or []))["runs"],
@@ -378,8 +401,28 @@ def estimate(knobs: Knobs, program: dspy.Module, trainset: list, valset: list | 
         tally["total"].update(steps=steps, scheduled_steps=scheduled, examples_read=reads,
                               reply=f"{sizes['reply']} tokens (from {sizes['reply_source']})")
     expected["total"]["attribution"] = items
+    expected["total"]["cost_unlearned"] = _tally(knobs, sizes, learning_path, False, steps, growth=0)["total"]["cost"]
     bound["total"]["attribution"] = attribution_runs(knobs, len(trainset), len(held_out or []))
     return expected, bound
+
+
+def pilot_usage(program: dspy.Module, examples: list, knobs: Knobs) -> dict | None:
+    """The student run on `examples` (real LM calls, billed; nothing is written): its calls, and the mean prompt and
+    reply tokens of a call as the provider reported them (None when no call reported any). A query that fails is
+    passed over: the run meets it again."""
+    with metered(knobs.prices) as used:
+        for example in examples:
+            try:
+                program.deepcopy()(**example.inputs())
+            except Exception as exc:  # a failed pilot query measures nothing
+                logger.info("pilot query failed: %s: %s", type(exc).__name__, exc)
+    entries = [e for lm_entries in used.usage_data.values() for e in lm_entries if e.get("completion_tokens")]
+    if not entries:
+        return None
+    total = used.totals()
+    return {"calls": len(entries), "reply": round(statistics.fmean(int(e["completion_tokens"]) for e in entries)),
+            "prompt": round(statistics.fmean(int(e.get("prompt_tokens") or 0) for e in entries)),
+            "spent": f", ${total['cost']:.4f}" if total.get("cost") is not None else ""}
 
 
 def reachable_steps(knobs: Knobs, per_step: dict, scheduled: int, trainset_size: int) -> int:
@@ -405,9 +448,9 @@ def reachable_steps(knobs: Knobs, per_step: dict, scheduled: int, trainset_size:
     return steps
 
 
-def _tally(knobs: Knobs, sizes: dict, learning_path: str, bound: bool, steps: int) -> dict:
+def _tally(knobs: Knobs, sizes: dict, learning_path: str, bound: bool, steps: int, growth: float = GROWTH) -> dict:
     """The estimate (expected, or with `bound` the upper bound) of `steps` steps from the prompt `sizes` measured
-    once."""
+    once, the library growing by `growth` experiences a step."""
     tries = TRIES if bound else 1
     G, query = knobs.num_generations, sizes["query"]
     turns = sizes["turns"] if bound else sizes["expected_turns"]
@@ -418,8 +461,8 @@ def _tally(knobs: Knobs, sizes: dict, learning_path: str, bound: bool, steps: in
 
     batch = min(knobs.batch_size, sizes["trainset"])
     reply = sizes["cap"] if bound else sizes["reply"]
-    learning_reply = sizes["cap"] if bound else sizes["reply"] or LEARNING_REPLY
-    grown = GROWTH * (steps - 1) / 2 if not bound else float("inf")  # the library halfway through the run; full
+    learning_reply = sizes["cap"] if bound else sizes["learning_reply"]
+    grown = growth * (steps - 1) / 2 if not bound else float("inf")  # the library halfway through the run; full
     library = int(min(grown, knobs.max_experiences or 40) * (EXPERIENCE_TOKENS if not bound else
                                                              knobs.max_words_per_experience * 1.4 + 8))
     shown = sizes["system"] + library + knobs.max_demos * (query + reply)  # what every attempt's prompt starts with

@@ -111,11 +111,14 @@ class TrainingFreeGRPO(Teleprompter):
         return set(self.explicit)
 
     def plan(self, student: dspy.Module, trainset: list, valset: list | None = None, *,
-             attribution_set: list | None = None, reply_tokens: int | None = None) -> Plan:
-        """What `compile` with these arguments will do, with no LM call and nothing written: every check compile makes
-        (a refusal raises the same error), the preset and learning path chosen, the budget, and the expected calls,
-        tokens and dollars (`Plan`; `reply_tokens`: your guess of a reply's length). `print(plan.summary())`."""
-        return make_plan(self, student, trainset, valset, attribution_set, reply_tokens=reply_tokens)
+             attribution_set: list | None = None, reply_tokens: int | None = None, pilot: int = 0) -> Plan:
+        """What `compile` with these arguments will do, with nothing written and no LM call unless `pilot`: every
+        check compile makes (a refusal raises the same error), the preset and learning path chosen, the budget, and
+        the expected calls, tokens and dollars (`Plan`). A reply's length is guessed from the output fields, or
+        `reply_tokens` (yours), or measured: `pilot=4` runs the student on 4 training queries first (real calls,
+        billed) and takes a reply's tokens, and the prompts' as the provider counts them, from those calls.
+        `print(plan.summary())`."""
+        return make_plan(self, student, trainset, valset, attribution_set, reply_tokens=reply_tokens, pilot=pilot)
 
     # -- the outer loop -------------------------------------------------------------------------------------------
     def compile(self, student: dspy.Module, *, trainset: list, teacher=None, valset: list | None = None,

@@ -289,6 +289,38 @@ def test_after_the_first_step_the_projected_dollars_are_the_bill_within_35_perce
     assert "replies averaged" in first and "(the plan: " in first
 
 
+@pytest.mark.parametrize("program", ["Predict", "ChainOfThought"])
+def test_a_pilot_sets_the_plans_sizes_from_the_providers_count(program):
+    """`plan(pilot=4)` runs the student on 4 training queries against the billing server first: a reply's tokens and
+    the prompts' come from those calls. The run then answers every query right, so nothing is learned: its bill is
+    within 35% of the plan's figure for a library that stays as it starts, and below the figure for one that grows.
+    Without the pilot the plan guesses from the output fields, and says so."""
+    server = Biller()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        dspy.configure(lm=dspy.LM("openai/biller", api_base=f"http://127.0.0.1:{server.server_port}/v1",
+                                  api_key="x", cache=False, num_retries=0))
+        reflection = ScriptedLM(learner())  # its calls are not billed: priced at 0
+        optimizer = TrainingFreeGRPO(metric, reflection_lm=reflection, auto="off", num_generations=4,
+                                     num_train_epochs=1, batch_size=4, num_threads=2, learning_path="paper",
+                                     prices={"openai/biller": Biller.PRICES, reflection.model: {"input": 0,
+                                                                                               "output": 0}})
+        student = getattr(dspy, program)("question -> answer")
+        guessed = optimizer.plan(student, make_trainset(8))
+        assert server.requests == 0 and "from the output fields" in guessed.summary()
+        plan = optimizer.plan(student, make_trainset(8), pilot=4)
+        assert server.requests == 4 and "from 4 pilot call(s)" in plan.summary() and "the pilot: 4 call(s)" in \
+            plan.summary()
+        server.bill, server.requests = 0.0, 0
+        optimizer.compile(student, trainset=make_trainset(8))
+    finally:
+        server.shutdown()
+    total = plan.expected["total"]
+    assert abs(total["cost_unlearned"] - server.bill) <= 0.35 * server.bill, (total, server.bill)
+    assert server.bill < total["cost"] and abs(guessed.expected["total"]["cost_unlearned"] - server.bill) > \
+        0.35 * server.bill  # the guess from the fields alone is further off
+
+
 class RateLimited(Biller):
     """The Biller behind a requests-per-window limit, as a provider's requests-a-minute one (a window of `window_s`
     seconds here, to keep the test short): a request past `limit` in the sliding window is answered 429 with the wait

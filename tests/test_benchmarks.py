@@ -80,7 +80,7 @@ def test_api_run():
     the calls, no failed call enters a group."""
     lines = run("api_run.py", "--train", "4", "--threads", "4", "--budget-train", "24", "--budget-calls", "130")
     budgeted = re.fullmatch(rf"plan_budget: scheduled=(\d+) reachable=(\d+) steps_run=(\d+) calls=\d+ planned=\d+ "
-                            rf"error=({X}) cost_error={X} read=\d+ of 24 .*", lines[-2])
+                            rf"error=({X}) cost_error={X} pilot_cost_error={X} read=\d+ of 24 .*", lines[-2])
     assert budgeted, lines[-2]
     assert budgeted.group(2) == budgeted.group(3) != budgeted.group(1) and float(budgeted.group(4)) <= 0.25
     found = re.fullmatch(rf"api_run: preset=paper calls=\d+ cost=\$\S+ budget=\$\S+ overshoot_calls=(\d+) plan_error=({X}) "

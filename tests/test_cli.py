@@ -89,6 +89,18 @@ def test_dry_run_calls_nothing(tmp_path):
     assert result.exit_code == 0 and "dry run" in result.output and "run total" in result.output
 
 
+def test_a_dry_run_with_a_pilot_sizes_the_plan_from_the_programs_calls(tmp_path):
+    """`--dry-run --pilot 2` sends the program's calls on 2 training queries, and nothing else; `--pilot` alone is
+    refused."""
+    with FakeLMServer() as server:
+        result = runner.invoke(app, ["compile", str(config(tmp_path, server.api_base)), "--dry-run", "--pilot", "2"])
+        calls = server.stats()["calls"]
+    assert result.exit_code == 0 and "sized by 2 pilot queries" in result.output, result.output
+    assert 2 <= calls <= 4 and "from 2 pilot call(s)" in result.output and "the pilot: " in result.output
+    alone = runner.invoke(app, ["compile", str(config(tmp_path, "http://127.0.0.1:9/v1")), "--pilot", "2"])
+    assert alone.exit_code == 2 and "give --dry-run too" in alone.output
+
+
 def test_config_errors_exit_2_and_name_the_field(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[optimizer]\nnum_generations = -1\n")

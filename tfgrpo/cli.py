@@ -37,7 +37,7 @@ console = Console(width=None if sys.stdout.isatty() else 120)  # logs and CI: wi
 DEBUG = typer.Option(False, "--debug", help="on an error, show the full traceback instead of one line")
 VERBOSE = typer.Option(False, "--verbose", "-v", help="log the optimizer's debug messages too")
 CONFIG = typer.Argument(..., metavar="CONFIG", help="the run's TOML config (every field: tfgrpo config --reference)")
-DRY_RUN = "print the plan (calls, tokens, dollars) and make no LM call"
+DRY_RUN = "print the plan (calls, tokens, dollars) and make no LM call (unless --pilot)"
 _debug = {"on": False}
 
 
@@ -335,10 +335,15 @@ def _print_library(state: dict, retired: bool = False, hint: str = "pass --retir
                       "deploy the program", style="yellow", markup=False, highlight=False, soft_wrap=True)
 
 
-def _dry_run(cfg: Config) -> None:
+def _dry_run(cfg: Config, pilot: int) -> None:
     from tfgrpo.cli_dry_run import dry_run
     from tfgrpo.task import task_parts
 
+    if pilot:  # the pilot's calls go to the config's own LMs, started as a run starts them
+        with _session(cfg) as (policy, reflection, parts):
+            dry_run(cfg, parts, _datasets(parts.load, cfg.task), cfg.optimizer_knobs(), console,
+                    lms=(policy, reflection), pilot=pilot)
+        return
     with contextlib.ExitStack() as stack:
         parts = task_parts(cfg, stack)
     dry_run(cfg, parts, _datasets(parts.load, cfg.task), cfg.optimizer_knobs(), console)
@@ -370,13 +375,19 @@ def _run_dir(cfg: Config):
 
 @app.command(cls=HelpCommand)
 def compile(config: Path = CONFIG, verbose: bool = VERBOSE,
-            dry_run: bool = typer.Option(False, "--dry-run", help=DRY_RUN), debug: bool = DEBUG) -> None:
+            dry_run: bool = typer.Option(False, "--dry-run", help=DRY_RUN),
+            pilot: int = typer.Option(0, "--pilot", min=0, help="with --dry-run: run the program on this many training "
+                                      "queries first (real LM calls) and size the plan from them"),
+            debug: bool = DEBUG) -> None:
     """Run Training-Free GRPO; writes program.json, library.json, steps.jsonl and learning_curve.png."""
     _setup_logging(verbose)
-    cfg = _load_config(config, need_keys=not dry_run)
+    if pilot and not dry_run:
+        _error("error: --pilot sizes the plan of a dry run: give --dry-run too")
+        raise typer.Exit(2)
+    cfg = _load_config(config, need_keys=not dry_run or bool(pilot))
     with _errors(debug):
         if dry_run:
-            return _dry_run(cfg)
+            return _dry_run(cfg, pilot)
         with _run_dir(cfg), _session(cfg) as (policy, reflection, parts), _tracking(cfg):
             path = _compile(cfg, parts, policy, reflection)
     console.print(f"artifacts in {path.parent}", markup=False, highlight=False)

@@ -1,6 +1,7 @@
 """`tfgrpo compile CONFIG --dry-run`: the optimizer's plan for the config (`TrainingFreeGRPO.plan`): compile's own
 checks (a refusal is compile's, with the same error), the preset, the budget, and the calls, tokens and dollars the run
-is expected to spend, with upper bounds; nothing is started, called or written."""
+is expected to spend, with upper bounds; nothing is started, called or written, unless `--pilot N` asks for the program
+to run on N training queries first (the config's LMs started and called for them) to size the plan."""
 
 from __future__ import annotations
 
@@ -24,17 +25,19 @@ def unstarted_lm(cfg: LMConfig) -> dspy.LM:
     return dspy.LM(cfg.model, max_tokens=cfg.max_tokens, **cfg.extra)
 
 
-def dry_run(cfg: Config, parts, data: tuple[list, list | None, list | None], knobs: dict, console: Console) -> None:
+def dry_run(cfg: Config, parts, data: tuple[list, list | None, list | None], knobs: dict, console: Console, *,
+            lms: tuple[dspy.LM, dspy.LM] | None = None, pilot: int = 0) -> None:
     """Refuse what compile would refuse (the same error), else print the plan. `data`: the trainset, valset and
-    attribution set (None where the config names none)."""
+    attribution set (None where the config names none). `pilot`: the plan's pilot queries, sent to `lms` (the
+    policy and reflection LMs, started); without it no LM is started or called."""
     trainset, valset, held_out = data
-    reflection = unstarted_lm(cfg.reflection_config())
+    policy, reflection = lms or (unstarted_lm(cfg.policy), unstarted_lm(cfg.reflection_config()))
     optimizer = TrainingFreeGRPO(parts.reward, reflection_lm=reflection,
                                  log_dir=str(Path(cfg.run_dir) / "checkpoint"), **knobs)
-    with dspy.context(lm=unstarted_lm(cfg.policy)):
-        plan = optimizer.plan(parts.make(), trainset, valset, attribution_set=held_out)
+    with dspy.context(lm=policy):
+        plan = optimizer.plan(parts.make(), trainset, valset, attribution_set=held_out, pilot=pilot)
     table = Table(title=f"dry run: {plan.steps} step(s), {plan.learning_path} learning path, preset {plan.preset!r} "
-                        "(no LM call is made)")
+                        + (f"(sized by {pilot} pilot queries)" if pilot else "(no LM call is made)"))
     for col in ("stage", "calls/step", "prompt tokens/step", "completion tokens/step", "$/step", "calls/step at most"):
         table.add_column(col)
     for stage, s in plan.expected["per_step"].items():

@@ -18,7 +18,9 @@ Three compiles, each on a fresh simulator:
   4. `--budget-train` examples under `max_metric_calls=--budget-calls`, planned with no reply length given: the steps
      the plan says the budget lets the run start against those it ran, and its calls and dollars against the
      simulator's count (`plan_budget:` line; the simulator's replies are a few tokens, a real model's longer), and
-     the dollars of a plan made with `pilot=4` (`pilot_cost_error`: its sizes from 4 calls to the simulator).
+     the dollars of a plan made with `pilot=4` (`pilot_cost_error`: its sizes from 4 calls to the simulator);
+  5. `attribution=True` on `--attribution-queries` held-out sums: the plan's calls (the attribution's for the items
+     the steps are expected to keep) and dollars against the simulator's count (`plan_attribution:` line).
 `reference_cost`: what run 1's workload costs the way the reference implementation runs it (../shared/SPEC.md: one
 more call per group with contrast, a per-group update, and no cached prefix), from run 1's own tokens.
 
@@ -173,6 +175,7 @@ def main() -> None:
                     "simulator's replies take 10-40 tokens; a real model's are longer)")
     ap.add_argument("--budget-train", type=int, default=200, help="run 4: training examples, more than its budget reads")
     ap.add_argument("--budget-calls", type=int, default=500, help="run 4: its max_metric_calls")
+    ap.add_argument("--attribution-queries", type=int, default=6, help="run 5: held-out sums the attribution reads")
     ap.add_argument("--rate-limit-rpm", type=int, default=None, help="only measure runs against a provider that "
                     "takes this many requests a minute, at --rate-threads threads each, unpaced then paced "
                     "(rate_limit: lines)")
@@ -236,6 +239,20 @@ def main() -> None:
           f"cost_error={abs(want['cost'] - served['billed_usd']) / max(served['billed_usd'], 1e-12):.2f} "
           f"pilot_cost_error={abs(piloted.expected['total']['cost'] - served['billed_usd']) / served['billed_usd']:.2f} "
           f"read={want['examples_read']['trainset']} of {args.budget_train} ({want['reply']})")
+    with simulator(0.0) as server:  # 5. attribution on: the plan's calls for the items the steps keep, and the run's
+        lm = dspy.LM(MODEL, api_base=server.api_base, api_key="x", cache=False, num_retries=3, max_tokens=512)
+        with dspy.context(lm=lm):
+            optimizer = TrainingFreeGRPO(metric, num_threads=args.threads, attribution=True)
+            attributed = optimizer.plan(dspy.Predict("question -> answer"), trainset(args.train),
+                                        trainset(args.attribution_queries, start=1000))
+            kept = optimizer.compile(dspy.Predict("question -> answer"), trainset=trainset(args.train),
+                                     valset=trainset(args.attribution_queries, start=1000))
+        served = server.stats()
+    want, worth = attributed.expected["total"], kept.detailed_results.worth
+    print(f"plan_attribution: queries={args.attribution_queries} items_planned={want['attribution']['items']} "
+          f"items={len(worth.items) if worth else 0} calls={served['calls']} planned={want['calls']} "
+          f"bound={attributed.bound['total']['calls']} error={abs(want['calls'] - served['calls']) / served['calls']:.2f} "
+          f"cost_error={abs(want['cost'] - served['billed_usd']) / served['billed_usd']:.2f}")
     print(f"api_run: preset={plan.preset} calls={calls} cost=${cost:.4f} budget=${budget:.4f} "
           f"overshoot_calls={overshoot(billed_calls(cut), budget)} "
           f"plan_error={abs(planned['calls'] - calls) / calls:.2f} plan_cost_error={abs(planned['cost'] - cost) / cost:.2f} "

@@ -315,7 +315,10 @@ def test_a_pilot_sets_the_plans_sizes_from_the_providers_count(program):
         optimizer.compile(student, trainset=make_trainset(8))
     finally:
         server.shutdown()
-    total = plan.expected["total"]
+    total, fields = plan.expected["total"], guessed.expected["total"]
+    print(f"plan_pilot: program={program} bill=${server.bill:.5f} piloted=${total['cost']:.5f} "
+          f"piloted_unlearned=${total['cost_unlearned']:.5f} fields=${fields['cost']:.5f} "
+          f"fields_unlearned=${fields['cost_unlearned']:.5f} ({total['reply']}; {fields['reply']})")  # pytest -s
     assert abs(total["cost_unlearned"] - server.bill) <= 0.35 * server.bill, (total, server.bill)
     assert server.bill < total["cost"] and abs(guessed.expected["total"]["cost_unlearned"] - server.bill) > \
         0.35 * server.bill  # the guess from the fields alone is further off

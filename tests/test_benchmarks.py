@@ -78,10 +78,14 @@ def test_faults(tmp_path):
 def test_api_run():
     """The smallest API run on the provider simulator: the budget holds within the calls in flight, the plan foresees
     the calls, no failed call enters a group."""
-    lines = run("api_run.py", "--train", "4", "--threads", "4", "--budget-train", "24", "--budget-calls", "130")
+    lines = run("api_run.py", "--train", "4", "--threads", "4", "--budget-train", "24", "--budget-calls", "130",
+                "--attribution-queries", "4")
     budgeted = re.fullmatch(rf"plan_budget: scheduled=(\d+) reachable=(\d+) steps_run=(\d+) calls=\d+ planned=\d+ "
-                            rf"error=({X}) cost_error={X} pilot_cost_error={X} read=\d+ of 24 .*", lines[-2])
-    assert budgeted, lines[-2]
+                            rf"error=({X}) cost_error={X} pilot_cost_error={X} read=\d+ of 24 .*", lines[-3])
+    assert budgeted, lines[-3]
+    attributed = re.fullmatch(rf"plan_attribution: queries=4 items_planned=\d+ items=\d+ calls=(\d+) planned=(\d+) "
+                              rf"bound=(\d+) error={X} cost_error={X}", lines[-2])
+    assert attributed and int(attributed.group(1)) <= int(attributed.group(3)), lines[-2]
     assert budgeted.group(2) == budgeted.group(3) != budgeted.group(1) and float(budgeted.group(4)) <= 0.25
     found = re.fullmatch(rf"api_run: preset=paper calls=\d+ cost=\$\S+ budget=\$\S+ overshoot_calls=(\d+) plan_error=({X}) "
                          rf"plan_cost_error={X} cached_share={X} failed_calls=\d+ failures_in_groups=(\d+) "

@@ -8,7 +8,8 @@ from __future__ import annotations
 import importlib
 
 _WHERE = {"BudgetExhausted": "runner", "DirectExperiences": "direct_experiences", "MetricError": "rewards",
-          "Plan": "plan", "RequestPacer": "runner", "TooManyFailuresError": "runner", "TrainingFreeGRPO": "training_free_grpo"}
+          "Plan": "plan", "RequestPacer": "runner", "TooManyFailuresError": "runner",
+          "TrainingFreeGRPO": "training_free_grpo"}
 __all__ = sorted(_WHERE)
 
 

@@ -122,3 +122,23 @@ def test_tfgrpo_refit_measures_a_saved_program_on_the_configs_model(tmp_path):
     assert "learned with openai/other: worth there +0.100" in result.output
     kept = json.loads((tmp_path / "run" / "library.json").read_text())["experiences"]
     assert [e["id"] for e in kept] == [i["id"] for i in refit["items"] if i["id"] not in refit["pruned"]]
+
+
+@pytest.mark.parametrize("name", ["game24", "gsm8k"])
+def test_a_shipped_program_says_where_it_learned_so_another_model_refits_it(name):
+    """The shipped programs record the model that learned them (the embedded 1.5B): planned on the 0.5B with held-out
+    queries, `refit="auto"` refits their demos; on the 1.5B it does not. Stock DSPy still loads the file."""
+    from tfgrpo import learned
+    from tfgrpo.lms import local_dspy_lm
+
+    shipped = learned.find(name)
+    program = load_program(learned.named(shipped.provenance["program"])(), shipped.program_path)
+    assert program.provenance["policy"] == [f"openai/{shipped.provenance['model']}"]
+    queries = learned.heldout(shipped)[:4]
+    for model, refit in (("qwen2.5-coder-0.5b", True), (shipped.provenance["model"], False)):
+        with dspy.context(lm=local_dspy_lm(model, "http://127.0.0.1:1/v1", max_tokens=512)):
+            plan = TrainingFreeGRPO(metric, auto="off", max_demos=2, num_train_epochs=0).plan(
+                program, queries, queries)
+        assert plan.refit is refit and len(plan.demos) == 2, model
+    stock = learned.load(shipped)  # dspy's own load
+    assert len(stock.predictors()[0].demos) == 2

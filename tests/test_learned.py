@@ -2,6 +2,7 @@
 that matches the saved results, `tfgrpo show NAME` prints it, and `tfgrpo evaluate NAME` scores it on its held-out
 split through the benchmark's own evaluation code, sampled as stated (here against the fake LM server)."""
 
+import json
 import re
 import subprocess
 import sys
@@ -48,7 +49,10 @@ def test_the_provenance_is_the_measured_run(name):
     source = ROOT / p["source"]
     task, arm, seed_dir = source.relative_to(ROOT / "benchmarks" / "results" / "peers").parts
     assert (arm, seed_dir) == (made["arm"], f"seed{made['seed']}")
-    assert shipped.program_path.read_bytes() == (source / "program.json").read_bytes()
+    state = json.loads(shipped.program_path.read_text())
+    recorded = state["metadata"].pop("provenance")  # where it learned, added for a refit on another model
+    assert state == json.loads((source / "program.json").read_text())
+    assert recorded["policy"] == [f"openai/{p['model']}"] and recorded["knobs"] == made["knobs"]
     assert (p["score"]["solved"], p["score"]["problems"]) == (solved(source / "eval.jsonl"), 48)
     assert p["score"]["baseline_solved"] == solved(source.parent.parent / "baseline" / seed_dir / "eval.jsonl")
     assert p["score"]["solved"] == max(solved(s / "eval.jsonl") for s in source.parent.glob("seed*"))

@@ -30,6 +30,7 @@ import dspy
 from tfgrpo.base.util import bootstrap_ci, clip, digest
 from tfgrpo.optimizers.runner import Runner, with_own_lms
 from tfgrpo.optimizers.knobs import Knobs
+from tfgrpo.optimizers.plan import measure_runs
 from tfgrpo.optimizers.records import Demo, ItemWorth, WorthResult
 from tfgrpo.programs.inject import with_learned
 from tfgrpo.programs.library import ExperienceLibrary
@@ -93,6 +94,9 @@ class Attribution:
                                    library_ci95=(0.0, 0.0), control=0.0, control_ci95=(0.0, 0.0), pruned=[],
                                    prune_check=None, program_runs=0), learned
             choose, check = _halves(examples, knobs.seed) if prune else (list(examples), [])
+            runs = measure_runs(knobs, len(ids), len(examples), prune=prune)
+            logger.info("Attribution of %d item(s) on %d held-out queries: up to %d program runs (%s)", len(ids),
+                        len(examples), runs["runs"], runs["method"])
             scores = _Scores(self, base, targets, learned, choose)
             full, none = scores.of(set(ids)), scores.of(set())
             control = scores.runs(f"control-{learned.key()}", _control(base, targets, learned), choose)

@@ -39,7 +39,7 @@ class LMConfig(_Strict):
     temperature: float = Field(0.3, ge=0, le=2)  # used for evaluation; learning rollouts use optimizer.temperature
     max_tokens: int = Field(512, ge=16)  # cap on each reply; the 1.5B model rambles past 512
     num_retries: int = Field(3, ge=0)  # provider retries with backoff on errors and rate limits
-    # the provider's requests-a-minute limit: calls wait their turn instead of drawing 429s (tfgrpo.lms.RequestPacer)
+    # the provider's requests-a-minute limit: calls wait their turn instead of drawing 429s (tfgrpo.optimizers.RequestPacer)
     max_requests_per_minute: int | None = Field(None, ge=1)
     timeout_s: float = Field(180, gt=0)  # one call's time limit: a runaway reply cannot stall a step
     cache: bool = True  # DSPy's on-disk cache of replies: a re-run of the same prompts costs nothing

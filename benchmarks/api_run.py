@@ -157,8 +157,8 @@ def carried(target: str, args, root: Path) -> str:
         start = load_program(dspy.Predict("question -> answer"), root / "learned.json")
         refit, spent = run(target, start, "refit", refit=True, num_train_epochs=0)
         _, fresh = run(target, dspy.Predict("question -> answer"), "fresh")
-    items = refit.detailed_results.refit.items if refit.detailed_results.refit else []
-    pruned = refit.detailed_results.refit.pruned if refit.detailed_results.refit else []
+    report = refit.detailed_results.refit
+    items, pruned = (report.items, report.pruned) if report else ([], [])
     return (f"carry_api: from={MODEL} to={target} learned_calls={first['calls']} learned_cost=${first['billed_usd']:.4f} "
             f"items={len(items)} kept={len(items) - len(pruned)} "
             f"calls_refit={spent['calls']} planned_refit={spent['planned']} cost_refit=${spent['billed_usd']:.4f} calls_fresh={fresh['calls']} "

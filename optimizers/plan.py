@@ -31,7 +31,7 @@ from dspy.adapters.chat_adapter import ChatAdapter
 
 from tfgrpo.base.util import digest
 from tfgrpo.optimizers.checkpoint import Checkpoint, code_fingerprint, prompt_versions
-from tfgrpo.optimizers.runner import fixed_temperature, metered, model_price
+from tfgrpo.optimizers.runner import fixed_temperature, metered, model_price, run_program
 from tfgrpo.optimizers.step import carried_demos
 from tfgrpo.optimizers.knobs import Knobs, fingerprinted_knobs, resolve
 from tfgrpo.optimizers.records import Demo
@@ -412,10 +412,9 @@ def pilot_usage(program: dspy.Module, examples: list, knobs: Knobs) -> dict | No
     passed over: the run meets it again."""
     with metered(knobs.prices) as used:
         for example in examples:
-            try:
-                program.deepcopy()(**example.inputs())
-            except Exception as exc:  # a failed pilot query measures nothing
-                logger.info("pilot query failed: %s: %s", type(exc).__name__, exc)
+            _, record = run_program(program.deepcopy(), example)  # as an attempt runs it (an async program too)
+            if record["error"]:  # a failed pilot query measures nothing
+                logger.info("pilot query failed: %s", record["error"])
     entries = [e for lm_entries in used.usage_data.values() for e in lm_entries if e.get("completion_tokens")]
     if not entries:
         return None

@@ -226,7 +226,8 @@ class Knobs:
     max_failure_rate: float = knob(0.5, number(0, 1), doc=(
         "When more than this share of a step's attempts, summaries or group advantages, or of an epoch's "
         "validation runs, fail, the run stops with `TooManyFailuresError` and the step is not done; a resume "
-        "redoes the failed units."))
+        "redoes the failed units. A failure is an LM call that failed, a program or tool that raised, a metric "
+        "call that timed out; a reply that came back but did not parse is the program's own 0, not a failure."))
     metric_timeout_s: float | None = knob(None, optional(positive("a number of seconds > 0")), doc=(
         "Seconds one metric call may take: a call still running then (a judge LM that hangs, a sandbox that never "
         "returns) is abandoned and scores 0, counted as a failure: said in a warning, under "

@@ -7,8 +7,9 @@ or one learning call. For each unit the runner
   2. charges the budget before it starts (`Budget`): its expected tokens, dollars and metric call must fit in what is
      left beside the units in flight, else the run stops with `BudgetExhausted`, nothing half-written;
   3. runs it on the scope's bounded pool, metered by stage, priced by the models' prices, and saves it;
-  4. counts it as a failure when it raised, and stops the scope with `TooManyFailuresError` when more than
-     `max_failure_rate` of a stage's units failed: an outage must not pass for "nothing to learn".
+  4. counts it as a failure when it raised (save a reply with content that did not parse: the program's own 0), and
+     stops the scope with `TooManyFailuresError` when more than `max_failure_rate` of a stage's units failed: an
+     outage must not pass for "nothing to learn".
 
 An attempt the provider did not answer has no answer: an LM call that failed (an `LMError`: a rate limit, a timeout,
 a lost connection, a prompt refused for its length or content), or a reply with nothing in it (no choices, or a
@@ -96,8 +97,9 @@ def fixed_temperature(lm: dspy.BaseLM) -> float | None:
 def run_program(program: dspy.Module, example: dspy.Example) -> tuple[dspy.Prediction | None, dict]:
     """Run `program` on `example`'s inputs (an async-only program, with `aforward` and no `forward`, through its event
     loop). Returns the prediction (None when the program raised) and a JSON record of the run: `outputs`, `error` (the
-    exception as text; never raised), `failed` (the error is an LM call's), `trace` (every predictor call: name, inputs,
-    outputs, whole) and `tool_calls`."""
+    exception as text; never raised), `failed` (the error is an LM call's), `unparsed` (the error is a reply with
+    content the adapter could not parse), `trace` (every predictor call: name, inputs, outputs, whole) and
+    `tool_calls`."""
     trace: list = []
     try:
         with dspy.context(trace=trace):
@@ -105,16 +107,18 @@ def run_program(program: dspy.Module, example: dspy.Example) -> tuple[dspy.Predi
                 prediction = asyncio.run(program.acall(**example.inputs()))
             else:
                 prediction = program(**example.inputs())
-        outputs, error, failed = jsonable(dict(prediction.items())), None, False
+        outputs, error, failed, unparsed = jsonable(dict(prediction.items())), None, False, False
     except Exception as exc:
-        prediction, outputs, error, failed = None, None, f"{type(exc).__name__}: {exc}", False
+        prediction, outputs, error, failed, unparsed = None, None, f"{type(exc).__name__}: {exc}", False, False
         cause = exc
         while cause is not None and not failed:  # the provider's failure or empty reply, wherever in the chain
-            failed, cause = no_answer(cause), cause.__cause__ or cause.__context__
+            failed, unparsed = no_answer(cause), unparsed or isinstance(cause, AdapterParseError)
+            cause = cause.__cause__ or cause.__context__
+        unparsed = unparsed and not failed
     names = {id(predictor): name for name, predictor in program.named_predictors()}
     steps = [{"predictor": names.get(id(predictor), type(predictor).__name__), "inputs": jsonable(inputs),
               "outputs": jsonable(dict(out.items()))} for predictor, inputs, out in trace]
-    return prediction, {"outputs": outputs, "error": error, "failed": failed, "trace": steps,
+    return prediction, {"outputs": outputs, "error": error, "failed": failed, "unparsed": unparsed, "trace": steps,
                         "tool_calls": count_tool_calls(outputs)}
 
 
@@ -226,7 +230,8 @@ class Runner:
                                 metric_calls=1)
             if key is not None and not record["error"] and "timeout" not in record:
                 self.ckpt.put(key, record)
-        self._done(stage, record["error"] or record.get("timeout"))
+        # a reply that came back and did not parse is the program's own 0, no outage: it does not count as a failure
+        self._done(stage, None if record.get("unparsed") else record["error"] or record.get("timeout"))
         self._say_clipped(record)
         return record
 

@@ -200,7 +200,8 @@ def _rollout_programs(run: Run, state: State) -> list[dspy.Module]:
 
 def _check_attempts(run: Run, index: int, groups: list[Group], timeouts: list[str]) -> None:
     """Say what the step's attempts met: metric calls that timed out (each scored 0; more than `max_failure_rate` of
-    them stop the step, as an outage does), LM calls that failed (left out) and prompts refused for their length."""
+    them stop the step, as an outage does), attempts that raised (scored 0), LM calls that failed (left out) and
+    prompts refused for their length."""
     scored = sum(len(g.attempts) for g in groups)
     if timeouts and len(timeouts) > run.knobs.max_failure_rate * scored:
         raise TooManyFailuresError(f"step {index}: the metric timed out on {len(timeouts)} of {scored} attempts (first: "
@@ -208,6 +209,11 @@ def _check_attempts(run: Run, index: int, groups: list[Group], timeouts: list[st
     if timeouts:
         logger.warning("Step %d: the metric timed out on %d of %d attempts, each scored 0 (first: %s)", index,
                        len(timeouts), scored, timeouts[0])
+    raised = [a.error for g in groups for a in g.attempts if a.error]
+    if raised:
+        logger.warning("Step %d: %d of %d attempts raised, each scored 0 as the program's own answer (for instance "
+                       "a reply that did not parse, as from a model that ran out of max_tokens before its last output "
+                       "field). First: %s", index, len(raised), scored, raised[0][:300])
     made = sum(g.size for g in groups)
     if left := made - scored:
         logger.warning("Step %d: %d of %d attempts got no answer (an LM call failed after its retries, or the provider "

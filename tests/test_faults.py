@@ -66,8 +66,9 @@ def test_a_compile_survives_each_fault(tmp_path, fault):
 
 
 def test_too_many_failed_attempts_stop_the_run_and_keep_the_checkpoint(tmp_path):
-    # most student replies are garbage, in chat and in JSON: most attempts fail
-    with FakeLMServer(latency=0.002, faults={"malformed": 0.8}, fault_kinds=("student",)) as server:
+    # most student replies are empty, in chat and in JSON: most attempts got no answer (a reply with content that does
+    # not parse is the program's own 0, no failure: test_own_program)
+    with FakeLMServer(latency=0.002, faults={"empty": 0.8}, fault_kinds=("student",)) as server:
         with pytest.raises(RuntimeError, match="attempts failed") as info:
             C.compile_once(server.api_base, str(tmp_path), **dict(FAST, max_failure_rate=0.5))
         learning = sum(server.stats()["kinds"][k]["calls"] for k in KINDS if k != "student")
@@ -79,7 +80,7 @@ def test_too_many_failed_attempts_stop_the_run_and_keep_the_checkpoint(tmp_path)
 
 
 def test_a_resume_after_the_failure_stop_retries_the_failed_attempts(tmp_path):
-    with FakeLMServer(latency=0.002, faults={"malformed": 1.0}, fault_kinds=("student",)) as server, \
+    with FakeLMServer(latency=0.002, faults={"empty": 1.0}, fault_kinds=("student",)) as server, \
             pytest.raises(RuntimeError):
         C.compile_once(server.api_base, str(tmp_path), **FAST)
     saved = [json.loads(p.read_text()) for p in tmp_path.glob("steps/*/rollouts/*.json")]

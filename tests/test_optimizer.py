@@ -287,18 +287,28 @@ def test_target_predictors_limits_where_experiences_go():
     assert OPEN_TAG not in compiled.plan.signature.instructions
 
 
-def test_failed_rollouts_are_scored_as_failures_and_too_many_stop_the_run():
+def test_unparseable_rollouts_score_0_and_raising_ones_past_the_failure_rate_stop_the_run():
     def respond(messages, kwargs):
         if kind_of(messages) == "student" and (kwargs.get("rollout_id") or 0) % 2:
-            return "no fields here at all"  # unparseable: the rollout raises
+            return "no fields here at all"  # unparseable: the rollout raises, the program's own wrong answer
         return learner()(messages, kwargs)
 
-    lm = ScriptedLM(respond)
-    compiled = compile_with(lm, dspy.Predict("question -> answer"))
-    step = compiled.detailed_results.to_dict()["steps"][0]
-    assert step["rollout_failures"] > 0 and step["groups_kept"] > 0
+    class Raising(dspy.Module):  # the same replies, but the program itself raises on the odd ones
+        def __init__(self):
+            super().__init__()
+            self.predict = dspy.Predict("question -> answer")
+
+        def forward(self, question):
+            prediction = self.predict(question=question)
+            if prediction.answer == "-1":
+                raise RuntimeError("the program gave up")
+            return prediction
+
+    step = compile_with(ScriptedLM(respond), dspy.Predict("question -> answer"),
+                        max_failure_rate=0.1).detailed_results.to_dict()["steps"][0]
+    assert step["rollout_failures"] > 0 and step["failed_calls"] == 0 and step["groups_kept"] > 0
     with pytest.raises(RuntimeError, match="attempts failed"):
-        compile_with(ScriptedLM(respond), dspy.Predict("question -> answer"), max_failure_rate=0.1)
+        compile_with(ScriptedLM(learner()), Raising(), max_failure_rate=0.1)
 
 
 def test_directly_generated_experiences_baseline():

@@ -128,6 +128,27 @@ def test_a_few_validation_errors_are_warned_about_and_counted(caplog):
     assert compiled.detailed_results.to_dict()["best_epoch"] == 0 and "Keeping the library of epoch 0" in caplog.text
 
 
+def test_replies_that_do_not_parse_score_0_and_do_not_stop_the_run(caplog):
+    """A reply with content that the adapter cannot parse (a model that ran out of tokens before its answer field) is
+    the program's own wrong answer, not an outage: 3 of 4 such validation replies are counted and score 0, and the run
+    goes on (a tool that raises, as above, stops it)."""
+    respond = learner()
+
+    def cut_short(messages, kwargs):
+        if kind_of(messages) == "student" and "boom" in messages[-1]["content"]:
+            return "Let me think about this step by step. First I add the"  # no field: nothing to parse
+        return respond(messages, kwargs)
+
+    dspy.configure(lm=ScriptedLM(cut_short))
+    with caplog.at_level(logging.INFO, logger="tfgrpo"):
+        compiled = TrainingFreeGRPO(metric, num_generations=4, batch_size=4, num_train_epochs=1,
+                                    progress=lambda *_: None).compile(dspy.Predict("question -> answer"),
+                                                                      trainset=make_trainset(), valset=valset(3, 1))
+    epoch = compiled.detailed_results.to_dict()["epochs"][0]
+    assert epoch["val_failures"] == 3 and epoch["val_score"] == pytest.approx(0.25)
+    assert "AdapterParseError" in caplog.text
+
+
 # -- what DSPy users bring -----------------------------------------------------------------------------------
 def test_a_two_argument_metric_works_as_in_dspy_evaluate():
     def exact(example, pred):  # what dspy.Evaluate calls: metric(example, prediction)

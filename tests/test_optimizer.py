@@ -2,6 +2,7 @@
 
 import io
 import json
+import logging
 import re
 import sys
 import threading
@@ -287,7 +288,7 @@ def test_target_predictors_limits_where_experiences_go():
     assert OPEN_TAG not in compiled.plan.signature.instructions
 
 
-def test_unparseable_rollouts_score_0_and_raising_ones_past_the_failure_rate_stop_the_run():
+def test_unparseable_rollouts_score_0_and_raising_ones_past_the_failure_rate_stop_the_run(caplog):
     def respond(messages, kwargs):
         if kind_of(messages) == "student" and (kwargs.get("rollout_id") or 0) % 2:
             return "no fields here at all"  # unparseable: the rollout raises, the program's own wrong answer
@@ -304,9 +305,11 @@ def test_unparseable_rollouts_score_0_and_raising_ones_past_the_failure_rate_sto
                 raise RuntimeError("the program gave up")
             return prediction
 
-    step = compile_with(ScriptedLM(respond), dspy.Predict("question -> answer"),
-                        max_failure_rate=0.1).detailed_results.to_dict()["steps"][0]
+    with caplog.at_level(logging.WARNING, logger="tfgrpo"):
+        step = compile_with(ScriptedLM(respond), dspy.Predict("question -> answer"),
+                            max_failure_rate=0.1).detailed_results.to_dict()["steps"][0]
     assert step["rollout_failures"] > 0 and step["failed_calls"] == 0 and step["groups_kept"] > 0
+    assert re.search(r"Step 0: \d+ of 16 attempts raised, each scored 0", caplog.text)
     with pytest.raises(RuntimeError, match="attempts failed"):
         compile_with(ScriptedLM(learner()), Raising(), max_failure_rate=0.1)
 

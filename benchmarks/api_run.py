@@ -55,7 +55,7 @@ import benchmarks  # noqa: F401  (before dspy: LiteLLM's bundled price map, no f
 import dspy
 from benchmarks.log_dir_checks import unit_files
 from tfgrpo.optimizers import TrainingFreeGRPO
-from tfgrpo.optimizers.runner import RequestPacer
+from tfgrpo.optimizers.spend import RequestPacer
 from tfgrpo.programs import load_program, save_program
 from tfgrpo.testing import FakeLMServer, dspy_prices
 # isort: on

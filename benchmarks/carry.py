@@ -39,7 +39,7 @@ from tfgrpo.evaluate import heldout_rows, paired_difference, read_rows, write_ro
 from tfgrpo.learned import find
 from tfgrpo.lms import local_dspy_lm
 from tfgrpo.optimizers import TrainingFreeGRPO
-from tfgrpo.optimizers.runner import metered
+from tfgrpo.optimizers.spend import metered
 from tfgrpo.programs import load_program, save_program
 
 ARMS = ("baseline", "carried", "refit", "refit_steps", "fresh")

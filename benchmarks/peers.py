@@ -45,7 +45,7 @@ from benchmarks.common import add_endpoint_args, endpoint
 from tfgrpo.evaluate import bootstrap_ci, heldout_rows, paired_difference, per_problem, read_rows, write_rows
 from tfgrpo.lms import local_dspy_lm
 from tfgrpo.optimizers import TrainingFreeGRPO
-from tfgrpo.optimizers.runner import metered
+from tfgrpo.optimizers.spend import metered
 from tfgrpo.plots import score_against_cost
 from tfgrpo.programs import save_program
 

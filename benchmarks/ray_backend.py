@@ -107,15 +107,16 @@ def _attempts(srv, program, units: int, threads: int, backend: str) -> float:
 
     from benchmarks.fault_child import make_trainset, metric
     from tfgrpo.optimizers.knobs import Knobs
-    from tfgrpo.optimizers.runner import Runner, with_own_lms
+    from tfgrpo.optimizers.runner import Runner
+    from tfgrpo.optimizers.workers import with_own_lms
 
     runner = Runner(Knobs(num_threads=threads, backend=backend, progress=lambda *_: None), metric)
     examples = make_trainset(units)
     with dspy.context(lm=srv.lm()):
         programs = [with_own_lms(program, rollout_id=i) for i in range(units)]
         t0 = time.perf_counter()
-        with runner.scope("overhead"):
-            runner.scored("validation", [(None, p, e) for p, e in zip(programs, examples)])
+        with runner.scope("overhead") as scope:
+            scope.scored("validation", [(None, p, e) for p, e in zip(programs, examples)])
         return time.perf_counter() - t0
 
 

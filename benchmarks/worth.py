@@ -1,4 +1,4 @@
-"""What each item a compile kept is worth: the attribution of `attribution=True` (optimizers/worth.py), run on programs
+"""What each item a compile kept is worth: the attribution of `attribution=True` (src/tfgrpo/optimizers/worth.py), run on programs
 a benchmark saved, on held-out problems that neither their compile nor any evaluation of this project uses.
 
     .venv/bin/python -m benchmarks.worth --task game24 --runs benchmarks/results/peers/game24/tfgrpo-probed-wide+demos --prune

@@ -365,7 +365,7 @@ def test_a_paced_lm_keeps_within_the_providers_requests_a_minute(paced):
     """16 rollouts at 4 threads against a provider that takes 6 requests a window: unpaced, some draw a 429 (and wait
     its Retry-After); with `max_requests_per_minute`'s RequestPacer on the same window, none does, and every window
     holds at most 6 starts."""
-    from tfgrpo.optimizers.runner import RequestPacer
+    from tfgrpo.optimizers.spend import RequestPacer
 
     server = RateLimited(limit=6, window_s=1.5)
     server.RequestHandlerClass = RateLimitedHandler
@@ -393,7 +393,7 @@ def test_a_paced_lm_keeps_within_the_providers_requests_a_minute(paced):
 def test_a_config_sections_max_requests_per_minute_paces_its_lm(tmp_path):
     from tfgrpo.config import Config
     from tfgrpo.lms import open_lms
-    from tfgrpo.optimizers.runner import RequestPacer
+    from tfgrpo.optimizers.spend import RequestPacer
 
     path = tmp_path / "api.toml"
     path.write_text('[policy]\nbackend = "litellm"\nmodel = "openai/x"\napi_base = "http://127.0.0.1:9/v1"\n'

@@ -1,4 +1,4 @@
-"""The optimizer's knobs are declared once (`optimizers/knobs.Knobs`): the constructor, the config file's
+"""The optimizer's knobs are declared once (`tfgrpo.optimizers.knobs.Knobs`): the constructor, the config file's
 [optimizer] section and the docstring are made from the declaration, and what is still written by hand about
 them (configs/reference.toml, the table of docs/usage.md) is checked against it here; a failure prints the
 difference."""
@@ -40,8 +40,8 @@ def metric(example, pred, trace=None):
 
 def differences(label: str, expected: list[str], found: list[str]) -> str:
     """A unified diff of two lists of lines, for an assertion's message."""
-    return f"{label} disagrees with optimizers/knobs.py:\n" + "\n".join(
-        difflib.unified_diff(expected, found, "declared (optimizers/knobs.py)", label, lineterm=""))
+    return f"{label} disagrees with src/tfgrpo/optimizers/knobs.py:\n" + "\n".join(
+        difflib.unified_diff(expected, found, "declared (src/tfgrpo/optimizers/knobs.py)", label, lineterm=""))
 
 
 def test_the_constructor_takes_exactly_the_declared_knobs_keyword_only():

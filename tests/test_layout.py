@@ -1,25 +1,21 @@
 """The package's import graph, read from the source with `ast` (nothing is imported).
 
-Each top-level folder that pyproject.toml maps into `tfgrpo.*` is one floor: `base/` at the bottom, then
-`signatures/`, `programs/`, `optimizers/` and `tasks/`, with `tfgrpo/` (the CLI, configs, tracking, reports) on
-top. Imports between folders must form no cycle; an import inside a function of a tfgrpo module is allowed only
-with a reason below, never to dodge a cycle; importing a module changes nothing outside it.
+The package lives in `src/tfgrpo/` (the src layout: a module's import name is its path under `src/`). Each
+subpackage with its own floor is one folder: `base/` at the bottom, then `signatures/`, `programs/`, `optimizers/`
+and `tasks/`, with the modules of `tfgrpo/` itself (the CLI, configs, tracking, reports) on top. Imports between
+floors must form no cycle; an import inside a function of a tfgrpo module is allowed only with a reason below, never
+to dodge a cycle; importing a module changes nothing outside it.
 """
 
 from __future__ import annotations
 
 import ast
-import sys
 from collections import defaultdict
 from pathlib import Path
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:
-    import tomli as tomllib
-
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGE_DIR = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+SRC = ROOT / "src"
+FLOORS = ("tfgrpo.base", "tfgrpo.signatures", "tfgrpo.programs", "tfgrpo.optimizers", "tfgrpo.tasks")
 
 # (importer, imported) -> why the import waits for a call; "*" stands for any tfgrpo module
 DEFERRED = {
@@ -35,21 +31,17 @@ DEFERRED = {
 
 
 def module_name(path: Path) -> str:
-    """`optimizers/step.py` -> `tfgrpo.optimizers.step`, by pyproject.toml's package-dir."""
-    rel = path.relative_to(ROOT)
-    for name, folder in sorted(PACKAGE_DIR.items(), key=lambda kv: -len(kv[1])):
-        if rel.parts[: len(Path(folder).parts)] == Path(folder).parts:
-            rest = list(rel.with_suffix("").parts[len(Path(folder).parts):])
-            return ".".join([name, *rest][: -1 if rest[-1] == "__init__" else None])
-    raise AssertionError(f"{rel} is in no package")
+    """`src/tfgrpo/optimizers/step.py` -> `tfgrpo.optimizers.step`: the path under `src/` is the import name."""
+    parts = path.relative_to(SRC).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def floor(module: str) -> str:
-    """The top-level folder a module lives in."""
-    return max((n for n in PACKAGE_DIR if module == n or module.startswith(n + ".")), key=len)
+    """The floor a module lives on: its subpackage of FLOORS, else `tfgrpo` itself."""
+    return next((n for n in FLOORS if module == n or module.startswith(n + ".")), "tfgrpo")
 
 
-MODULES = {module_name(p): p for folder in PACKAGE_DIR.values() for p in (ROOT / folder).rglob("*.py")}
+MODULES = {module_name(p): p for p in (SRC / "tfgrpo").rglob("*.py")}
 
 
 def imports(module: str) -> list[tuple[str, int, bool]]:
@@ -169,7 +161,7 @@ def test_importing_changes_nothing_outside_the_module():
 
 
 def test_the_package_does_not_import_the_repository_around_it():
-    """Modules import `tfgrpo.*`, never a folder by its own name (`optimizers`, `benchmarks`, `tests`)."""
+    """Modules import `tfgrpo.*`, never a folder of the repository by its own name (`benchmarks`, `tests`)."""
     local = {p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")}
     found = []
     for m, path in MODULES.items():
@@ -194,10 +186,10 @@ def _unpacked_parameters(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str
 
 
 def test_the_optimizer_reads_as_plain_python():
-    """optimizers/: no parameter packed as a tuple only to be unpacked again, no lambda bound to a name where a
+    """src/tfgrpo/optimizers/: no parameter packed as a tuple only to be unpacked again, no lambda bound to a name where a
     function belongs, no `__new__` on the optimizer, no call of another object's private method."""
     found = []
-    for path in sorted((ROOT / "optimizers").glob("*.py")):
+    for path in sorted((SRC / "tfgrpo" / "optimizers").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 found += [f"{path.name}:{node.lineno}: {node.name} unpacks its parameter {p}"
@@ -218,3 +210,13 @@ def test_the_check_for_packed_parameters_sees_them():
     packed = ast.parse("def f(run, made, spent, pair):\n    (a, b), (c, d) = made, spent\n    x, y = pair\n"
                        "    self.run, z = run, run.pair").body[0]
     assert _unpacked_parameters(packed) == ["made", "spent", "pair"]
+
+
+def test_the_folders_are_the_package():
+    """No `package-dir` map: pyproject.toml finds the packages under `src/`, so each folder of Python files there must
+    be a package of its own (an `__init__.py`), or setuptools would leave it out of the wheel."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert "package-dir" not in pyproject and 'where = ["src"]' in pyproject
+    loose = sorted(str(d.relative_to(ROOT)) for d in (SRC / "tfgrpo").rglob("*") if d.is_dir()
+                   and any(d.glob("*.py")) and not (d / "__init__.py").exists())
+    assert not loose, f"folders of Python files that are not packages: {loose}"

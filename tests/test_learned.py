@@ -35,7 +35,7 @@ def solved(path: Path) -> float:
 
 def test_the_names_resolve_and_an_unknown_one_is_none():
     assert learned.names() == NAMES
-    assert learned.find("game24").program_path == ROOT / "tfgrpo" / "learned_programs" / "game24" / "program.json"
+    assert learned.find("game24").program_path == ROOT / "src" / "tfgrpo" / "learned_programs" / "game24" / "program.json"
     assert learned.find("mnist") is None
 
 

@@ -16,15 +16,15 @@ class WorstAnswerPath(LearningPath):
 
     stages = ("why",)
 
-    def learn(self, run, library, group):
+    def learn(self, run, scope, library, group):
         worst = min(group.attempts, key=lambda a: a.reward)
 
         def call():
             with dspy.context(lm=run.reflection_lm):
                 return dspy.Predict("attempt, feedback -> rule")(attempt=worst.text, feedback=worst.feedback).rule
-        return run.runner.call("why", f"why/{group.index}", call)  # checkpointed, charged, metered, counted
+        return scope.call("why", f"why/{group.index}", call)  # checkpointed, charged, metered, counted
 
-    def finish(self, run, library, results):
+    def finish(self, run, scope, library, results):
         proposals = [(group.key, Operation(action="add", text=rule)) for group, rule in results
                      if not isinstance(rule, Failed)]
         return Lessons(plan=[op for _, op in proposals][:1], proposals=proposals,

@@ -48,7 +48,7 @@ def test_the_rendered_block_reads_back_exactly():
     library.apply([Operation(action="add", text=t) for t in (FIRST, "Two lines:\nthe second one.", SECOND)], step=0)
     library.apply([Operation(action="delete", ids=["E1"])], step=1)
     rendered = with_experiences("Answer the question.", library)
-    # a text is kept on one line (programs/library.py), so the rendering cannot read back as two experiences
+    # a text is kept on one line (src/tfgrpo/programs/library.py), so the rendering cannot read back as two experiences
     assert rendered_experiences(rendered) == [("E2", "Two lines: the second one.", ""), ("E3", SECOND, "")]
     assert rendered_experiences("Answer the question.") is None
 

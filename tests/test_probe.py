@@ -139,9 +139,8 @@ def _probe(programs, candidates):
     from tfgrpo.optimizers.knobs import Knobs
 
     runner = Runner(Knobs(num_threads=1), _partial)
-    with runner.scope("probe"):
-        return Probe(candidates, [0, 1, 2, 3]).run(runner, programs,
-                                                                                      make_trainset(4))
+    with runner.scope("probe") as scope:
+        return Probe(candidates, [0, 1, 2, 3]).run(scope, programs, make_trainset(4))
 
 
 def full_verdicts(programs, candidates):

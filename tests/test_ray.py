@@ -15,7 +15,8 @@ ray = pytest.importorskip("ray")
 from benchmarks.fault_child import make_trainset, metric, server  # noqa: E402
 from benchmarks.ray_backend import ROOT, _compile, faults_row, same_row  # noqa: E402
 from tfgrpo.optimizers.knobs import Knobs  # noqa: E402
-from tfgrpo.optimizers.runner import RayAttempts, Runner, with_own_lms  # noqa: E402
+from tfgrpo.optimizers.runner import Runner  # noqa: E402
+from tfgrpo.optimizers.workers import RayAttempts, with_own_lms  # noqa: E402
 from tfgrpo.testing.ray_cluster import LocalRayCluster  # noqa: E402
 
 
@@ -51,8 +52,8 @@ def test_a_run_on_the_cluster_resumes_on_threads_with_no_call(cluster, tmp_path)
 
 def _attempt(program, example, backend="ray", threads=1):
     runner = Runner(Knobs(backend=backend, num_threads=threads, progress=lambda *_: None), metric)
-    with runner.scope("test"):
-        return runner.scored("validation", [(None, program, example)])[0], runner
+    with runner.scope("test") as scope:
+        return scope.scored("validation", [(None, program, example)])[0], runner, scope
 
 
 class Exits(dspy.Module):
@@ -72,19 +73,19 @@ class Sleeps(dspy.Module):
 def test_a_task_lost_for_good_is_an_attempt_with_no_answer_not_a_zero(cluster, monkeypatch):
     monkeypatch.setattr(RayAttempts, "max_retries", 1)
     with server() as srv, dspy.context(lm=srv.lm()):
-        record, runner = _attempt(Exits(), make_trainset(1)[0])
+        record, runner, scope = _attempt(Exits(), make_trainset(1)[0])
     assert record["failed"] and record["reward"] is None and "RayTaskLost" in record["error"]
-    assert runner.failures["validation"][0][0].startswith("RayTaskLost")  # counted, as a failed LM call is
+    assert scope.failures["validation"].errors[0].startswith("RayTaskLost")  # counted, as a failed LM call is
     assert runner.budget.spent["metric_calls"] == 0  # an attempt that got no answer is not charged as a metric call
 
 
 def test_the_usage_of_a_remote_attempt_is_metered_here(cluster):
     with server() as srv, dspy.context(lm=srv.lm()):
         program = with_own_lms(dspy.Predict("question -> answer"), rollout_id=3)
-        record, runner = _attempt(program, make_trainset(1)[0])
-        local, local_runner = _attempt(program, make_trainset(1)[0], "threads")
+        record, _, remote_scope = _attempt(program, make_trainset(1)[0])
+        local, _, local_scope = _attempt(program, make_trainset(1)[0], "threads")
     assert record["outputs"] == local["outputs"] and record["reward"] == local["reward"]
-    remote, here = runner.meter("validation").totals(), local_runner.meter("validation").totals()
+    remote, here = remote_scope.meter("validation").totals(), local_scope.meter("validation").totals()
     assert remote["calls"] == here["calls"] == 1 and remote["prompt_tokens"] == here["prompt_tokens"] > 0
 
 
@@ -95,8 +96,8 @@ def test_cancel_ends_the_tasks_in_flight(cluster):
         program, example = with_own_lms(Sleeps()), make_trainset(1)[0]
 
         def attempt():
-            with runner.scope("test"):
-                done["record"] = runner.scored("validation", [(None, program, example)])[0]
+            with runner.scope("test") as scope:
+                done["record"] = scope.scored("validation", [(None, program, example)])[0]
 
         thread = threading.Thread(target=attempt, daemon=True)
         thread.start()
@@ -112,7 +113,7 @@ def test_cancel_ends_the_tasks_in_flight(cluster):
 
 def test_a_paced_lm_is_refused_on_the_cluster(cluster):
     """A RequestPacer paces one process: on the nodes each task would get a copy of its own, so it is refused."""
-    from tfgrpo.optimizers.runner import RequestPacer
+    from tfgrpo.optimizers.spend import RequestPacer
 
     with server() as srv, dspy.context(lm=srv.lm(callbacks=[RequestPacer(60)])):
         with pytest.raises(ValueError, match="RequestPacer"):

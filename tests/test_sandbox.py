@@ -25,8 +25,8 @@ from tfgrpo.tasks.sandbox import run_python
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox is Linux-only")
 
-SANDBOX_FILE = Path(sandbox.__file__).resolve()
-PROJECT_DIR = SANDBOX_FILE.parents[1]
+SANDBOX_FILE = Path(sandbox.__file__).resolve()  # src/tfgrpo/tasks/sandbox.py
+PROJECT_DIR = SANDBOX_FILE.parents[3]  # the repository
 
 
 def processes_with(marker: str) -> list[int]:

@@ -1,10 +1,10 @@
 """griffe extension: the API page shows `TrainingFreeGRPO` as `help(TrainingFreeGRPO)` does.
 
-Its knobs are declared once, in optimizers/knobs.py. Importing the class fills in its docstring's Args (one entry
-per knob) and its constructor's defaults from that declaration, so the source griffe reads has no docstring literal
-and `knob(...)` calls where the defaults go. This extension imports the class and hands griffe the
-docstring and the defaults Python has. docs/hooks/api_tree.py registers it, after griffe's dataclasses extension,
-which makes the constructor's signature from the fields.
+Its knobs are declared once, in src/tfgrpo/optimizers/knobs.py. Importing the class fills in its docstring's Args (one
+entry per knob) and its constructor's defaults from that declaration, so the source griffe reads has no docstring
+literal and `knob(...)` calls where the defaults go. This extension imports the class and hands griffe the docstring
+and the defaults Python has. mkdocs.yml registers it after griffe's dataclasses extension, which makes the
+constructor's signature from the fields.
 """
 
 from __future__ import annotations

@@ -352,7 +352,7 @@ def _dry_run(cfg: Config, pilot: int) -> None:
 @contextlib.contextmanager
 def _run_dir(cfg: Config):
     """Hold the run directory for the command: a second compile or run on it is refused at once, naming the holder
-    (optimizers/checkpoint.py); temporary files of writes a killed run left are cleared. Ctrl-C ends the command with
+    (src/tfgrpo/optimizers/checkpoint.py); temporary files of writes a killed run left are cleared. Ctrl-C ends the command with
     one line that says where the finished work is, and exit code 130."""
     from tfgrpo.optimizers.checkpoint import RunLock, RunLockedError
     from tfgrpo.base.util import remove_stale_tmp

@@ -202,7 +202,7 @@ def _knob_fields() -> dict:
 
 
 OptimizerConfig = create_model("OptimizerConfig", __base__=_OptimizerSection, __module__=__name__, **_knob_fields(),
-                               __doc__="The [optimizer] section: TrainingFreeGRPO's knobs (optimizers/knobs.py), "
+                               __doc__="The [optimizer] section: TrainingFreeGRPO's knobs (src/tfgrpo/optimizers/knobs.py), "
                                        "checked by the same rules as its constructor, and the CLI's own keys.")
 
 

@@ -16,7 +16,9 @@ from typing import Callable
 import dspy
 
 from tfgrpo.base.util import bootstrap_ci, read_jsonl_rows, write_atomic
-from tfgrpo.optimizers.runner import Runner, metered, with_own_lms
+from tfgrpo.optimizers.runner import Runner
+from tfgrpo.optimizers.spend import metered
+from tfgrpo.optimizers.workers import with_own_lms
 from tfgrpo.optimizers.knobs import Knobs
 from tfgrpo.optimizers.rewards import call_metric
 
@@ -34,9 +36,9 @@ def evaluate_program(program: dspy.Module, examples: list, metric: Callable, *, 
     candidates = [with_own_lms(program, **({"rollout_id": r} if num_runs > 1 else {})) for r in range(num_runs)]
     jobs = [(i, r) for i in range(len(examples)) for r in range(num_runs)]
     stage, runner = f"evaluate {name}", Runner(Knobs(num_threads=num_threads, progress=progress, backend=backend), metric)
-    with runner.scope(stage):
-        records = runner.scored(stage, [(None, candidates[r], examples[i]) for i, r in jobs])
-        usage = runner.meter(stage).totals()
+    with runner.scope(stage) as scope:
+        records = scope.scored(stage, [(None, candidates[r], examples[i]) for i, r in jobs])
+        usage = scope.meter(stage).totals()
     rows = []
     for (i, r), rec in zip(jobs, records):
         row = {"program": name, "problem": i, "run": r, "score": rec["reward"] or 0.0, "feedback": rec["feedback"],

@@ -10,7 +10,7 @@ import dspy
 
 from tfgrpo.config import Config, LMConfig
 from tfgrpo.local_model import ensure_server
-from tfgrpo.optimizers.runner import RequestPacer
+from tfgrpo.optimizers.spend import RequestPacer
 
 logger = logging.getLogger(__name__)
 

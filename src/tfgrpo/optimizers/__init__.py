@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import importlib
 
-_WHERE = {"BudgetExhausted": "runner", "DirectExperiences": "direct_experiences", "MetricError": "rewards",
-          "Plan": "plan", "RequestPacer": "runner", "TooManyFailuresError": "runner",
+_WHERE = {"BudgetExhausted": "spend", "DirectExperiences": "direct_experiences", "MetricError": "rewards",
+          "Plan": "plan", "RequestPacer": "spend", "TooManyFailuresError": "runner",
           "TrainingFreeGRPO": "training_free_grpo"}
 __all__ = sorted(_WHERE)
 

@@ -31,7 +31,8 @@ from dspy.adapters.chat_adapter import ChatAdapter
 
 from tfgrpo.base.util import digest
 from tfgrpo.optimizers.checkpoint import Checkpoint, code_fingerprint, prompt_versions
-from tfgrpo.optimizers.runner import fixed_temperature, metered, model_price, run_program
+from tfgrpo.optimizers.spend import metered, model_price
+from tfgrpo.optimizers.workers import fixed_temperature, run_program
 from tfgrpo.optimizers.step import carried_demos
 from tfgrpo.optimizers.knobs import Knobs, fingerprinted_knobs, resolve
 from tfgrpo.optimizers.records import Demo

@@ -21,6 +21,7 @@ import dspy
 from tfgrpo.signatures.operations import Operation
 
 if TYPE_CHECKING:
+    from tfgrpo.optimizers.runner import Scope
     from tfgrpo.optimizers.step import Run
     from tfgrpo.programs.library import ExperienceLibrary
 
@@ -141,16 +142,17 @@ class Lessons:
 @runtime_checkable
 class LearningPath(Protocol):
     """How one step's groups with reward contrast become a plan of library operations (step.py holds the
-    paper's path and the contrast path). `learn` makes one group's learning calls (groups run side by side, each as
-    soon as its attempts are scored) and returns what `finish` needs; `finish` turns every group's result into the
-    step's `Lessons`. `stages` names the stages its calls are metered and checked under. An instance holds settings
-    only: one serves every step."""
+    paper's path and the contrast path). `learn` makes one group's learning calls through the step's `scope`
+    (`scope.call`, `scope.calls`; groups run side by side, each as soon as its attempts are scored) and returns what
+    `finish` needs; `finish` turns every group's result into the step's `Lessons`. `stages` names the stages its calls
+    are metered and checked under. An instance holds settings only: one serves every step."""
 
     stages: tuple[str, ...] = ()
 
-    def learn(self, run: Run, library: ExperienceLibrary, group: Group) -> Any: ...
+    def learn(self, run: Run, scope: Scope, library: ExperienceLibrary, group: Group) -> Any: ...
 
-    def finish(self, run: Run, library: ExperienceLibrary, results: list[tuple[Group, Any]]) -> Lessons: ...
+    def finish(self, run: Run, scope: Scope, library: ExperienceLibrary, results: list[tuple[Group, Any]]
+               ) -> Lessons: ...
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
 """One optimization step of `TrainingFreeGRPO`, in this one file, stage after stage, over two types: the `Run` (fixed
 while it lasts) and the `State` (what a step changes). `step(run, state, epoch, batch)` reads top to bottom:
 
-    groups, results = each query of the batch on its own thread: G attempts -> rewards -> a Group -> the path's calls
-    lessons = run.path.finish(run, state.library, results)      # the plan of library operations (the learning path)
-    verdict = judge(run, state, index, groups, lessons)         # no probe, or the probe: kept edits, demos
-    new, report = state.apply(verdict, sources)                 # validated and applied in code, to a copy
+    with run.runner.scope(...) as scope:                        # the step's workers, meters, failure counts, gate
+        groups, results = each query of the batch a group of its own: G attempts -> rewards -> a Group -> path calls
+        lessons = run.path.finish(run, scope, state.library, results)   # the plan of library operations
+        verdict = judge(run, scope, state, index, groups, lessons)      # no probe, or the probe: kept edits, demos
+    new, report = state.apply(verdict, sources)                         # validated and applied in code, to a copy
 
 The file's sections follow those stages: the step and its rollout; the judge and the probe; the learning paths (the
 paper's and the contrast path).
@@ -12,9 +13,10 @@ paper's and the contrast path).
 A group goes through its stages at its own pace: its learning calls start as soon as its own attempts are scored,
 while other groups still roll out. With `probe_min_power` the step looks first: half of each group's attempts, then the
 rest only where their solve rate leaves the probe power; the learning calls wait for the whole groups (where the probe
-is skipped, no lesson could be kept, and none is asked for). Every unit runs through the run's `Runner`
-(runner.py), which checkpoints, meters, charges the budget and counts failures. An attempt whose LM call failed is
-left out of its group. Each stage makes new values and never writes into what an earlier one made.
+is skipped, no lesson could be kept, and none is asked for). Every unit runs through the step's `Scope` (runner.py),
+which checkpoints, meters, charges the budget and counts failures; a group that saw failures at a stage waits at the
+scope's gate for the stage's failure check, the one place where groups wait on each other. An attempt whose LM call
+failed is left out of its group. Each stage makes new values and never writes into what an earlier one made.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ import dspy
 
 from tfgrpo.base.util import clip, digest
 from tfgrpo.optimizers.checkpoint import Keys
-from tfgrpo.optimizers.runner import (CONTEXT_REFUSALS, Runner, TooManyFailuresError, add_usage, rollout_id,
-                                     with_own_lms)
+from tfgrpo.optimizers.runner import CONTEXT_REFUSALS, Runner, Scope, TooManyFailuresError
+from tfgrpo.optimizers.spend import add_usage
+from tfgrpo.optimizers.workers import rollout_id, with_own_lms
 from tfgrpo.optimizers.knobs import Knobs
 from tfgrpo.optimizers.records import (Attempt, Demo, Failed, Group, LearningPath, Lessons, Scored, StepResult,
                                        Verdict)
@@ -97,95 +100,87 @@ class State:
 def step(run: Run, state: State, epoch: int, batch: list[int]) -> tuple[State, StepResult]:
     """Step `state.step` of the run on `batch`: the new state and the step's record. A step finished in the checkpoint
     is reused."""
-    index, ex = state.step, run.runner
-    if (done := ex.record(Keys.done(index))) is not None:
+    index, runner = state.step, run.runner
+    if (done := runner.record(Keys.done(index))) is not None:
         logger.info("Step %d: complete in the checkpoint, reused", index)
         stats = StepResult.from_dict(done["stats"])
-        ex.budget.add(_summed(stats.usage), stats.metric_calls)
+        runner.budget.add(_summed(stats.usage), stats.metric_calls)
         return State.from_record(done, index + 1), stats
-    t0, before = time.time(), ex.record(Keys.usage(index), reused=False) or {}  # what a stopped run had spent in it
-    ex.budget.add(_summed(before))
+    t0, before = time.time(), runner.record(Keys.usage(index), reused=False) or {}  # what a stopped run had spent in it
+    runner.budget.add(_summed(before))
     logger.info("Step %d: %d queries x %d attempts on %d thread(s), %s path", index, len(batch),
                 run.knobs.num_generations, run.knobs.num_threads, run.path_name)
-    def tally(usage: dict[str, dict]) -> None:  # the step's usage so far, saved: a resume knows what it had spent
-        ex.keep(Keys.usage(index), {**before, **{s: add_usage(dict(before.get(s, {})), u) for s, u in usage.items()}})
-
-    with ex.scope(f"step {index}", batch, prefix=Keys.step(index), tally=tally):
-        groups, results, timeouts = _groups(run, state, batch)
-        lessons = run.path.finish(run, state.library, [(g, r) for g, r in zip(groups, results) if r is not None])
-        seconds = {**{s: t - t0 for s, t in ex.finished.items()}, "learning": time.time() - t0}
-        verdict = judge(run, state, index, groups, lessons)
+    with runner.scope(f"step {index}", prefix=Keys.step(index), usage_key=Keys.usage(index), before=before) as scope:
+        groups, results, timeouts = _groups(run, scope, state, batch)
+        lessons = run.path.finish(run, scope, state.library,
+                                  [(g, r) for g, r in zip(groups, results) if r is not None])
+        seconds = {**{s: t - t0 for s, t in scope.finished.items()}, "learning": time.time() - t0}
+        verdict = judge(run, scope, state, index, groups, lessons)
         stages = ("rollout", *run.path.stages, *(("probe",) if verdict.record else ()))
-        usage = {s: ex.meter(s).totals() for s in stages}
-        ex.recorded = True  # the step's record holds its usage from here
+        usage = {s: scope.meter(s).totals() for s in stages}
     sources = sorted({q for q, _ in lessons.proposals})
     new, report = state.apply(verdict, sources, quiet=bool(run.knobs.probe_size))
     stats = _record(run, new, epoch, groups=groups, lessons=lessons, verdict=verdict, report=report, usage=usage,
                     before=before, timeouts=timeouts, seconds=seconds, t0=t0)
     logger.info("Step %d: %d operations proposed, applied %s, %d refused by the library; library has %d experiences",
                 index, stats.operations_proposed, report.applied, len(report.rejected), len(new.library))
-    ex.keep(Keys.done(index), {**new.to_record(), "stats": stats.to_dict()})
+    runner.keep(Keys.done(index), {**new.to_record(), "stats": stats.to_dict()})
     return new, stats
 
 
-def _groups(run: Run, state: State, batch: list[int]) -> tuple[list[Group], list, list[str]]:
-    """Every query's group, each straight through its stages on its own thread; then the checks over all of them.
+def _groups(run: Run, scope: Scope, state: State, batch: list[int]) -> tuple[list[Group], list, list[str]]:
+    """Every query's group, each straight through its stages beside the others; then the checks over all of them.
 
     With the probe gate (`probe_min_power`, num_generations of 4 or more) the batch's groups are made in two halves:
     where the first half's solve rate already leaves the probe no power, the step ends with those half groups (the
-    probe would be skipped on the whole groups too, bar a draw's luck), at half the attempts."""
-    ex, programs, G = run.runner, _rollout_programs(run, state), run.knobs.num_generations
-    waits = bool(run.knobs.probe_size and run.knobs.probe_min_power)  # the learning calls wait for the solve rate
+    probe would be skipped on the whole groups too, bar a draw's luck), at half the attempts; and the learning calls
+    wait for the whole step's solve rate (where the probe is skipped, no lesson could be kept)."""
+    programs, G = _rollout_programs(run, state), run.knobs.num_generations
+    waits = bool(run.knobs.probe_size and run.knobs.probe_min_power)
     done, queries = [], batch
     if waits and G >= 4:  # the first look
-        ex.expect(batch)
-        done = ex.work.each(lambda qi: _group(run, state, programs, qi, G // 2), batch)
+        done = scope.each(lambda qi: _group(run, scope, state, programs, qi, G // 2, learn=False), batch)
         if unresolvable(run.knobs, [g for g, _, _ in done]):
             queries = []
             logger.info("Step %d: the first %d attempts of each group leave the probe no power: the step ends there",
                         state.step, G // 2)
     if queries:
-        ex.expect(queries)
         halves = {g.index: (g, ts) for g, _, ts in done}  # (the first look's)
-        done = ex.work.each(lambda qi: _group(run, state, programs, qi, G, halves.get(qi)), queries)
+        done = scope.each(lambda qi: _group(run, scope, state, programs, qi, G, halves.get(qi), learn=not waits),
+                          queries)
     groups, results, timeouts = [g for g, _, _ in done], [r for _, r, _ in done], [t for _, _, ts in done for t in ts]
-    ex.check("rollout")
-    _check_attempts(run, state.step, groups, timeouts)
-    if waits and not unresolvable(run.knobs, groups):  # (where the probe is skipped, no lesson could be kept)
-        results = ex.work.each(lambda g: run.path.learn(run, state.library, g) if g.informative else None, groups)
+    scope.check("rollout")
+    _check_attempts(run, scope, state.step, groups, timeouts)
+    if waits and not unresolvable(run.knobs, groups):
+        results = scope.each(lambda g: run.path.learn(run, scope, state.library, g) if g.informative else None, groups)
     for stage in run.path.stages:  # every unit of every stage has run
-        ex.check(stage)
+        scope.check(stage)
     return groups, results, timeouts
 
 
-def _group(run: Run, state: State, programs: list, qi: int, size: int,
-           before: tuple[Group, list[str]] | None = None) -> tuple[Group, Any, list[str]]:
+def _group(run: Run, scope: Scope, state: State, programs: list, qi: int, size: int,
+           before: tuple[Group, list[str]] | None = None, *, learn: bool) -> tuple[Group, Any, list[str]]:
     """One query, straight through: its attempts up to `size` (after those of `before`, its group so far, and the metric
-    calls of it that timed out), the rewards of those that answered, and what the path learns from the group (None
-    without contrast, or not yet: with `probe_min_power` the learning waits for the step's solve rate); and the metric
-    calls that timed out."""
-    ex, knobs, index, example = run.runner, run.knobs, state.step, run.trainset[qi]
+    calls of it that timed out), the rewards of those that answered, and, with `learn`, what the path learns from the
+    group (None without contrast); and the metric calls that timed out."""
+    knobs, index, example = run.knobs, state.step, run.trainset[qi]
     first, timeouts = before or (None, [])
-    try:
-        gens = list(range(first.size if first else 0, size))
-        attempts = dict(zip(gens, ex.map("rollout", lambda g: Attempt.from_record(
-            ex.attempt("rollout", Keys.rollout(index, qi, g), programs[g], example)), gens)))
-        failed = [g for g, a in attempts.items() if a.error]
-        ex.settle("rollout", qi, bool(failed))
-        for g in failed:  # the stage's failure check passed: they stand, and a resume replays the same group (had it
-            ex.keep(Keys.rollout(index, qi, g), attempts[g].to_record(), once=True)  # failed, a resume would retry them)
-        answered = [g for g, a in attempts.items() if not a.failed]  # a failed LM call is no answer
-        # (a group made in halves has a probe, so the ground truth: the first half's rewards stand)
-        reference = reference_example(example, [attempts[g].to_record() for g in answered], knobs.use_ground_truth)
-        scores = ex.map("reward", lambda g: ex.score(Keys.reward(index, qi, g), attempts[g], reference), answered)
-        group = Group(index=qi, key=query_key(example, qi), example=example, size=size, attempts=(
-            *(first.attempts if first else ()),
-            *(Scored(attempts[g], s["reward"], s["feedback"], g) for g, s in zip(answered, scores))))
-        waits = knobs.probe_size and knobs.probe_min_power
-        result = run.path.learn(run, state.library, group) if group.informative and not waits else None
-        return group, result, [*timeouts, *(s["timeout"] for s in scores if "timeout" in s)]
-    finally:
-        ex.leave(qi)
+    gens = list(range(first.size if first else 0, size))
+    attempts = dict(zip(gens, scope.map("rollout", lambda g: Attempt.from_record(
+        scope.attempt("rollout", Keys.rollout(index, qi, g), programs[g], example)), gens)))
+    failed = [g for g, a in attempts.items() if a.error]
+    scope.settle("rollout", bool(failed))
+    for g in failed:  # the stage's failure check passed: they stand, and a resume replays the same group (had it
+        run.runner.keep(Keys.rollout(index, qi, g), attempts[g].to_record(), once=True)  # failed, a resume retries)
+    answered = [g for g, a in attempts.items() if not a.failed]  # a failed LM call is no answer
+    # (a group made in halves has a probe, so the ground truth: the first half's rewards stand)
+    reference = reference_example(example, [attempts[g].to_record() for g in answered], knobs.use_ground_truth)
+    scores = scope.map("reward", lambda g: scope.score(Keys.reward(index, qi, g), attempts[g], reference), answered)
+    group = Group(index=qi, key=query_key(example, qi), example=example, size=size, attempts=(
+        *(first.attempts if first else ()),
+        *(Scored(attempts[g], s["reward"], s["feedback"], g) for g, s in zip(answered, scores))))
+    result = run.path.learn(run, scope, state.library, group) if group.informative and learn else None
+    return group, result, [*timeouts, *(s["timeout"] for s in scores if "timeout" in s)]
 
 
 def _rollout_programs(run: Run, state: State) -> list[dspy.Module]:
@@ -198,7 +193,7 @@ def _rollout_programs(run: Run, state: State) -> list[dspy.Module]:
     return programs
 
 
-def _check_attempts(run: Run, index: int, groups: list[Group], timeouts: list[str]) -> None:
+def _check_attempts(run: Run, scope: Scope, index: int, groups: list[Group], timeouts: list[str]) -> None:
     """Say what the step's attempts met: metric calls that timed out (each scored 0; more than `max_failure_rate` of
     them stop the step, as an outage does), attempts that raised (scored 0), LM calls that failed (left out) and
     prompts refused for their length."""
@@ -219,7 +214,7 @@ def _check_attempts(run: Run, index: int, groups: list[Group], timeouts: list[st
         logger.warning("Step %d: %d of %d attempts got no answer (an LM call failed after its retries, or the provider "
                        "replied with nothing: no choices, a filtered or cut empty content): left out of their groups, "
                        "not scored, counted in failed_calls", index, left, made)
-    errors = [e for e in run.runner.failures.get("rollout", ([], 0))[0] if e]
+    errors = scope.failures["rollout"].errors if "rollout" in scope.failures else []
     refused = [e for e in errors if any(s in e.lower() for s in CONTEXT_REFUSALS)]
     if refused:
         logger.warning("Step %d: %d attempt(s) refused by the LM for context length: the prompt did not fit the model's "
@@ -267,18 +262,12 @@ def learn_from_groups(path: LearningPath, groups: list[Group], *, settings: Knob
     run = Run(knobs=settings, metric=lambda *_: 0.0, path=path, path_name=type(path).__name__,
               reflection_lm=reflection_lm, runner=Runner(settings, lambda *_: 0.0), instructions=instructions)
     informative = [g for g in groups if g.informative]
-    with run.runner.scope("learning", [g.index for g in informative]) as ex:
-        def one(group):
-            try:
-                return path.learn(run, library, group)
-            finally:
-                ex.leave(group.index)
-
-        results = ex.work.each(one, informative)
+    with run.runner.scope("learning") as scope:
+        results = scope.each(lambda group: path.learn(run, scope, library, group), informative)
         for stage in path.stages:
-            ex.check(stage)
-        lessons = path.finish(run, library, list(zip(informative, results)))
-        return lessons, {stage: ex.meter(stage).totals() for stage in path.stages}
+            scope.check(stage)
+        lessons = path.finish(run, scope, library, list(zip(informative, results)))
+        return lessons, {stage: scope.meter(stage).totals() for stage in path.stages}
 
 
 # == the judge ========================================================================================================
@@ -307,7 +296,7 @@ def learn_from_groups(path: LearningPath, groups: list[Group], *, settings: Knob
 
 
 
-def judge(run: Run, state: State, step: int, groups: list[Group], lessons: Lessons) -> Verdict:
+def judge(run: Run, scope: Scope, state: State, step: int, groups: list[Group], lessons: Lessons) -> Verdict:
     """The verdict on a step's lessons and winning attempts: the probe's with `probe_size`, else every operation of the
     plan and (with `max_demos`) the demos by group advantage. With `probe_min_power`, a probe that could not tell a
     better candidate from a useless one at the step's solve rate is skipped: no edit is kept unprobed, the free demo
@@ -316,7 +305,7 @@ def judge(run: Run, state: State, step: int, groups: list[Group], lessons: Lesso
     knobs = run.knobs
     skipped = unresolvable(knobs, groups)
     if knobs.probe_size and not skipped:
-        return probe_edits(run, state, step, groups, lessons.plan)
+        return probe_edits(run, scope, state, step, groups, lessons.plan)
     skipped = {**skipped, "unprobed": len(lessons.plan)} if skipped else None
     if knobs.max_demos:
         # (where the probe is skipped, as BootstrapFewShot: any group's full success, those with contrast first)
@@ -332,10 +321,12 @@ def judge(run: Run, state: State, step: int, groups: list[Group], lessons: Lesso
 def unresolvable(knobs: Knobs, groups: list[Group]) -> dict | None:
     """Why a probe of the step's edits would be skipped (`probe_min_power`): its power at the step's solve rate (the
     share of its attempts with reward 1) is below the knob; None when it would run, or none is asked for."""
+    if not knobs.probe_size:
+        return None
     attempts = [a.reward >= 1 for g in groups for a in g.attempts]
     rate = statistics.fmean(attempts) if attempts else 0.0
     power = probe_power(rate, knobs.probe_size)
-    if not knobs.probe_size or power >= knobs.probe_min_power:
+    if power >= knobs.probe_min_power:
         return None
     return {"skipped": f"a probe of {knobs.probe_size} queries has power {power:.2f} < probe_min_power="
                        f"{knobs.probe_min_power} at the step's solve rate {rate:.0%}", "solve_rate": rate, "power": power}
@@ -430,7 +421,7 @@ def probe_queries(trainset_size: int, batch: list[int], size: int, *, seed: int,
 @dataclass
 class Probe:
     """The statistics of a probe: program 0 is the current one, program 1 + c carries candidate c. `run` asks the
-    runner for the attempts, query by query, and leaves the verdicts in `kept`, with each program's (successes, mean)
+    step's scope for the attempts, query by query, and leaves the verdicts in `kept`, with each program's (successes, mean)
     in `base` and `scores`, the queries each ran (`tried`) and solved (`solved`), their solving traces (`traces`) and
     how many queries each candidate ran (`ran`). A query whose attempt got no answer leaves `queries`."""
 
@@ -439,14 +430,14 @@ class Probe:
     found: dict = field(default_factory=dict)  # (program, query) -> its attempt's reward and solving trace
     base: tuple[int, float] = (0, 0.0)
 
-    def run(self, runner: Runner, programs: list[dspy.Module], trainset: list,
+    def run(self, scope: Scope, programs: list[dspy.Module], trainset: list,
             keys: tuple[str, int] | None = None) -> Probe:
         """Run the probe: `keys` (the current program's digest, the step) name its checkpoint units; None keeps none."""
         def ask(jobs):  # the current program's attempts are kept by what it is, not by step: a later step whose program
             # has not changed reuses them on the probe queries it shares with this one
             units = [(None if keys is None else Keys.probe_base(keys[0], qi) if p == 0 else Keys.probe(keys[1], p, qi),
                       programs[p], trainset[qi]) for p, qi in jobs]
-            for (p, qi), rec in zip(jobs, runner.scored("probe", units)):
+            for (p, qi), rec in zip(jobs, scope.scored("probe", units)):
                 if rec.get("failed") and qi in self.queries:  # no answer: the query leaves the probe, for all
                     logger.warning("Probe: an LM call failed on training query %d (%s); it leaves the probe", qi,
                                    rec["error"])
@@ -540,7 +531,8 @@ class Probe:
                     self.candidates, self.scores, self.kept, self.ran, self.solved[1:])]}
 
 
-def probe_edits(run: Run, state: State, step: int, groups: list[Group], plan: list[Operation]) -> Verdict:
+def probe_edits(run: Run, scope: Scope, state: State, step: int, groups: list[Group], plan: list[Operation]
+                ) -> Verdict:
     """The step's probe: the plan's operations and the demo candidates, each tried against the current program on the
     same training queries outside the step's queries; kept as `Probe` says."""
     knobs, library, demos = run.knobs, state.library, state.demos
@@ -560,8 +552,7 @@ def probe_edits(run: Run, state: State, step: int, groups: list[Group], plan: li
     runnable = [with_own_lms(p, rollout_id=seed, temperature=knobs.temperature) for p in programs]
     queries = probe_queries(len(run.trainset), [g.index for g in groups], knobs.probe_size, seed=knobs.seed, step=step)
     current = digest([[e.model_dump() for e in library.active.values()], [d.to_record() for d in demos]])
-    probe = Probe(candidates, list(queries)).run(
-        run.runner, runnable, run.trainset, keys=(current, step))
+    probe = Probe(candidates, list(queries)).run(scope, runnable, run.trainset, keys=(current, step))
     kept_ops = [op for c, k in zip(candidates, probe.kept) if k for op in c.operations]
     best = next((i for i, (c, k) in enumerate(zip(candidates, probe.kept))  # a demo is shown solving its query
                  if k and c.demo is not None and (c.demo.reward >= 1 or probe.traces[1 + i])), None)
@@ -616,26 +607,35 @@ def _shown_demo(demo: Demo, c: int, probe: Probe, trainset: list) -> Demo:
 #     class MyPath(LearningPath):
 #         stages = ("lesson",)                          # the stages its LM calls are metered and checked under
 #
-#         def learn(self, run, library, group):         # one group's calls (groups run side by side)
+#         def learn(self, run, scope, library, group):  # one group's calls (groups run side by side)
 #             def lesson():                             # one learning call, under run.reflection_lm
 #                 with dspy.context(lm=run.reflection_lm):
 #                     return dspy.Predict("attempts -> lesson")(attempts=...).lesson
-#             return run.runner.call("lesson", f"lessons/{group.index}", lesson)
+#             return scope.call("lesson", f"lessons/{group.index}", lesson)
 #
-#         def finish(self, run, library, results):      # once every group is done: [(group, its result)] -> the plan
+#         def finish(self, run, scope, library, results):  # every group done: [(group, its result)] -> the plan
 #             return Lessons(plan=[...], proposals=[(group.key, op), ...])
 #
-# `run` is the run (`Run`, above): its knobs (`run.knobs`), the reflection LM (`run.reflection_lm`), the program's
-# instructions and the runner (`run.runner`). `library` is the library as the step started: read it, never
-# edit it. `run.runner.call(stage, name, fn)` (or `calls` for several at once) makes a learning call on the step's
-# bounded pool: checkpointed under the step as `name`, charged to the budget, metered under `stage`; one that raises
+# `run` is the run (`Run`, above): its knobs (`run.knobs`), the reflection LM (`run.reflection_lm`) and the program's
+# instructions; `scope` is the step's (`runner.Scope`). `library` is the library as the step started: read it, never
+# edit it. `scope.call(stage, name, fn)` (or `calls` for several at once) makes a learning call on the step's
+# workers: checkpointed under the step as `name`, charged to the budget, metered under `stage`; one that raises
 # comes back as a `Failed` and is counted, and when more than `max_failure_rate` of a stage's calls failed the step
-# stops. `run.runner.settle(stage, group.index, failed)` holds a group that saw failures until every group has reached
-# the stage and its failure check has passed. The paper's path is `PaperPath`; `ContrastPath` is the path for small
-# reflection models. Pass an instance as `learning_path=` to plug in your own; `learn_from_groups` (above) runs a path
+# stops (a group whose calls failed is held in `calls` until the stage's check has seen every group's: a path never
+# waits on other groups itself). The paper's path is `PaperPath`; `ContrastPath` is the path for small reflection
+# models. Pass an instance as `learning_path=` to plug in your own; `learn_from_groups` (above) runs a path
 # on groups scored elsewhere (saved rollouts, say).
 
 EMPTY_LIBRARY = "(no experiences yet: only 'add' is possible)"
+
+
+@dataclass(frozen=True)
+class Advantage:
+    """What `PaperPath.learn` makes of one group: the group advantage's operations (as saved: one dict each), or the
+    `Failed` call, and how many of its summaries failed (the raw attempt stood in for each)."""
+
+    ops: list[dict] | Failed
+    failed_summaries: int
 
 
 class PaperPath(LearningPath):
@@ -644,8 +644,8 @@ class PaperPath(LearningPath):
 
     stages = ("summary", "advantage", "consolidation")
 
-    def learn(self, run: Run, library: ExperienceLibrary, group: Group) -> dict:
-        knobs, ex = run.knobs, run.runner
+    def learn(self, run: Run, scope: Scope, library: ExperienceLibrary, group: Group) -> Advantage:
+        knobs = run.knobs
         labels, produced = dict(group.example.labels()), {k for a in group.attempts for k in (a.outputs or {})}
         # the ground truth shown to the learning calls: the labels the program also outputs (else all of them)
         answer_key = clip(format_fields({k: v for k, v in labels.items() if k in produced} or labels), 2000) \
@@ -660,9 +660,9 @@ class PaperPath(LearningPath):
             return lambda: summarizer(task_input=task, attempt=a.text, outcome=outcome(a), reference_answer=answer_key,
                                       experiences=rendered)
 
-        summaries = ex.calls("summary", {f"summaries/{group.index}_{a.g}": summarize(a) for a in group.attempts})
+        # (an outage stops the step in `calls`, before it costs advantage calls)
+        summaries = scope.calls("summary", {f"summaries/{group.index}_{a.g}": summarize(a) for a in group.attempts})
         failed = [s.error for s in summaries if isinstance(s, Failed)]
-        ex.settle("summary", group.index, bool(failed))  # an outage stops the step before it costs advantage calls
         shown = []
         for a, summary in zip(group.attempts, summaries):
             if isinstance(summary, Failed):  # fall back to the raw attempt, cut short
@@ -676,24 +676,26 @@ class PaperPath(LearningPath):
                 task_input=task, reference_answer=answer_key, attempts="\n\n".join(shown), experiences=rendered,
                 max_operations=knobs.max_operations_per_group, max_words=knobs.max_words_per_experience)]
 
-        return {"ops": ex.call("advantage", f"advantages/{group.index}", extract), "failed_summaries": len(failed)}
+        return Advantage(ops=scope.call("advantage", f"advantages/{group.index}", extract),
+                         failed_summaries=len(failed))
 
-    def finish(self, run: Run, library: ExperienceLibrary, results: list[tuple[Group, dict]]) -> Lessons:
+    def finish(self, run: Run, scope: Scope, library: ExperienceLibrary, results: list[tuple[Group, Advantage]]
+               ) -> Lessons:
         proposals, failures = [], 0
         for group, res in results:
-            failures += res["failed_summaries"]
-            if isinstance(res["ops"], Failed):
+            failures += res.failed_summaries
+            if isinstance(res.ops, Failed):
                 failures += 1
                 logger.warning("Group advantage of query %s failed (%s); the group proposes nothing", group.index,
-                               res["ops"].error)
+                               res.ops.error)
                 continue
-            proposals += [(group.key, Operation.model_validate(o)) for o in res["ops"]]
-        plan, status = self._consolidate(run, library, proposals)  # 3. one call for the batch
+            proposals += [(group.key, Operation.model_validate(o)) for o in res.ops]
+        plan, status = self._consolidate(run, scope, library, proposals)  # 3. one call for the batch
         return Lessons(plan=plan, proposals=proposals, consolidation=status,
                        counts={"learning_failures": failures, "operations_proposed": len(proposals)})
 
     @staticmethod
-    def _consolidate(run: Run, library: ExperienceLibrary, proposals: list[tuple[str, Operation]]
+    def _consolidate(run: Run, scope: Scope, library: ExperienceLibrary, proposals: list[tuple[str, Operation]]
                      ) -> tuple[list[Operation], str]:
         """One call turns the batch's proposals into the plan; if it fails, the (validated) proposals are the plan."""
         if not proposals:
@@ -706,11 +708,11 @@ class PaperPath(LearningPath):
                                 max_words=run.knobs.max_words_per_experience)
             return {"plan": [o.model_dump() for o in plan], "status": "ok"}
 
-        saved = run.runner.call("consolidation", "plan", consolidate)
+        saved = scope.call("consolidation", "plan", consolidate)
         if isinstance(saved, Failed):  # the proposals were validated one by one already: apply them as they are
             logger.warning("Consolidation failed (%s); applying the %d proposals directly", saved.error, len(proposals))
             saved = {"plan": [op.model_dump() for _, op in proposals], "status": "fallback: proposals applied directly"}
-            run.runner.keep(f"{run.runner.prefix}/plan", saved)
+            run.runner.keep(f"{scope.prefix}/plan", saved)
         return [Operation.model_validate(o) for o in saved["plan"]], saved["status"]
 
 
@@ -792,7 +794,7 @@ class ContrastPath(LearningPath):
         actions = tool_actions(attempt.outputs)
         return f"{clip(chr(10).join(actions) if actions else attempt.text, 2000)}\nresult: {outcome(attempt)}"
 
-    def learn(self, run: Run, library: ExperienceLibrary, group: Group) -> list:
+    def learn(self, run: Run, scope: Scope, library: ExperienceLibrary, group: Group) -> list:
         knobs = run.knobs
         learner = ContrastLearner(max_words=knobs.max_words_per_experience,
                                   constrained=constrained_mode(knobs.constrained_decoding, run.reflection_lm))
@@ -808,9 +810,10 @@ class ContrastPath(LearningPath):
             return f"contrasts/{group.index}_{better.g}_{worse.g}", call
 
         pairs = contrast_pairs(group.rewards, knobs.max_operations_per_group)
-        return run.runner.calls("contrast", dict(contrast(attempts[b], attempts[w]) for b, w in pairs))
+        return scope.calls("contrast", dict(contrast(attempts[b], attempts[w]) for b, w in pairs))
 
-    def finish(self, run: Run, library: ExperienceLibrary, results: list[tuple[Group, list]]) -> Lessons:
+    def finish(self, run: Run, scope: Scope, library: ExperienceLibrary, results: list[tuple[Group, list]]
+               ) -> Lessons:
         proposals, counts = [], {"learning_failures": 0, "operations_proposed": 0, "refused_specific": 0,
                                  "rewritten_specific": 0, "redundant": 0, "said_none": 0}
         for group, replies in results:

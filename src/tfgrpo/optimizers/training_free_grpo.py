@@ -28,7 +28,9 @@ from dspy.teleprompt.teleprompt import Teleprompter
 
 from tfgrpo.base import hooks
 from tfgrpo.optimizers.checkpoint import Checkpoint, Keys
-from tfgrpo.optimizers.runner import ROLE, BudgetExhausted, Runner, StageBars, add_usage, with_own_lms
+from tfgrpo.optimizers.runner import ROLE, Runner
+from tfgrpo.optimizers.spend import BudgetExhausted, add_usage
+from tfgrpo.optimizers.workers import StageBars, with_own_lms
 from tfgrpo.optimizers.knobs import KNOBS, Knobs, args_doc, check_knob
 from tfgrpo.optimizers.step import ContrastPath, PaperPath
 from tfgrpo.optimizers.plan import Plan, make_plan
@@ -52,7 +54,7 @@ DOC = """Learns a library of natural-language experiences for a DSPy program, an
     with stock DSPy, only its rendering in the instructions) goes on learning from it. Every finished unit of work is
     saved in `log_dir`; the same call resumes an interrupted run.
 
-    Every knob is a keyword argument, declared once (type, default, check, doc) in `optimizers/knobs.py`, from which
+    Every knob is a keyword argument, declared once (type, default, check, doc) in `src/tfgrpo/optimizers/knobs.py`, from which
     the Args after `metric` are filled in and the knob table of docs/usage.md is written; `optimizer.knobs` holds them
     as passed, `optimizer.plan(...).knobs` as the run uses them (the `auto` preset applied).
 
@@ -320,9 +322,9 @@ def validate(run: Run, state: State, valset: list, epoch: int) -> EpochResult:
                            val_failures=saved.get("val_failures", 0))
     logger.info("validation: %d call(s) on %d thread(s)", len(valset), run.knobs.num_threads)
     program = with_own_lms(with_learned(run.program, run.targets, state.library, state.demos))
-    with run.runner.scope(f"validation after epoch {epoch}") as ex:
-        records = ex.scored("validation", [(None, program, x) for x in valset])
-        ex.check("validation")
+    with run.runner.scope(f"validation after epoch {epoch}") as scope:
+        records = scope.scored("validation", [(None, program, x) for x in valset])
+        scope.check("validation")
     answered = [r for r in records if not r.get("failed")]
     errors = [r["error"] or r.get("timeout") for r in records if r["error"] or r.get("timeout")]
     if errors:

@@ -28,7 +28,8 @@ from typing import NamedTuple
 import dspy
 
 from tfgrpo.base.util import bootstrap_ci, clip, digest
-from tfgrpo.optimizers.runner import Runner, with_own_lms
+from tfgrpo.optimizers.runner import Runner, Scope
+from tfgrpo.optimizers.workers import with_own_lms
 from tfgrpo.optimizers.knobs import Knobs
 from tfgrpo.optimizers.plan import measure_runs
 from tfgrpo.optimizers.records import Demo, ItemWorth, WorthResult
@@ -84,7 +85,7 @@ class Attribution:
             prune: bool | None = None) -> tuple[WorthResult, Learned]:
         """The items' worth, and what the compiled program keeps: `learned`, or its pruned part (with `prune`, the
         knob's value unless given)."""
-        with self.runner.scope("attribution"):
+        with self.runner.scope("attribution") as scope:
             knobs, ids = self.runner.knobs, [i for _, i, _ in learned.items()]
             prune = knobs.prune if prune is None else prune
             ci = functools.partial(bootstrap_ci, seed=knobs.seed, resamples=2000)  # a 95% CI over the queries
@@ -97,7 +98,7 @@ class Attribution:
             runs = measure_runs(knobs, len(ids), len(examples), prune=prune)
             logger.info("Attribution of %d item(s) on %d held-out queries: up to %d program runs (%s)", len(ids),
                         len(examples), runs["runs"], runs["method"])
-            scores = _Scores(self, base, targets, learned, choose)
+            scores = _Scores(scope, base, targets, learned, choose)
             full, none = scores.of(set(ids)), scores.of(set())
             control = scores.runs(f"control-{learned.key()}", _control(base, targets, learned), choose)
             shapley = len(ids) > knobs.attribution_max_items
@@ -108,7 +109,7 @@ class Attribution:
             check_record, kept, checked = None, learned, 0
             if dropped:
                 pruned = learned.only(set(ids) - set(dropped))
-                on_check = _Scores(self, base, targets, learned, check)
+                on_check = _Scores(scope, base, targets, learned, check)
                 diffs = _minus(on_check.of(set(ids) - set(dropped)), on_check.of(set(ids)))
                 better = statistics.fmean(diffs) >= 0
                 check_record = {"queries": len(check), "dropped": dropped, "difference": statistics.fmean(diffs),
@@ -143,7 +144,7 @@ class _Scores:
     """Per-query rewards of the program carrying a subset of the learned items, each subset run once (`made`: the
     program runs so far)."""
 
-    a: Attribution
+    scope: Scope
     base: dspy.Module
     targets: list[str]
     learned: Learned
@@ -161,9 +162,10 @@ class _Scores:
     def runs(self, variant: str, program: dspy.Module, examples: list) -> list[float | None]:
         """The program's reward per example (None where its LM call failed)."""
         self.made += len(examples)
-        runnable, ex = with_own_lms(program), self.a.runner
-        records = ex.scored("attribution", [(f"worth/{variant}/{digest(x.toDict())}", runnable, x) for x in examples])
-        ex.check("attribution")
+        runnable = with_own_lms(program)
+        records = self.scope.scored("attribution", [(f"worth/{variant}/{digest(x.toDict())}", runnable, x)
+                                                    for x in examples])
+        self.scope.check("attribution")
         return [r["reward"] for r in records]
 
 

@@ -1,4 +1,4 @@
-"""The learning calls of Training-Free GRPO as DSPy modules around the signatures in `signatures/learning.py`.
+"""The learning calls of Training-Free GRPO as DSPy modules around the signatures in `src/tfgrpo/signatures/learning.py`.
 
 `Summarizer` (one attempt -> a step-by-step summary), `AdvantageExtractor` (a group's summaries -> at most N
 operations on the library) and `Consolidator` (a batch's operations -> one plan). Without ground truth the

@@ -1,7 +1,7 @@
 """Text the learning calls read: fields, predictions and whole attempts, clipped to a sensible size.
 
 Experiences go into every predictor, so an attempt of several predictor calls is shown call by call, from
-the trace `run_program` (optimizers/runner.py) records, not by its final prediction alone.
+the trace `run_program` (src/tfgrpo/optimizers/workers.py) records, not by its final prediction alone.
 """
 
 from __future__ import annotations

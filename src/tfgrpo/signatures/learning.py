@@ -1,4 +1,4 @@
-"""The learning calls of Training-Free GRPO as DSPy signatures (the modules that call them: programs/learning.py).
+"""The learning calls of Training-Free GRPO as DSPy signatures (the modules that call them: src/tfgrpo/programs/learning.py).
 
 1. `SummarizeRollout`: one attempt -> a step-by-step account of what it did, which experiences it leaned on,
    and where it went wrong or wandered.

@@ -1,0 +1,237 @@
+"""What a run's units spend: the meters that count every LM call's tokens and price them, the pacer that keeps a
+provider's requests-per-minute limit, and the budget every unit is charged to before it starts.
+
+Calls and tokens come from DSPy's usage-tracker hook, which every call that reaches the provider reports to (replies
+from DSPy's cache are not counted); dollars are tokens times the model's price (DSPy's copy of LiteLLM's price map, or
+`prices=`), cached prompt tokens at the cached price.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import statistics
+import threading
+import time
+from typing import Any, Iterator
+
+import dspy
+import pydantic
+from dspy.utils.callback import BaseCallback
+from dspy.utils.usage_tracker import UsageTracker
+
+from tfgrpo.optimizers.knobs import Knobs
+
+
+# -- meters and prices -------------------------------------------------------------------------------------------------
+def model_price(model: str, prices: dict | None = None) -> dict[str, float] | None:
+    """USD per token of `model` (a dspy.LM model string): {"input", "output", "cached_input"}, from `prices` (per
+    million tokens, by model string) or DSPy's copy of LiteLLM's price map; None when neither knows it."""
+    if prices and model in prices:
+        given = prices[model]
+        return {k: given.get(k, given["input"] if k == "cached_input" else 0.0) / 1e6 for k in ("input", "output",
+                                                                                                 "cached_input")}
+    try:
+        from dspy.clients.capabilities import resolve
+        from dspy.clients.model_metadata import model_info, rate
+
+        route = resolve(dspy.LM(model))
+        info = model_info(route.provider, route.model)
+    except Exception:  # a model DSPy cannot route (a custom BaseLM, a name without a provider)
+        return None
+    found = {k: rate(info, key) for k, key in (("input", "input_cost_per_token"), ("output", "output_cost_per_token"),
+                                              ("cached_input", "cache_read_input_token_cost"))}
+    if found["input"] is None or found["output"] is None:
+        return None
+    return {**found, "cached_input": found["cached_input"] if found["cached_input"] is not None else found["input"]}
+
+
+class UsageMeter(UsageTracker):
+    """A usage tracker that the threads of a stage share: calls, tokens (cached ones apart) and, where the model's price
+    is known, dollars. It also counts the calls made outside any predictor (`direct`), which get no library."""
+
+    def __init__(self, prices: dict[str, dict | None] | None = None, custom: dict | None = None):
+        super().__init__()
+        self._lock, self.prices, self.custom = threading.Lock(), prices if prices is not None else {}, custom
+
+    def __deepcopy__(self, memo) -> UsageMeter:
+        return self  # DSPy's parallel executor gives each thread a copy of the tracker, which would lose the counts
+
+    def add_usage(self, lm: str, usage_entry: dict[str, Any]) -> None:
+        entry = {k: v.model_dump() if isinstance(v, pydantic.BaseModel) else v for k, v in (usage_entry or {}).items()}
+        entry["direct"] = not any(isinstance(m, dspy.Predict) for m in dspy.settings.caller_modules or [])
+        with self._lock:
+            if lm not in self.prices:
+                self.prices[lm] = model_price(lm, self.custom)
+            price, cached = self.prices[lm], _cached(entry)
+            entry["cost"] = None if price is None else (
+                (int(entry.get("prompt_tokens") or 0) - cached) * price["input"] + cached * price["cached_input"]
+                + int(entry.get("completion_tokens") or 0) * price["output"])
+            self.usage_data[lm].append(entry)
+
+    def totals(self) -> dict[str, float]:
+        """Calls, tokens, cached tokens and cost so far (cost left out when no call had a known price); safe to read
+        while threads still report."""
+        with self._lock:
+            entries = [e for lm_entries in list(self.usage_data.values()) for e in lm_entries]
+        total = {"calls": len(entries), "prompt_tokens": sum(int(e.get("prompt_tokens") or 0) for e in entries),
+                 "completion_tokens": sum(int(e.get("completion_tokens") or 0) for e in entries),
+                 "cached_tokens": sum(_cached(e) for e in entries)}
+        costs = [e["cost"] for e in entries if e.get("cost") is not None]
+        return {**total, "cost": sum(costs)} if costs else total
+
+    def absorb(self, usage_data: dict[str, list[dict]]) -> None:
+        """Take in every call another meter saw (its `usage_data`: a unit's own meter, into its stage's; a Ray task's)."""
+        with self._lock:
+            for lm, entries in usage_data.items():
+                self.usage_data[lm].extend(entries)
+
+
+def _cached(entry: dict) -> int:
+    return int((entry.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+@contextlib.contextmanager
+def metered(prices: dict | None = None) -> Iterator[UsageMeter]:
+    """Meter the LM calls made inside the block, in this thread and in those DSPy starts from it (`meter.totals()`);
+    an enclosing `dspy.track_usage()` still receives them."""
+    meter, outer = UsageMeter(custom=prices), dspy.settings.usage_tracker
+    try:
+        with dspy.context(usage_tracker=meter):
+            yield meter
+    finally:
+        if outer is not None:
+            for lm, entries in meter.usage_data.items():
+                outer.usage_data[lm].extend(entries)
+
+
+def add_usage(total: dict[str, float], more: dict[str, float]) -> dict[str, float]:
+    for k, v in more.items():
+        total[k] = total.get(k, 0) + v
+    return total
+
+
+class RequestPacer(BaseCallback):
+    """Holds an LM's calls to `per_minute` starts in any sliding minute, as a provider's requests-per-minute limit
+    counts them: a call that would be one too many waits for the oldest start to leave the window instead of drawing a
+    429 and a Retry-After wait. Add it to the LM (`dspy.LM(..., callbacks=[RequestPacer(500)])`, or
+    `max_requests_per_minute` in a config's LM section); `lm.copy()` shares it, so every copy the optimizer makes is
+    paced together.
+
+    It paces the calls of one process; a call DSPy answers from its cache takes a start too. A provider's other
+    limits (tokens a minute) are still met by its 429 and DSPy's retries (`num_retries`)."""
+
+    window_s = 60.0
+    margin_s = 0.25  # a start waits this much past the window: the provider's clock sees the request a little later
+
+    def __init__(self, per_minute: int):
+        if not isinstance(per_minute, int) or per_minute < 1:
+            raise ValueError(f"RequestPacer needs a whole number of requests a minute, at least 1 (got {per_minute!r})")
+        self.per_minute = per_minute
+        self._starts: collections.deque[float] = collections.deque()
+        self._lock = threading.Lock()
+        self.waited_s = 0.0  # the time calls spent waiting for a start, all threads together
+
+    def on_lm_start(self, call_id, instance, inputs) -> None:
+        while True:
+            with self._lock:
+                now = time.monotonic()
+                while self._starts and now - self._starts[0] >= self.window_s + self.margin_s:
+                    self._starts.popleft()
+                if len(self._starts) < self.per_minute:
+                    self._starts.append(now)
+                    return
+                wait = self.window_s + self.margin_s - (now - self._starts[0])
+                self.waited_s += wait
+            time.sleep(wait)
+
+    def __deepcopy__(self, memo) -> RequestPacer:
+        return self  # a deep copy of a program's LM still shares the provider's limit
+
+    def __reduce__(self):
+        return RequestPacer, (self.per_minute,)  # the lock cannot travel; a copy in another process paces apart
+
+
+def paced(lm) -> bool:
+    """Whether `lm` carries a RequestPacer."""
+    return any(isinstance(c, RequestPacer) for c in getattr(lm, "callbacks", None) or [])
+
+
+# -- the budget -------------------------------------------------------------------------------------------------------
+class BudgetExhausted(RuntimeError):
+    """The next unit of work would pass `max_cost`, `max_total_tokens` or `max_metric_calls`: the run stops there, with
+    every finished unit saved, and a resume with a larger budget goes on from it."""
+
+
+class Budget:
+    """`max_cost`, `max_total_tokens` and `max_metric_calls`, charged before each unit starts: what was spent, plus what
+    the units in flight are expected to spend, plus this unit's expected share (the mean of the stage's finished units,
+    else of all finished units) must stay within each limit. So a run overshoots a budget by at most what its units in
+    flight spend beyond their expected share."""
+
+    def __init__(self, knobs: Knobs):
+        self.limits = {"cost": knobs.max_cost, "tokens": knobs.max_total_tokens, "metric_calls": knobs.max_metric_calls}
+        self.spent = {"cost": 0.0, "tokens": 0, "metric_calls": 0}
+        self.in_flight = {"cost": 0.0, "tokens": 0, "metric_calls": 0}
+        self.done: dict[str, list[tuple[float, int]]] = {}  # stage -> (cost, tokens) of each finished unit
+        self._lock = threading.Lock()
+
+    def add(self, usage: dict, metric_calls: int = 0) -> None:
+        """Count what reused work had spent (a resumed run's finished steps and units)."""
+        with self._lock:
+            self.spent["cost"] += usage.get("cost", 0.0)
+            self.spent["tokens"] += usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)
+            self.spent["metric_calls"] += metric_calls
+
+    def reserve(self, stage: str, metric_calls: int = 0) -> dict[str, float]:
+        """This unit's expected share, now counted as in flight; `BudgetExhausted` if it does not fit."""
+        with self._lock:  # nothing measured yet: the first units of a run are the measurement
+            done = self.done.get(stage) or [x for units in self.done.values() for x in units] or [(0.0, 0)]
+            share = {"cost": statistics.fmean(c for c, _ in done), "tokens": statistics.fmean(t for _, t in done),
+                     "metric_calls": metric_calls}
+            for name, limit in self.limits.items():
+                if limit is not None and self.spent[name] + self.in_flight[name] + share[name] > limit - (
+                        1e-12 if name == "cost" else 0) and (share[name] or self.spent[name] >= limit):
+                    raise BudgetExhausted(self._why(name, stage, share[name]))
+            for name in self.in_flight:
+                self.in_flight[name] += share[name]
+            return share
+
+    def release(self, stage: str, share: dict, used: dict, metric_calls: int = 0) -> None:
+        """The unit has ended: its share leaves the flight, what it `used` (meter totals) is spent."""
+        with self._lock:
+            cost, tokens = used.get("cost", 0.0), used.get("prompt_tokens", 0) + used.get("completion_tokens", 0)
+            for name, value in (("cost", cost), ("tokens", tokens), ("metric_calls", metric_calls)):
+                self.in_flight[name] -= share[name]
+                self.spent[name] += value
+            if used.get("calls"):
+                self.done.setdefault(stage, []).append((cost, tokens))
+
+    def reached(self, attempts: int = 0) -> str | None:
+        """Why no more work fits (checked between steps): a budget is spent, or too little of one is left for the
+        `attempts` the next step needs at least (each a metric call, costing what a finished attempt did on average);
+        else None."""
+        with self._lock:
+            done = self.done.get("rollout") or [x for units in self.done.values() for x in units] or [(0.0, 0)]
+            need = {"cost": attempts * statistics.fmean(c for c, _ in done), "metric_calls": attempts,
+                    "tokens": attempts * statistics.fmean(t for _, t in done)}
+        for name, limit in self.limits.items():
+            if limit is not None and self.spent[name] >= limit:
+                return self._why(name, "", 0)
+        for name, limit in self.limits.items():
+            if limit is not None and need[name] and self.spent[name] + need[name] > limit:
+                return self._why(name, "", need[name], attempts)
+        return None
+
+    def _why(self, name: str, stage: str, share: float, attempts: int = 0) -> str:
+        knob = {"cost": "max_cost", "tokens": "max_total_tokens", "metric_calls": "max_metric_calls"}[name]
+        show = (lambda v: f"${v:.4f}" if v >= 0.01 else f"${v:.6f}") if name == "cost" else (lambda v: f"{v:,.0f}")
+        if attempts:  # the next step cannot be paid for
+            left = show(self.limits[name] - self.spent[name])
+            return (f"budget {knob}={self.limits[name]:g} cannot pay for another step: {left} left, a step needs "
+                    f"~{show(share)} ({attempts} attempts: its rollouts, and a probe of the program and one edit, "
+                    f"where it probes); more calls cannot pay")
+        what = {"cost": "spent", "tokens": "tokens used", "metric_calls": "metric calls made"}[name]
+        nxt = f"; the next {stage} unit (~{show(share)}) would pass it" if stage else ""
+        used = self.spent[name] + self.in_flight[name]  # (those in flight are as good as spent)
+        return f"budget {knob}={self.limits[name]:g} reached: {show(used)} {what}{nxt}"

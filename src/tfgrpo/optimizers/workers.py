@@ -1,0 +1,340 @@
+"""Where a run's units run, and what an attempt runs: a program on an example (`run_program`, `attempt_record`), on
+a bounded pool of threads (`Workers`) or, with `backend="ray"`, as a task on a Ray cluster (`RayAttempts`).
+
+`Workers` is the runner's seam: `map` runs a stage's units on the pool and `each` runs a step's groups side by side;
+another backend takes its place behind those two verbs without the step changing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import re
+import sys
+import threading
+from concurrent.futures import FIRST_EXCEPTION, CancelledError, Future, wait
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import dspy
+import tqdm
+from dspy.utils.exceptions import AdapterParseError, LMError
+
+from tfgrpo.base.util import clip, digest, jsonable
+from tfgrpo.optimizers.rewards import score_attempt
+from tfgrpo.optimizers.spend import UsageMeter, paced
+from tfgrpo.programs.render import MAX_ATTEMPT_CHARS, count_tool_calls, format_attempt
+
+
+# -- running a program ------------------------------------------------------------------------------------------------
+def with_own_lms(program: dspy.Module, **overrides: Any) -> dspy.Module:
+    """A deep copy of `program` whose predictors call private copies of their LMs (the predictor's own, else
+    `dspy.settings.lm`), with `overrides` (such as rollout_id, temperature) set on the copies. A temperature is not set
+    on a model that takes only its own (`fixed_temperature`)."""
+    program = program.deepcopy()
+    copies: dict[int, dspy.BaseLM] = {}
+    for name, predictor in program.named_predictors():
+        base = predictor.lm or dspy.settings.lm
+        if base is None:
+            raise ValueError(f"predictor {name!r} has no LM: call dspy.configure(lm=dspy.LM(...)) or set one on it")
+        if id(base) not in copies:
+            keep = fixed_temperature(base) is not None
+            copies[id(base)] = base.copy(**{k: v for k, v in overrides.items() if not (keep and k == "temperature")})
+        predictor.lm = copies[id(base)]
+    return program
+
+
+def fixed_temperature(lm: dspy.BaseLM) -> float | None:
+    """The temperature a model requires (OpenAI's o-series and gpt-5 reasoning models take only 1.0), else None."""
+    family = str(getattr(lm, "model", "")).split("/")[-1].lower()
+    reasoning = re.match(r"^(o[1345](-(mini|nano|pro))?(-\d{4}-\d{2}-\d{2})?|gpt-5(\.\d+)*(?!-chat)(-.*)?)$", family)
+    return 1.0 if reasoning else None
+
+
+def run_program(program: dspy.Module, example: dspy.Example) -> tuple[dspy.Prediction | None, dict]:
+    """Run `program` on `example`'s inputs (an async-only program, with `aforward` and no `forward`, through its event
+    loop). Returns the prediction (None when the program raised) and a JSON record of the run: `outputs`, `error` (the
+    exception as text; never raised), `failed` (the error is an LM call's), `unparsed` (the error is a reply with
+    content the adapter could not parse), `trace` (every predictor call: name, inputs, outputs, whole) and
+    `tool_calls`."""
+    trace: list = []
+    try:
+        with dspy.context(trace=trace):
+            if not hasattr(type(program), "forward") and hasattr(type(program), "aforward"):  # an async-only program
+                prediction = asyncio.run(program.acall(**example.inputs()))
+            else:
+                prediction = program(**example.inputs())
+        outputs, error, failed, unparsed = jsonable(dict(prediction.items())), None, False, False
+    except Exception as exc:
+        prediction, outputs, error, failed, unparsed = None, None, f"{type(exc).__name__}: {exc}", False, False
+        cause = exc
+        while cause is not None and not failed:  # the provider's failure or empty reply, wherever in the chain
+            failed, unparsed = no_answer(cause), unparsed or isinstance(cause, AdapterParseError)
+            cause = cause.__cause__ or cause.__context__
+        unparsed = unparsed and not failed
+    names = {id(predictor): name for name, predictor in program.named_predictors()}
+    steps = [{"predictor": names.get(id(predictor), type(predictor).__name__), "inputs": jsonable(inputs),
+              "outputs": jsonable(dict(out.items()))} for predictor, inputs, out in trace]
+    return prediction, {"outputs": outputs, "error": error, "failed": failed, "unparsed": unparsed, "trace": steps,
+                        "tool_calls": count_tool_calls(outputs)}
+
+
+def attempt_record(program: dspy.Module, example: dspy.Example, metric: Callable | None,
+                    timeout_s: float | None) -> dict:
+    """An attempt's checkpoint record: `run_program`'s, with the attempt as the learning calls read it; with `metric`,
+    its score too (none for an attempt whose LM call failed)."""
+    _, rec = run_program(program, example)
+    text = format_attempt(dict(example.inputs().items()), rec["outputs"], rec["trace"], rec["error"], limit=None)
+    rec["attempt"] = clip(text, MAX_ATTEMPT_CHARS)
+    if len(text) > MAX_ATTEMPT_CHARS:  # said once by the runner
+        rec["attempt_chars"] = len(text)
+    if metric is None:
+        return rec
+    if rec["failed"]:
+        return {**rec, "reward": None, "feedback": ""}
+    return {**rec, **score_attempt(metric, example, rec, timeout_s)}
+
+
+def _no_answer_record(example: dspy.Example, metric: Callable | None, error: str) -> dict:
+    """The record of an attempt that got no answer because it never ran to the end (a Ray task lost with its node)."""
+    rec = {"outputs": None, "error": error, "failed": True, "trace": [], "tool_calls": 0,
+           "attempt": format_attempt(dict(example.inputs().items()), None, [], error)}
+    return rec if metric is None else {**rec, "reward": None, "feedback": ""}
+
+
+EMPTY_REPLY = "The LM returned an empty or null response"  # what DSPy's adapters raise for a reply with no content
+
+
+def no_answer(exc: BaseException) -> bool:
+    """Whether `exc` says the provider gave no answer: an LM call that failed, or a reply with nothing to parse (DSPy's
+    adapters raise an `AdapterParseError` for no choices, or an empty content such as a content filter leaves)."""
+    return isinstance(exc, LMError) or (isinstance(exc, AdapterParseError) and EMPTY_REPLY in str(exc))
+
+
+def rollout_id(*parts) -> int:
+    """A stable rollout ID for DSPy's cache and the provider's sampling, from `parts` (seed, step, attempt)."""
+    return int(digest(list(parts)), 16) % 2**31
+
+
+@dataclass
+class StageBars:
+    """A tqdm bar per stage on stderr, as DSPy draws its own: the progress callback when the caller gives none, for the
+    overlapping stages of a pipelined step (a stage's total may grow as groups reach it); `close()` them when it is
+    over. Drawn only when stderr is a terminal: in a log file or CI a redrawn bar is a stream of escape codes.
+    `resumed=True` takes a stage's first report for work done before (a resume's), not for progress, so that the rate
+    and ETA count from it (the whole run's bar)."""
+
+    resumed: bool = False
+    bars: dict = field(default_factory=dict)  # stage -> its tqdm bar
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        if stage not in self.bars:
+            self.bars[stage] = tqdm.tqdm(total=total, desc=stage, dynamic_ncols=True, file=sys.stderr,
+                                         disable=not sys.stderr.isatty(), initial=done if self.resumed else 0)
+        bar = self.bars[stage]
+        if total != bar.total:
+            bar.total = total
+        bar.update(done - bar.n)
+
+    def close(self) -> None:
+        for bar in self.bars.values():
+            bar.close()
+
+
+class DaemonPool:
+    """A fixed pool of daemon threads with `ThreadPoolExecutor`'s submit and shutdown. The standard pool's threads
+    are joined when the interpreter exits, so one call that hangs (a metric, a tool) would keep a stopped run alive
+    forever; these threads are abandoned instead, and a Ctrl-C ends the process at once."""
+
+    def __init__(self, num_threads: int):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, daemon=True, name=f"tfgrpo-worker-{i}")
+                         for i in range(max(1, num_threads))]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn: Callable, *args) -> Future:
+        future: Future = Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, args = job
+            if not future.set_running_or_notify_cancel():  # cancelled while it waited
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(exc)
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        """Stop taking work; `cancel_futures` cancels what has not started; `wait` waits for what runs."""
+        if cancel_futures:
+            while True:
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    job[0].cancel()
+        for _ in self._threads:
+            self._jobs.put(None)
+        if wait:
+            for thread in self._threads:
+                thread.join()
+
+
+class Workers:
+    """A bounded pool for the units of work of one stage or step: `map(stage, fn, items)` runs `fn` over `items` on at
+    most `num_threads` threads in all and returns the results in order, and may be called from several threads at
+    once (one per group of a step, `each`), so that a group's learning calls start while other groups still roll out.
+
+    A unit runs with the caller's DSPy settings and with `meters[stage]` as DSPy's usage tracker; `progress(stage,
+    done, total)` is told of each finished unit. Nothing is swallowed: the first unit that raises stops everything
+    (units not started are cancelled, running ones finish) and its exception is raised by the `with` block's
+    `map`/`each`; on Ctrl-C nothing is waited for: a unit that hangs is abandoned on its daemon thread."""
+
+    def __init__(self, num_threads: int, *, progress: Callable[[str, int, int], None] | None = None,
+                 meters: dict | None = None):
+        from dspy.dsp.utils.settings import thread_local_overrides
+
+        self._overrides = thread_local_overrides
+        self._parent = thread_local_overrides.get().copy()
+        self._bars = StageBars() if progress is None else None
+        self.progress, self.meters = progress or self._bars, meters or {}
+        self._pool, self._groups = DaemonPool(num_threads), None
+        self._counts: dict[str, list[int]] = {}  # stage -> [done, submitted]
+        self._lock = threading.Lock()
+        self._stopped = False  # a unit failed: nothing more is started
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, kind, error, tb) -> None:
+        interrupted = kind is not None and issubclass(kind, KeyboardInterrupt)
+        for pool in (self._pool, self._groups):
+            if pool is not None:  # never wait on Ctrl-C; after an error, wait for running units (they finish)
+                pool.shutdown(wait=not interrupted, cancel_futures=kind is not None)
+        if self._bars is not None:
+            self._bars.close()
+
+    def _in_context(self, fn: Callable, overrides: dict) -> Callable:
+        def run(*args):
+            token = self._overrides.set(overrides)
+            try:
+                return fn(*args)
+            finally:
+                self._overrides.reset(token)
+        return run
+
+    def map(self, stage: str, fn: Callable, items: list) -> list:
+        """`[fn(item) for item in items]`, run on the pool, in order."""
+        caller = self._overrides.get().copy()
+        overrides = {**caller, **({"usage_tracker": self.meters[stage]} if stage in self.meters else {})}
+        with self._lock:
+            if self._stopped:
+                raise Cancelled()
+            self._counts.setdefault(stage, [0, 0])[1] += len(items)
+            futures = [self._pool.submit(self._in_context(fn, overrides), item) for item in items]
+        results = []
+        for future in futures:
+            try:
+                results.append(future.result())  # a unit that raised stops the caller here
+            except CancelledError:  # cancelled because another unit failed: that one's error is raised instead
+                raise Cancelled() from None
+            with self._lock:
+                self._counts[stage][0] += 1
+                self.progress(stage, *self._counts[stage])  # one at a time: bars and callbacks need no lock
+        return results
+
+    def each(self, fn: Callable, items: list) -> list:
+        """`[fn(item) for item in items]`, each item on a thread of its own (a group of a step: it waits on its units,
+        which run on the bounded pool), in order; the first that raises stops the others' units not yet started, and
+        is raised here once the rest have ended."""
+        if self._groups is None:
+            self._groups = DaemonPool(max(1, len(items)))
+        futures = [self._groups.submit(self._in_context(fn, self._parent.copy()), item) for item in items]
+        wait(futures, return_when=FIRST_EXCEPTION)
+        failed = next((f for f in futures if f.done() and f.exception() is not None), None)
+        if failed is not None:
+            with self._lock:
+                self._stopped = True
+            self._pool.shutdown(wait=False, cancel_futures=True)  # the other items end with their units
+            wait(futures)
+            raise next((f.exception() for f in futures if f.exception() is not None
+                        and not isinstance(f.exception(), Cancelled)), failed.exception())
+        return [f.result() for f in futures]
+
+
+class Cancelled(Exception):
+    """A unit of work was cancelled because another one failed: the failure that caused it is raised instead."""
+
+
+class RayAttempts:
+    """The attempts of a run as Ray tasks: `attempt` has `attempt_record`'s contract, and runs it on any node of the
+    cluster (RAY_ADDRESS, else the one `ray.init()` finds or starts; a cluster the caller connected to is used as it
+    is). What travels: the program (its LM copies with their settings), the example, the metric when the unit scores
+    the attempt, and DSPy's `lm` and `adapter` settings; what comes back: the attempt's record and the usage of its LM
+    calls, metered here as a local call is. A task whose worker or node dies is sent again by Ray (`max_retries`);
+    lost for good, it is an attempt with no answer (`failed`, never scored), as a failed LM call is. The program's
+    classes must import on the nodes: tfgrpo's do wherever it is installed; a class of the caller's own module needs
+    that module there (installed, or Ray's `runtime_env`)."""
+
+    max_retries = 3  # sends of one task whose worker or node died, after the first
+
+    def __init__(self, prices: dict | None = None):
+        try:
+            import ray
+        except ImportError:
+            raise ImportError('backend="ray" needs Ray on this machine and the nodes: pip install "tfgrpo[ray]"') from None
+        if not ray.is_initialized():
+            ray.init(logging_level="WARNING")
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        logger.info("backend ray: attempts run as tasks on %d node(s), %g CPU(s) (%s)", len(nodes),
+                    ray.cluster_resources().get("CPU", 0), ray.get_runtime_context().gcs_address)
+        self._ray, self.prices = ray, prices
+        self._task = ray.remote(_remote_attempt).options(max_retries=self.max_retries, retry_exceptions=False)
+        self._lock, self._running = threading.Lock(), set()
+
+    def attempt(self, program: dspy.Module, example: dspy.Example, metric: Callable | None,
+                timeout_s: float | None) -> dict:
+        settings = {"lm": dspy.settings.lm, "adapter": dspy.settings.adapter}
+        if paced(settings["lm"]) or any(paced(p.lm) for p in program.predictors()):
+            raise ValueError('backend="ray" sends the attempts\' calls from the nodes, where a RequestPacer '
+                             "(max_requests_per_minute) paces nothing: leave it off and let the provider's 429s and "
+                             'num_retries pace the run, or use backend="threads"')
+        ref = self._task.remote(program, example, metric, timeout_s, settings, self.prices)
+        with self._lock:
+            self._running.add(ref)
+        try:
+            record, usage = self._ray.get(ref)
+        except self._ray.exceptions.RayTaskError as exc:  # the task's own error (a program that cannot unpickle)
+            raise exc.as_instanceof_cause() from None
+        except self._ray.exceptions.RayError as exc:  # its worker or node died more than max_retries times
+            record, usage = _no_answer_record(example, metric, f"RayTaskLost: {type(exc).__name__}: {exc}"), {}
+        finally:
+            with self._lock:
+                self._running.discard(ref)
+        if dspy.settings.usage_tracker is not None:  # the unit's own meter
+            dspy.settings.usage_tracker.absorb(usage)
+        return record
+
+    def cancel(self) -> None:
+        """End the tasks still running (Ctrl-C on the driver)."""
+        with self._lock:
+            running, self._running = list(self._running), set()
+        for ref in running:
+            self._ray.cancel(ref, force=True)
+
+
+_WORKER_PRICES: dict[str, dict] = {}  # a Ray worker's price lookups by the run's `prices`, kept for its later tasks
+
+
+def _remote_attempt(program: dspy.Module, example: dspy.Example, metric: Callable | None, timeout_s: float | None,
+                    settings: dict, prices: dict | None) -> tuple[dict, dict]:
+    """A Ray task's body: the attempt's record and its LM calls' usage (`UsageMeter.usage_data`)."""
+    meter = UsageMeter(_WORKER_PRICES.setdefault(digest(prices), {}), custom=prices)
+    with dspy.context(usage_tracker=meter, **settings):
+        record = attempt_record(program, example, metric, timeout_s)
+    return record, dict(meter.usage_data)

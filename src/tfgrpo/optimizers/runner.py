@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import json
 import logging
 import threading
@@ -49,8 +50,8 @@ from tfgrpo.optimizers.knobs import Knobs
 from tfgrpo.optimizers.records import Attempt, Failed
 from tfgrpo.optimizers.rewards import score_attempt
 from tfgrpo.optimizers.spend import Budget, BudgetExhausted, UsageMeter, add_usage
-from tfgrpo.optimizers.workers import (EMPTY_REPLY, RayAttempts, StageBars, Workers, attempt_record, rollout_id,
-                                       run_program, with_own_lms)
+from tfgrpo.optimizers.workers import (EMPTY_REPLY, AsyncWorkers, RayAttempts, StageBars, Workers, aattempt_record,
+                                       attempt_record, rollout_id, run_program, with_own_lms)
 from tfgrpo.programs.render import MAX_ATTEMPT_CHARS, MAX_FEEDBACK_CHARS
 
 logger = logging.getLogger(__name__)
@@ -102,7 +103,8 @@ class Runner:
         outer, bars = dspy.settings.usage_tracker, StageBars()
         scope = Scope(self, name, prefix=prefix, usage_key=usage_key, before=before or {})
         recorded = False
-        with Workers(self.knobs.num_threads, progress=self.knobs.progress or bars, meters=scope.meters) as scope.work:
+        workers = AsyncWorkers if self.knobs.backend == "async" else Workers
+        with workers(self.knobs.num_threads, progress=self.knobs.progress or bars, meters=scope.meters) as scope.work:
             try:
                 yield scope
                 recorded = usage_key is not None  # the step's record holds the scope's usage
@@ -224,16 +226,36 @@ class Scope:
     # -- units ----------------------------------------------------------------------------------------------------
     def _unit(self, stage: str, fn: Callable[[], Any], metric_calls: int = 0) -> Any:
         """Run `fn` as one unit of `stage`: charged before it starts, under a meter of its own, then counted."""
-        runner = self.runner
-        share, own = runner.budget.reserve(stage, metric_calls), UsageMeter(runner.prices, runner.custom_prices)
+        share, own = self.runner.budget.reserve(stage, metric_calls), self._own_meter()
         value = None
         try:
             with dspy.context(usage_tracker=own):
                 value = fn()
         finally:
-            self.meter(stage).absorb(own.usage_data)
-            failed = isinstance(value, dict) and value.get("failed")
-            runner.budget.release(stage, share, own.totals(), 0 if failed else metric_calls)
+            self._spent(stage, share, own, value, metric_calls)
+        return value
+
+    async def _aunit(self, stage: str, fn: Callable[[], Any], metric_calls: int = 0) -> Any:
+        """`_unit` for a coroutine function `fn` (backend="async")."""
+        share, own = self.runner.budget.reserve(stage, metric_calls), self._own_meter()
+        value = None
+        try:
+            with dspy.context(usage_tracker=own):
+                value = await fn()
+        finally:
+            self._spent(stage, share, own, value, metric_calls)
+        return value
+
+    def _own_meter(self) -> UsageMeter:
+        return UsageMeter(self.runner.prices, self.runner.custom_prices)
+
+    def _spent(self, stage: str, share: dict, own: UsageMeter, value: Any, metric_calls: int) -> None:
+        """A unit has ended: what its own meter saw goes to the stage's meter and to the budget (no metric call for an
+        attempt that got no answer); the first call made outside the predictors is said."""
+        runner = self.runner
+        self.meter(stage).absorb(own.usage_data)
+        failed = isinstance(value, dict) and value.get("failed")
+        runner.budget.release(stage, share, own.totals(), 0 if failed else metric_calls)
         direct = sum(e["direct"] for entries in list(own.usage_data.values()) for e in entries)
         with runner.lock:  # said once per run, whichever unit's thread sees it first
             first, runner.direct_calls = direct and not runner.direct_calls, runner.direct_calls + direct
@@ -241,7 +263,6 @@ class Scope:
             logger.warning("The program called an LM outside its predictors (dspy.settings.lm(...) or an LM of its own, "
                            "called directly): tfgrpo puts what it learns into the predictors' instructions and demos, "
                            "so those calls get none of it. Make them through a dspy.Predict to have them learn too.")
-        return value
 
     def _done(self, stage: str, error: str | None) -> None:
         """A unit of `stage` has ended (`error`: it failed): counted and timed; a step's usage so far is saved, so
@@ -261,22 +282,54 @@ class Scope:
         None for a failed one, `feedback`, and `timeout` for a metric call that timed out). Saved under `key` unless
         it raised or timed out (a resume runs it again); counted as a failure when it did."""
         runner = self.runner
-        if key is not None and (record := runner.ckpt.get(key)) is not None:
-            runner.budget.add({}, metric_calls=1)  # reused: it counts in the run's metric calls all the same
-        else:
+        if (record := self._reused(key)) is None:
             metric, body = runner.metric if score else None, attempt_record if runner.ray is None else runner.ray.attempt
             record = self._unit(stage, lambda: body(program, example, metric, self.knobs.metric_timeout_s),
                                 metric_calls=1)
-            if key is not None and not record["error"] and "timeout" not in record:
-                runner.ckpt.put(key, record)
+            self._save_attempt(key, record)
+        return self._attempted(stage, record)
+
+    async def aattempt(self, stage: str, key: str | None, program: dspy.Module, example: dspy.Example, *,
+                       score: bool = False) -> dict:
+        """`attempt` as a coroutine on the async workers' loop (backend="async")."""
+        if (record := self._reused(key)) is None:
+            metric = self.runner.metric if score else None
+            record = await self._aunit(stage, lambda: aattempt_record(program, example, metric,
+                                                                      self.knobs.metric_timeout_s, self.work),
+                                       metric_calls=1)
+            self._save_attempt(key, record)
+        return self._attempted(stage, record)
+
+    def _reused(self, key: str | None) -> dict | None:
+        """The attempt saved under `key`, which counts in the run's metric calls all the same; None to run it."""
+        if key is not None and (record := self.runner.ckpt.get(key)) is not None:
+            self.runner.budget.add({}, metric_calls=1)
+            return record
+        return None
+
+    def _save_attempt(self, key: str | None, record: dict) -> None:
+        if key is not None and not record["error"] and "timeout" not in record:  # (one that raised runs again)
+            self.runner.ckpt.put(key, record)
+
+    def _attempted(self, stage: str, record: dict) -> dict:
         # a reply that came back and did not parse is the program's own 0, no outage: it does not count as a failure
         self._done(stage, None if record.get("unparsed") else record["error"] or record.get("timeout"))
         self._say_clipped(record)
         return record
 
+    def attempts(self, stage: str, jobs: list[tuple[str | None, dspy.Module, dspy.Example]], *,
+                 score: bool = False) -> list[dict]:
+        """`attempt(stage, key, program, example, score=score)` for each job (key, program, example), on the workers:
+        as coroutines with backend="async", else on the pool's threads."""
+        if isinstance(self.work, AsyncWorkers):
+            self.meter(stage)
+            return self.work.gather(stage, [functools.partial(self.aattempt, stage, *job, score=score) for job in jobs])
+        return self.map(stage, lambda job: self.attempt(stage, *job, score=score), jobs)
+
     def scored(self, stage: str, jobs: list[tuple[str | None, dspy.Module, dspy.Example]]) -> list[dict]:
-        """`attempt(stage, key, program, example, score=True)` for each job (key, program, example), on the workers."""
-        return self.map(stage, lambda job: self.attempt(stage, *job, score=True), jobs)
+        """`attempts(stage, jobs, score=True)`: each attempt scored in its own unit (the probe, validation, the
+        attribution)."""
+        return self.attempts(stage, jobs, score=True)
 
     def score(self, key: str, attempt: Attempt, example: dspy.Example) -> dict:
         """`reward` and `feedback` of an answered attempt against `example` (the ground truth, or its group's majority

@@ -166,8 +166,8 @@ def _group(run: Run, scope: Scope, state: State, programs: list, qi: int, size: 
     knobs, index, example = run.knobs, state.step, run.trainset[qi]
     first, timeouts = before or (None, [])
     gens = list(range(first.size if first else 0, size))
-    attempts = dict(zip(gens, scope.map("rollout", lambda g: Attempt.from_record(
-        scope.attempt("rollout", Keys.rollout(index, qi, g), programs[g], example)), gens)))
+    records = scope.attempts("rollout", [(Keys.rollout(index, qi, g), programs[g], example) for g in gens])
+    attempts = {g: Attempt.from_record(record) for g, record in zip(gens, records)}
     failed = [g for g, a in attempts.items() if a.error]
     scope.settle("rollout", bool(failed))
     for g in failed:  # the stage's failure check passed: they stand, and a resume replays the same group (had it

@@ -2,12 +2,15 @@
 a bounded pool of threads (`Workers`) or, with `backend="ray"`, as a task on a Ray cluster (`RayAttempts`).
 
 `Workers` is the runner's seam: `map` runs a stage's units on the pool and `each` runs a step's groups side by side;
-another backend takes its place behind those two verbs without the step changing.
+`AsyncWorkers` (`backend="async"`) adds `gather`, which runs a scope's attempts as coroutines on one event loop, and
+keeps the other two verbs, so the step does not change.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import queue
 import re
 import sys
@@ -64,10 +67,35 @@ def run_program(program: dspy.Module, example: dspy.Example) -> tuple[dspy.Predi
                 prediction = asyncio.run(program.acall(**example.inputs()))
             else:
                 prediction = program(**example.inputs())
-        outputs, error, failed, unparsed = jsonable(dict(prediction.items())), None, False, False
     except Exception as exc:
-        prediction, outputs, error, failed, unparsed = None, None, f"{type(exc).__name__}: {exc}", False, False
-        cause = exc
+        return None, _run_record(program, trace, None, exc)
+    return prediction, _run_record(program, trace, prediction, None)
+
+
+async def arun_program(program: dspy.Module, example: dspy.Example, workers: AsyncWorkers
+                       ) -> tuple[dspy.Prediction | None, dict]:
+    """`run_program` as a coroutine on the event loop of `workers`: through the program's `acall` (DSPy's async path to
+    the LM) where it has `aforward`, else its `forward` on one of the workers' threads."""
+    trace: list = []
+    try:
+        with dspy.context(trace=trace):
+            if hasattr(type(program), "aforward"):
+                prediction = await program.acall(**example.inputs())
+            else:
+                prediction = await workers.offload(program, **example.inputs())
+    except Exception as exc:
+        return None, _run_record(program, trace, None, exc)
+    return prediction, _run_record(program, trace, prediction, None)
+
+
+def _run_record(program: dspy.Module, trace: list, prediction: dspy.Prediction | None,
+                exc: Exception | None) -> dict:
+    """The JSON record of one run of `program` (see `run_program`): its prediction, or the exception it raised."""
+    outputs, error, failed, unparsed = None, None, False, False
+    if exc is None:
+        outputs = jsonable(dict(prediction.items()))
+    else:
+        error, cause = f"{type(exc).__name__}: {exc}", exc
         while cause is not None and not failed:  # the provider's failure or empty reply, wherever in the chain
             failed, unparsed = no_answer(cause), unparsed or isinstance(cause, AdapterParseError)
             cause = cause.__cause__ or cause.__context__
@@ -75,24 +103,36 @@ def run_program(program: dspy.Module, example: dspy.Example) -> tuple[dspy.Predi
     names = {id(predictor): name for name, predictor in program.named_predictors()}
     steps = [{"predictor": names.get(id(predictor), type(predictor).__name__), "inputs": jsonable(inputs),
               "outputs": jsonable(dict(out.items()))} for predictor, inputs, out in trace]
-    return prediction, {"outputs": outputs, "error": error, "failed": failed, "unparsed": unparsed, "trace": steps,
-                        "tool_calls": count_tool_calls(outputs)}
+    return {"outputs": outputs, "error": error, "failed": failed, "unparsed": unparsed, "trace": steps,
+            "tool_calls": count_tool_calls(outputs)}
 
 
 def attempt_record(program: dspy.Module, example: dspy.Example, metric: Callable | None,
-                    timeout_s: float | None) -> dict:
+                   timeout_s: float | None) -> dict:
     """An attempt's checkpoint record: `run_program`'s, with the attempt as the learning calls read it; with `metric`,
     its score too (none for an attempt whose LM call failed)."""
-    _, rec = run_program(program, example)
+    rec = _with_text(example, run_program(program, example)[1])
+    if metric is None or rec["failed"]:
+        return rec if metric is None else {**rec, "reward": None, "feedback": ""}
+    return {**rec, **score_attempt(metric, example, rec, timeout_s)}
+
+
+async def aattempt_record(program: dspy.Module, example: dspy.Example, metric: Callable | None,
+                          timeout_s: float | None, workers: AsyncWorkers) -> dict:
+    """`attempt_record` as a coroutine (`arun_program`); the metric runs on one of the workers' threads."""
+    rec = _with_text(example, (await arun_program(program, example, workers))[1])
+    if metric is None or rec["failed"]:
+        return rec if metric is None else {**rec, "reward": None, "feedback": ""}
+    return {**rec, **await workers.offload(score_attempt, metric, example, rec, timeout_s)}
+
+
+def _with_text(example: dspy.Example, rec: dict) -> dict:
+    """A run's record with the attempt as the learning calls read it (cut to MAX_ATTEMPT_CHARS: the runner says so)."""
     text = format_attempt(dict(example.inputs().items()), rec["outputs"], rec["trace"], rec["error"], limit=None)
     rec["attempt"] = clip(text, MAX_ATTEMPT_CHARS)
-    if len(text) > MAX_ATTEMPT_CHARS:  # said once by the runner
+    if len(text) > MAX_ATTEMPT_CHARS:
         rec["attempt_chars"] = len(text)
-    if metric is None:
-        return rec
-    if rec["failed"]:
-        return {**rec, "reward": None, "feedback": ""}
-    return {**rec, **score_attempt(metric, example, rec, timeout_s)}
+    return rec
 
 
 def _no_answer_record(example: dspy.Example, metric: Callable | None, error: str) -> dict:
@@ -269,6 +309,74 @@ class Workers:
 
 class Cancelled(Exception):
     """A unit of work was cancelled because another one failed: the failure that caused it is raised instead."""
+
+
+class AsyncWorkers(Workers):
+    """`backend="async"`: a scope's attempts as coroutines on one event loop (a thread of its own), up to `in_flight`
+    at once, each through DSPy's async path to the LM (`arun_program`), so that hundreds of calls can wait on a
+    provider without a thread each. `gather(stage, fns)` runs coroutine functions there; everything else keeps
+    `Workers`' verbs on a pool of at most `SYNC_THREADS` threads: the metric, a program with only `forward`, the
+    learning calls (`map`), the groups side by side (`each`). The same rules hold: a unit runs with the caller's DSPy
+    settings and `meters[stage]`, the first unit that raises stops the units not yet started and is raised by its
+    `gather`, and on Ctrl-C nothing is waited for."""
+
+    SYNC_THREADS = 32  # threads for the units that cannot be coroutines (more would only contend for the GIL)
+
+    def __init__(self, in_flight: int, *, progress: Callable[[str, int, int], None] | None = None,
+                 meters: dict | None = None):
+        super().__init__(min(in_flight, self.SYNC_THREADS), progress=progress, meters=meters)
+        self.loop = asyncio.new_event_loop()
+        self._slots = asyncio.Semaphore(max(1, in_flight))
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="tfgrpo-async")
+        self._thread.start()
+
+    def __exit__(self, kind, error, tb) -> None:
+        if kind is None or not issubclass(kind, KeyboardInterrupt):  # after an error, running units finish
+            asyncio.run_coroutine_threadsafe(self._drain(), self.loop).result()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        super().__exit__(kind, error, tb)
+
+    @staticmethod
+    async def _drain() -> None:
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        await asyncio.gather(*others, return_exceptions=True)
+
+    def gather(self, stage: str, fns: list[Callable[[], Any]]) -> list:
+        """`[await fn() for fn in fns]`, the coroutines side by side on the loop (at most `in_flight` of the scope's at
+        once), in order; called from any thread, which waits for them."""
+        caller = self._overrides.get().copy()
+        overrides = {**caller, **({"usage_tracker": self.meters[stage]} if stage in self.meters else {})}
+        with self._lock:
+            if self._stopped:
+                raise Cancelled()
+            self._counts.setdefault(stage, [0, 0])[1] += len(fns)
+        futures = [asyncio.run_coroutine_threadsafe(self._unit(stage, fn, overrides), self.loop) for fn in fns]
+        try:
+            return [future.result() for future in futures]  # a unit that raised stops the caller here
+        except BaseException:
+            with self._lock:
+                self._stopped = True
+            raise
+
+    async def _unit(self, stage: str, fn: Callable[[], Any], overrides: dict) -> Any:
+        async with self._slots:
+            if self._stopped:  # another unit failed while this one waited for a slot
+                raise Cancelled()
+            token = self._overrides.set(overrides)
+            try:
+                value = await fn()
+            finally:
+                self._overrides.reset(token)
+        with self._lock:
+            self._counts[stage][0] += 1
+            self.progress(stage, *self._counts[stage])
+        return value
+
+    async def offload(self, fn: Callable, *args, **kwargs) -> Any:
+        """`fn(*args, **kwargs)` on one of the pool's threads, in the calling coroutine's context, without holding the
+        loop."""
+        context = contextvars.copy_context()
+        return await asyncio.wrap_future(self._pool.submit(functools.partial(context.run, fn, *args, **kwargs)))
 
 
 class RayAttempts:

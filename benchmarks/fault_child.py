@@ -59,9 +59,14 @@ def make_program():
             self.solve = dspy.Predict("question, sample -> answer")
 
         def forward(self, question):
-            lm = self.solve.lm or dspy.settings.lm
-            rid = (getattr(lm, "kwargs", None) or {}).get("rollout_id")
-            return self.solve(question=question, sample="final" if rid is None else str(rid))
+            return self.solve(question=question, sample=self._sample())
+
+        async def aforward(self, question):  # backend="async" runs it through DSPy's async path to the LM
+            return await self.solve.acall(question=question, sample=self._sample())
+
+        def _sample(self) -> str:
+            rid = (getattr(self.solve.lm or dspy.settings.lm, "kwargs", None) or {}).get("rollout_id")
+            return "final" if rid is None else str(rid)
 
     return SampledSolver()
 

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 X = r"[+-]?\d+\.\d+"  # a figure as the benchmarks print them
 COVERED = {"api_run.py", "faults.py", "learning_paths.py", "local_learning.py", "local_math.py", "local_throughput.py",
            "local_web.py", "peers.py", "replay.py", "rule_ceiling.py", "step_latency.py", "worth.py", "ceiling.py",
-           "resume_saved.py", "same_run.py", "carry.py", "ray_backend.py"}  # each has a test below
+           "resume_saved.py", "same_run.py", "carry.py", "ray_backend.py", "async_backend.py"}  # each has a test below
 NOT_BENCHMARKS = {"__init__.py", "common.py", "fault_child.py", "log_dir_checks.py", "stop_rows.py",
                   "trust_rows.py"}  # helpers of the benchmarks
 
@@ -106,6 +106,16 @@ def test_api_run_carry_and_rate_limit():
     lines = run("api_run.py", "--train", "1", "--rate-limit-rpm", "600", "--rate-threads", "4")
     assert [re.fullmatch(rf"rate_limit: rpm=600 threads=4 paced=(no|yes) requests=\d+ answered=\d+ minutes={X} "
                          rf"per_r={X} ratio={X} floor={X} share_429={X}", line).group(1) for line in lines] == ["no", "yes"]
+
+
+def test_async_backend():
+    """At its smallest: two queries of two attempts, 50 ms replies, a limit that does not bind."""
+    lines = run("async_backend.py", "--batch", "2", "--group", "2", "--median", "0.05", "--rpm", "600",
+                "--configs", "threads:2,async:8")
+    assert all(re.fullmatch(rf"(threads|async):\d+: wall_s={X} floor_s={X} ratio={X} answered=\d+ share_429={X} "
+                            rf"rss_mib=\d+ lost=0 server_max_in_flight=\d+", line) for line in lines[:-1]), lines
+    assert re.fullmatch(rf"async: in_flight=8 wall_s={X} threads_wall_s=2:{X} floor_s={X} share_429={X} "
+                        r"calls_equal=true", lines[-1]), lines[-1]
 
 
 def test_step_latency():

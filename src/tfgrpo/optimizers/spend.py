@@ -8,8 +8,10 @@ from DSPy's cache are not counted); dollars are tokens times the model's price (
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
+import contextvars
 import statistics
 import threading
 import time
@@ -116,10 +118,13 @@ class RequestPacer(BaseCallback):
     counts them: a call that would be one too many waits for the oldest start to leave the window instead of drawing a
     429 and a Retry-After wait. Add it to the LM (`dspy.LM(..., callbacks=[RequestPacer(500)])`, or
     `max_requests_per_minute` in a config's LM section); `lm.copy()` shares it, so every copy the optimizer makes is
-    paced together.
+    paced together, on every thread and every coroutine of the process.
 
-    It paces the calls of one process; a call DSPy answers from its cache takes a start too. A provider's other
-    limits (tokens a minute) are still met by its 429 and DSPy's retries (`num_retries`)."""
+    It paces the calls of one process: two compiles on one key each need a pacer at their share of the key's limit
+    (two at 250 for a limit of 500). A call DSPy answers from its cache takes a start too. A provider's other limits
+    (tokens a minute) are still met by its 429 and DSPy's retries (`num_retries`). With backend="async" an attempt
+    takes its start before it runs (`astart`), waiting on the event loop; a second call of the same attempt (a
+    multi-turn program) that finds the window full waits on the loop's thread, holding the loop until it may start."""
 
     window_s = 60.0
     margin_s = 0.25  # a start waits this much past the window: the provider's clock sees the request a little later
@@ -132,24 +137,52 @@ class RequestPacer(BaseCallback):
         self._lock = threading.Lock()
         self.waited_s = 0.0  # the time calls spent waiting for a start, all threads together
 
+    def _take(self) -> float:
+        """Take a start now and return 0, or return how long to wait before trying again."""
+        with self._lock:
+            now = time.monotonic()
+            while self._starts and now - self._starts[0] >= self.window_s + self.margin_s:
+                self._starts.popleft()
+            if len(self._starts) < self.per_minute:
+                self._starts.append(now)
+                return 0.0
+            wait = self.window_s + self.margin_s - (now - self._starts[0])
+            self.waited_s += wait
+            return wait
+
     def on_lm_start(self, call_id, instance, inputs) -> None:
-        while True:
-            with self._lock:
-                now = time.monotonic()
-                while self._starts and now - self._starts[0] >= self.window_s + self.margin_s:
-                    self._starts.popleft()
-                if len(self._starts) < self.per_minute:
-                    self._starts.append(now)
-                    return
-                wait = self.window_s + self.margin_s - (now - self._starts[0])
-                self.waited_s += wait
+        taken = PREPAID.get()
+        if id(self) in taken:  # the attempt took this call's start already (astart)
+            PREPAID.set(taken - {id(self)})
+            return
+        while wait := self._take():
             time.sleep(wait)
+
+    async def astart(self) -> None:
+        """Take a start for the next call of the calling coroutine, waiting without holding the event loop."""
+        while wait := self._take():
+            await asyncio.sleep(wait)
+        PREPAID.set(PREPAID.get() | {id(self)})
 
     def __deepcopy__(self, memo) -> RequestPacer:
         return self  # a deep copy of a program's LM still shares the provider's limit
 
     def __reduce__(self):
         return RequestPacer, (self.per_minute,)  # the lock cannot travel; a copy in another process paces apart
+
+
+# the pacers whose start the current coroutine took before its first call (RequestPacer.astart), by id
+PREPAID: contextvars.ContextVar[frozenset] = contextvars.ContextVar("tfgrpo_prepaid", default=frozenset())
+
+
+def pacers(program: dspy.Module) -> list[RequestPacer]:
+    """The RequestPacers of the LMs `program`'s predictors call (their own, else `dspy.settings.lm`), each once."""
+    found = {}
+    for predictor in program.predictors():
+        for callback in getattr(predictor.lm or dspy.settings.lm, "callbacks", None) or []:
+            if isinstance(callback, RequestPacer):
+                found[id(callback)] = callback
+    return list(found.values())
 
 
 def paced(lm) -> bool:

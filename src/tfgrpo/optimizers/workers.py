@@ -25,7 +25,7 @@ from dspy.utils.exceptions import AdapterParseError, LMError
 
 from tfgrpo.base.util import clip, digest, jsonable
 from tfgrpo.optimizers.rewards import score_attempt
-from tfgrpo.optimizers.spend import UsageMeter, paced
+from tfgrpo.optimizers.spend import UsageMeter, paced, pacers
 from tfgrpo.programs.render import MAX_ATTEMPT_CHARS, count_tool_calls, format_attempt
 
 
@@ -119,7 +119,10 @@ def attempt_record(program: dspy.Module, example: dspy.Example, metric: Callable
 
 async def aattempt_record(program: dspy.Module, example: dspy.Example, metric: Callable | None,
                           timeout_s: float | None, workers: AsyncWorkers) -> dict:
-    """`attempt_record` as a coroutine (`arun_program`); the metric runs on one of the workers' threads."""
+    """`attempt_record` as a coroutine (`arun_program`), its first call's start taken from each RequestPacer of the
+    program's LMs before it runs; the metric runs on one of the workers' threads."""
+    for pacer in pacers(program):
+        await pacer.astart()
     rec = _with_text(example, (await arun_program(program, example, workers))[1])
     if metric is None or rec["failed"]:
         return rec if metric is None else {**rec, "reward": None, "feedback": ""}

@@ -26,7 +26,7 @@ def wheel(folder: Path, name: str, version: str, requires: list[str] = (), extra
     """A minimal pure-Python wheel of `name` (one empty module), with its requirements and extras."""
     path = folder / f"{name}-{version}-py3-none-any.whl"
     info = f"{name}-{version}.dist-info"
-    meta = [f"Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
+    meta = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
     meta += [f"Provides-Extra: {e}" for e in extras] + [f"Requires-Dist: {r}" for r in requires]
     files = {f"{name}.py": "", f"{info}/METADATA": "\n".join(meta) + "\n",
              f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}

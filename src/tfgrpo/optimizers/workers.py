@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import logging
 import queue
 import re
 import sys
@@ -27,6 +28,8 @@ from tfgrpo.base.util import clip, digest, jsonable
 from tfgrpo.optimizers.rewards import score_attempt
 from tfgrpo.optimizers.spend import UsageMeter, paced, pacers
 from tfgrpo.programs.render import MAX_ATTEMPT_CHARS, count_tool_calls, format_attempt
+
+logger = logging.getLogger(__name__)
 
 
 # -- running a program ------------------------------------------------------------------------------------------------

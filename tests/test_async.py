@@ -131,3 +131,20 @@ def test_a_paced_attempt_waits_for_its_start_without_holding_the_loop(monkeypatc
     assert elapsed >= 2.0  # 12 starts at 4 a window: the last four wait two windows
     gaps = [b - a for a, b in zip(beats, beats[1:])]
     assert max(gaps) < 0.5, f"the loop stalled for {max(gaps):.2f} s"
+
+
+@pytest.mark.parametrize("fault", ["malformed", "truncated", "empty", "invented_ids", "http429", "http500"])
+def test_under_each_fault_the_event_loop_learns_what_threads_learn(fault):
+    """The fake server injects each fault by the request (the same requests meet the same faults): the compile on
+    the event loop ends as on threads, with the same library and step records, or stops as threads stop."""
+    ends = {}
+    for backend in ("threads", "async"):
+        with FakeLMServer(latency=0.002, faults={fault: 0.2}, seed=0, vary_identical=False, retry_after=0.001) as srv:
+            try:
+                ends[backend] = _compile(srv, None, queries=4, backend=backend, num_threads=16)
+            except TooManyFailuresError as exc:
+                ends[backend] = {"stopped": str(exc).split(";")[0]}
+            assert srv.stats()["faults"][fault] > 0, "the fault was never injected"
+    threads, run = ends["threads"], ends["async"]
+    assert {k: run.get(k) for k in ("library", "steps", "stopped")} == \
+        {k: threads.get(k) for k in ("library", "steps", "stopped")}

@@ -219,14 +219,15 @@ class Knobs:
         "Concurrent LM calls of a step (all stages share them); with backend=\"async\", the attempts in flight."))
     backend: str = knob("threads", one_of("threads", "async", "ray"), doc=(
         "Where the program's attempts run (rollouts, probe, validation, attribution): \"threads\", on num_threads "
-        "threads of this process; \"async\", as coroutines on one event loop of this process, num_threads of them in "
-        "flight, each through the program's `acall` and DSPy's async path to the LM (a program with only `forward` "
-        "runs on a thread; the learning calls and the metric run on up to 32 threads), for hundreds of calls waiting "
-        "on a provider; \"ray\", each attempt (the program run and, where it is scored in the same unit, its metric) "
-        "as a task on a Ray cluster (`pip install \"tfgrpo[ray]\"`; the cluster named by RAY_ADDRESS, or the one "
-        "`ray.init()` finds or starts), for programs whose own work (tools, sandboxed code, page fetching) outgrows "
-        "one machine, num_threads of them in flight. The budget, the checkpoint, the failure rule, the rewards of the "
-        "rollouts and the learning calls stay in this process. See docs/long-runs.md and docs/ray.md."))
+        "threads of this process; \"async\", as coroutines on one event loop of this process, num_threads of them "
+        "in flight, each through the program's `acall` and DSPy's async path to the LM (a program with only "
+        "`forward` runs on a thread, and so do the learning calls and the metric, up to num_threads of them), for "
+        "hundreds of calls waiting on a provider; \"ray\", each attempt (the program run and, where it is scored in "
+        "the same unit, its metric) as a task on a Ray cluster (`pip install \"tfgrpo[ray]\"`; the cluster named by "
+        "RAY_ADDRESS, or the one `ray.init()` finds or starts), for programs whose own work (tools, sandboxed code, "
+        "page fetching) outgrows one machine, num_threads of them in flight. The budget, the checkpoint, the failure "
+        "rule, the rewards of the rollouts and the learning calls stay in this process. See docs/long-runs.md and "
+        "docs/ray.md."))
     max_failure_rate: float = knob(0.5, number(0, 1), doc=(
         "When more than this share of a step's attempts, summaries or group advantages, or of an epoch's "
         "validation runs, fail, the run stops with `TooManyFailuresError` and the step is not done; a resume "

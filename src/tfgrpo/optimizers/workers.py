@@ -319,18 +319,16 @@ class Cancelled(Exception):
 
 class AsyncWorkers(Workers):
     """`backend="async"`: a scope's attempts as coroutines on one event loop (a thread of its own), up to `in_flight`
-    at once, each through DSPy's async path to the LM (`arun_program`), so that hundreds of calls can wait on a
+    at once, each through DSPy's async path to the LM (`arun_program`), so that hundreds of attempts can wait on a
     provider without a thread each. `gather(stage, fns)` runs coroutine functions there; everything else keeps
-    `Workers`' verbs on a pool of at most `SYNC_THREADS` threads: the metric, a program with only `forward`, the
-    learning calls (`map`), the groups side by side (`each`). The same rules hold: a unit runs with the caller's DSPy
-    settings and `meters[stage]`, the first unit that raises stops the units not yet started and is raised by its
-    `gather`, and on Ctrl-C nothing is waited for."""
-
-    SYNC_THREADS = 32  # threads for the units that cannot be coroutines (more would only contend for the GIL)
+    `Workers`' verbs on its pool of `in_flight` threads: the metric, a program with only `forward`, the learning calls
+    (`map`; tfgrpo's learning modules have no async path), the groups side by side (`each`). The same rules hold: a
+    unit runs with the caller's DSPy settings and `meters[stage]`, the first unit that raises stops the units not yet
+    started and is raised by its `gather`, and on Ctrl-C nothing is waited for."""
 
     def __init__(self, in_flight: int, *, progress: Callable[[str, int, int], None] | None = None,
                  meters: dict | None = None):
-        super().__init__(min(in_flight, self.SYNC_THREADS), progress=progress, meters=meters)
+        super().__init__(in_flight, progress=progress, meters=meters)
         self.loop = asyncio.new_event_loop()
         self._slots = asyncio.Semaphore(max(1, in_flight))
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="tfgrpo-async")

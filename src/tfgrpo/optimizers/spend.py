@@ -12,6 +12,7 @@ import asyncio
 import collections
 import contextlib
 import contextvars
+import dataclasses
 import statistics
 import threading
 import time
@@ -123,8 +124,10 @@ class RequestPacer(BaseCallback):
     It paces the calls of one process: two compiles on one key each need a pacer at their share of the key's limit
     (two at 250 for a limit of 500). A call DSPy answers from its cache takes a start too. A provider's other limits
     (tokens a minute) are still met by its 429 and DSPy's retries (`num_retries`). With backend="async" an attempt
-    takes its start before it runs (`astart`), waiting on the event loop; a second call of the same attempt (a
-    multi-turn program) that finds the window full waits on the loop's thread, holding the loop until it may start."""
+    reserves its start before it runs (`astart`), waiting on the event loop; the start is dated when the call is sent
+    (`on_lm_start`), since a busy loop can hold a coroutine for seconds between the two, and a reservation the attempt
+    did not use is given back (`unreserve`). A second call of the same attempt (a multi-turn program) that finds the
+    window full waits on the loop's thread, holding the loop until it may start."""
 
     window_s = 60.0
     margin_s = 0.25  # a start waits this much past the window: the provider's clock sees the request a little later
@@ -134,35 +137,54 @@ class RequestPacer(BaseCallback):
             raise ValueError(f"RequestPacer needs a whole number of requests a minute, at least 1 (got {per_minute!r})")
         self.per_minute = per_minute
         self._starts: collections.deque[float] = collections.deque()
+        self._reserved = 0  # starts taken by astart whose call is not sent yet: they count until it is
         self._lock = threading.Lock()
         self.waited_s = 0.0  # the time calls spent waiting for a start, all threads together
 
-    def _take(self) -> float:
-        """Take a start now and return 0, or return how long to wait before trying again."""
+    def _take(self, reserve: bool = False) -> float:
+        """Take a start now (or, with `reserve`, hold one for a call about to be sent) and return 0, or return how long
+        to wait before trying again."""
         with self._lock:
             now = time.monotonic()
             while self._starts and now - self._starts[0] >= self.window_s + self.margin_s:
                 self._starts.popleft()
-            if len(self._starts) < self.per_minute:
-                self._starts.append(now)
+            if len(self._starts) + self._reserved < self.per_minute:
+                if reserve:
+                    self._reserved += 1
+                else:
+                    self._starts.append(now)
                 return 0.0
-            wait = self.window_s + self.margin_s - (now - self._starts[0])
+            # every start in the window held by a call about to be sent: look again once it is dated
+            wait = self.window_s + self.margin_s - (now - self._starts[0]) if self._starts else 0.05
             self.waited_s += wait
             return wait
 
     def on_lm_start(self, call_id, instance, inputs) -> None:
-        taken = PREPAID.get()
-        if id(self) in taken:  # the attempt took this call's start already (astart)
-            PREPAID.set(taken - {id(self)})
+        held = PREPAID.get().get(id(self))
+        if held is not None and not held.used:  # the attempt reserved this call's start (astart): it starts now
+            held.used = True
+            with self._lock:
+                self._reserved -= 1
+                self._starts.append(time.monotonic())
             return
         while wait := self._take():
             time.sleep(wait)
 
-    async def astart(self) -> None:
-        """Take a start for the next call of the calling coroutine, waiting without holding the event loop."""
-        while wait := self._take():
+    async def astart(self) -> Reservation:
+        """Reserve a start for the next call of the calling coroutine, waiting without holding the event loop; give it
+        to `unreserve` when the attempt ends."""
+        while wait := self._take(reserve=True):
             await asyncio.sleep(wait)
-        PREPAID.set(PREPAID.get() | {id(self)})
+        held = Reservation()
+        PREPAID.set({**PREPAID.get(), id(self): held})
+        return held
+
+    def unreserve(self, held: Reservation) -> None:
+        """Give back a reserved start that no call used (an attempt that ended before sending one)."""
+        if not held.used:
+            held.used = True
+            with self._lock:
+                self._reserved -= 1
 
     def __deepcopy__(self, memo) -> RequestPacer:
         return self  # a deep copy of a program's LM still shares the provider's limit
@@ -171,8 +193,15 @@ class RequestPacer(BaseCallback):
         return RequestPacer, (self.per_minute,)  # the lock cannot travel; a copy in another process paces apart
 
 
-# the pacers whose start the current coroutine took before its first call (RequestPacer.astart), by id
-PREPAID: contextvars.ContextVar[frozenset] = contextvars.ContextVar("tfgrpo_prepaid", default=frozenset())
+@dataclasses.dataclass
+class Reservation:
+    """A start `RequestPacer.astart` holds for a coroutine's next call; `used` once the call is sent or it is given
+    back (an object, so that a call in a copied context marks the same one)."""
+    used: bool = False
+
+
+# the starts the current coroutine reserved before its first call (RequestPacer.astart), by the pacer's id
+PREPAID: contextvars.ContextVar[dict[int, Reservation]] = contextvars.ContextVar("tfgrpo_prepaid", default={})
 
 
 def pacers(program: dspy.Module) -> list[RequestPacer]:

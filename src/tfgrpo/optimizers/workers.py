@@ -16,7 +16,7 @@ import queue
 import re
 import sys
 import threading
-from concurrent.futures import FIRST_EXCEPTION, CancelledError, Future, wait
+from concurrent.futures import FIRST_EXCEPTION, CancelledError, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -124,9 +124,12 @@ async def aattempt_record(program: dspy.Module, example: dspy.Example, metric: C
                           timeout_s: float | None, workers: AsyncWorkers) -> dict:
     """`attempt_record` as a coroutine (`arun_program`), its first call's start taken from each RequestPacer of the
     program's LMs before it runs; the metric runs on one of the workers' threads."""
-    for pacer in pacers(program):
-        await pacer.astart()
-    rec = _with_text(example, (await arun_program(program, example, workers))[1])
+    held = {pacer: await pacer.astart() for pacer in pacers(program)}
+    try:
+        rec = _with_text(example, (await arun_program(program, example, workers))[1])
+    finally:
+        for pacer, reservation in held.items():
+            pacer.unreserve(reservation)
     if metric is None or rec["failed"]:
         return rec if metric is None else {**rec, "reward": None, "feedback": ""}
     return {**rec, **await workers.offload(score_attempt, metric, example, rec, timeout_s)}
@@ -330,6 +333,10 @@ class AsyncWorkers(Workers):
                  meters: dict | None = None):
         super().__init__(in_flight, progress=progress, meters=meters)
         self.loop = asyncio.new_event_loop()
+        # LiteLLM builds each async request on the loop's default executor (`run_in_executor`); at its default size
+        # (6 threads on 2 cores) hundreds of requests queue there for seconds after their pacer start: one thread each
+        self._builders = ThreadPoolExecutor(max(1, in_flight), thread_name_prefix="tfgrpo-litellm")
+        self.loop.set_default_executor(self._builders)
         self._slots = asyncio.Semaphore(max(1, in_flight))
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="tfgrpo-async")
         self._thread.start()
@@ -338,6 +345,7 @@ class AsyncWorkers(Workers):
         if kind is None or not issubclass(kind, KeyboardInterrupt):  # after an error, running units finish
             asyncio.run_coroutine_threadsafe(self._drain(), self.loop).result()
         self.loop.call_soon_threadsafe(self.loop.stop)
+        self._builders.shutdown(wait=False, cancel_futures=True)
         super().__exit__(kind, error, tb)
 
     @staticmethod

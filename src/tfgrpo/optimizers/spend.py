@@ -161,12 +161,13 @@ class RequestPacer(BaseCallback):
 
     def on_lm_start(self, call_id, instance, inputs) -> None:
         held = PREPAID.get().get(id(self))
-        if held is not None and not held.used:  # the attempt reserved this call's start (astart): it starts now
-            held.used = True
+        if held is not None:
             with self._lock:
-                self._reserved -= 1
-                self._starts.append(time.monotonic())
-            return
+                if not held.used:  # the attempt reserved this call's start (astart): it starts now
+                    held.used = True
+                    self._reserved -= 1
+                    self._starts.append(time.monotonic())
+                    return
         while wait := self._take():
             time.sleep(wait)
 
@@ -181,9 +182,9 @@ class RequestPacer(BaseCallback):
 
     def unreserve(self, held: Reservation) -> None:
         """Give back a reserved start that no call used (an attempt that ended before sending one)."""
-        if not held.used:
-            held.used = True
-            with self._lock:
+        with self._lock:
+            if not held.used:
+                held.used = True
                 self._reserved -= 1
 
     def __deepcopy__(self, memo) -> RequestPacer:

@@ -122,8 +122,8 @@ def attempt_record(program: dspy.Module, example: dspy.Example, metric: Callable
 
 async def aattempt_record(program: dspy.Module, example: dspy.Example, metric: Callable | None,
                           timeout_s: float | None, workers: AsyncWorkers) -> dict:
-    """`attempt_record` as a coroutine (`arun_program`), its first call's start taken from each RequestPacer of the
-    program's LMs before it runs; the metric runs on one of the workers' threads."""
+    """`attempt_record` as a coroutine (`arun_program`), its first call's start reserved from each RequestPacer of the
+    program's LMs before it runs (given back if no call used it); the metric runs on one of the workers' threads."""
     held = {pacer: await pacer.astart() for pacer in pacers(program)}
     try:
         rec = _with_text(example, (await arun_program(program, example, workers))[1])

@@ -42,8 +42,7 @@ def _groups(step_dir: Path, trainset: list) -> list[Group]:
     for f in sorted((step_dir / "rollouts").glob("*.json")):
         qi, g = (int(x) for x in f.stem.split("_"))
         score = json.loads((step_dir / "rewards" / f.name).read_text())
-        attempts.setdefault(qi, {})[g] = Scored(Attempt.from_record(json.loads(f.read_text())), score["reward"],
-                                                score.get("feedback", ""), g)
+        attempts.setdefault(qi, {})[g] = Scored.of(Attempt.from_record(json.loads(f.read_text())), score, g)
     return [Group(index=qi, key=query_key(trainset[qi], qi), example=trainset[qi],
                   attempts=tuple(by_g[g] for g in sorted(by_g))) for qi, by_g in sorted(attempts.items())]
 

@@ -73,8 +73,8 @@ def test_a_program_with_only_forward_still_runs():
             records = scope.scored("validation", [(None, with_own_lms(ForwardOnly(), rollout_id=i), x)
                                                   for i, x in enumerate(examples)])
             calls = scope.meter("validation").totals()["calls"]
-    assert [r["error"] for r in records] == [None] * 6 and calls == 6
-    assert all(r["reward"] in (0.0, 1.0) for r in records)
+    assert [r.error for r in records] == [None] * 6 and calls == 6
+    assert all(r.reward in (0.0, 1.0) for r in records)
 
 
 def test_an_outage_stops_the_step_as_on_threads(tmp_path):
@@ -127,7 +127,7 @@ def test_a_paced_attempt_waits_for_its_start_without_holding_the_loop(monkeypatc
             elapsed = time.monotonic() - t0
             heart.cancel()
         starts = srv.stats()["calls"]
-    assert starts == 12 and all(r["error"] is None for r in records)
+    assert starts == 12 and all(r.error is None for r in records)
     assert elapsed >= 2.0  # 12 starts at 4 a window: the last four wait two windows
     gaps = [b - a for a, b in zip(beats, beats[1:])]
     assert max(gaps) < 0.5, f"the loop stalled for {max(gaps):.2f} s"

@@ -7,14 +7,14 @@ import dspy
 
 from scripted_lm import ScriptedLM, kind_of
 from test_optimizer import compile_with, learner
-from tfgrpo.optimizers.records import Attempt, Demo, Group, Scored
+from tfgrpo.optimizers.records import Demo, Group, Scored
 from tfgrpo.optimizers.step import best_demos, demo_candidates
 
 
 def _groups(rewards_by_query):
     def attempt(qi, g, r):
         trace = [{"predictor": "p", "inputs": {"q": f"q{qi}"}, "outputs": {"a": f"a{qi}.{g}"}}]
-        return Scored(Attempt(outputs={"a": f"a{qi}.{g}"}, error=None, trace=trace, tool_calls=0, text=""), reward=r, g=g)
+        return Scored(outputs={"a": f"a{qi}.{g}"}, error=None, trace=trace, tool_calls=0, text="", reward=r, g=g)
     return [Group(index=qi, key=f"k{qi}", example=dspy.Example(q=f"q{qi}").with_inputs("q"),
                   attempts=tuple(attempt(qi, g, r) for g, r in enumerate(rewards)))
             for qi, rewards in rewards_by_query.items()]

@@ -82,7 +82,7 @@ def test_a_teacher_is_refused():
 def test_a_path_learns_from_groups_it_is_given_and_the_plan_applies_to_a_copy():
     """What benchmarks/learning_paths.py does: a learning path alone, on groups scored elsewhere (no rollout)."""
     from test_optimizer import make_trainset
-    from tfgrpo.optimizers.records import Attempt, Group, Scored
+    from tfgrpo.optimizers.records import Group, Scored
     from tfgrpo.optimizers.step import ContrastPath
     from tfgrpo.optimizers.knobs import Knobs
     from tfgrpo.optimizers.step import learn_from_groups
@@ -91,7 +91,7 @@ def test_a_path_learns_from_groups_it_is_given_and_the_plan_applies_to_a_copy():
     lm = ScriptedLM(contrast_learner())
     trainset = make_trainset(2)
     groups = [Group(index=i, key=f"train#{i}", example=ex, attempts=tuple(
-        Scored(Attempt(outputs={"answer": a}, error=None, trace=[], tool_calls=0, text=f"answer: {a}"), reward=r, g=g)
+        Scored(outputs={"answer": a}, error=None, trace=[], tool_calls=0, text=f"answer: {a}", reward=r, g=g)
         for g, (a, r) in enumerate(((ex.answer, 1.0), ("-1", 0.0))))) for i, ex in enumerate(trainset)]
     start = ExperienceLibrary()
     lessons, usage = learn_from_groups(ContrastPath(), groups, settings=Knobs(constrained_decoding="off",

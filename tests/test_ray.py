@@ -74,7 +74,7 @@ def test_a_task_lost_for_good_is_an_attempt_with_no_answer_not_a_zero(cluster, m
     monkeypatch.setattr(RayAttempts, "max_retries", 1)
     with server() as srv, dspy.context(lm=srv.lm()):
         record, runner, scope = _attempt(Exits(), make_trainset(1)[0])
-    assert record["failed"] and record["reward"] is None and "RayTaskLost" in record["error"]
+    assert record.failed and record.reward is None and "RayTaskLost" in record.error
     assert scope.failures["validation"].errors[0].startswith("RayTaskLost")  # counted, as a failed LM call is
     assert runner.budget.spent["metric_calls"] == 0  # an attempt that got no answer is not charged as a metric call
 
@@ -84,7 +84,7 @@ def test_the_usage_of_a_remote_attempt_is_metered_here(cluster):
         program = with_own_lms(dspy.Predict("question -> answer"), rollout_id=3)
         record, _, remote_scope = _attempt(program, make_trainset(1)[0])
         local, _, local_scope = _attempt(program, make_trainset(1)[0], "threads")
-    assert record["outputs"] == local["outputs"] and record["reward"] == local["reward"]
+    assert record.outputs == local.outputs and record.reward == local.reward
     remote, here = remote_scope.meter("validation").totals(), local_scope.meter("validation").totals()
     assert remote["calls"] == here["calls"] == 1 and remote["prompt_tokens"] == here["prompt_tokens"] > 0
 
@@ -108,7 +108,7 @@ def test_cancel_ends_the_tasks_in_flight(cluster):
         runner.ray.cancel()
         thread.join(60)
     assert not thread.is_alive() and time.time() - t0 < 30
-    assert done["record"]["failed"] and "TaskCancelled" in done["record"]["error"]
+    assert done["record"].failed and "TaskCancelled" in done["record"].error
 
 
 def test_a_paced_lm_is_refused_on_the_cluster(cluster):

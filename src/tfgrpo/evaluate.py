@@ -37,15 +37,15 @@ def evaluate_program(program: dspy.Module, examples: list, metric: Callable, *, 
     jobs = [(i, r) for i in range(len(examples)) for r in range(num_runs)]
     stage, runner = f"evaluate {name}", Runner(Knobs(num_threads=num_threads, progress=progress, backend=backend), metric)
     with runner.scope(stage) as scope:
-        records = scope.scored(stage, [(None, candidates[r], examples[i]) for i, r in jobs])
+        attempts = scope.scored(stage, [(None, candidates[r], examples[i]) for i, r in jobs])
         usage = scope.meter(stage).totals()
     rows = []
-    for (i, r), rec in zip(jobs, records):
-        row = {"program": name, "problem": i, "run": r, "score": rec["reward"] or 0.0, "feedback": rec["feedback"],
-               "answer": str((rec["outputs"] or {}).get("answer", "")), "tool_calls": rec["tool_calls"],
-               "error": rec["error"], **({"failed": True} if rec.get("failed") else {})}
+    for (i, r), a in zip(jobs, attempts):
+        row = {"program": name, "problem": i, "run": r, "score": a.reward or 0.0, "feedback": a.feedback,
+               "answer": str((a.outputs or {}).get("answer", "")), "tool_calls": a.tool_calls, "error": a.error,
+               **({"failed": True} if a.failed else {})}
         if extra_metrics:
-            prediction = dspy.Prediction(**rec["outputs"]) if rec["outputs"] is not None else None
+            prediction = dspy.Prediction(**a.outputs) if a.outputs is not None else None
             row["metrics"] = {k: call_metric(m, examples[i], prediction)[0] if prediction is not None else 0.0
                               for k, m in extra_metrics.items()}
         rows.append(row)

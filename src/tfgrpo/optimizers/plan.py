@@ -413,9 +413,9 @@ def pilot_usage(program: dspy.Module, examples: list, knobs: Knobs) -> dict | No
     passed over: the run meets it again."""
     with metered(knobs.prices) as used:
         for example in examples:
-            _, record = run_program(program.deepcopy(), example)  # as an attempt runs it (an async program too)
-            if record["error"]:  # a failed pilot query measures nothing
-                logger.info("pilot query failed: %s", record["error"])
+            _, attempt = run_program(program.deepcopy(), example)  # as an attempt runs it (an async program too)
+            if attempt.error:  # a failed pilot query measures nothing
+                logger.info("pilot query failed: %s", attempt.error)
     entries = [e for lm_entries in used.usage_data.values() for e in lm_entries if e.get("completion_tokens")]
     if not entries:
         return None

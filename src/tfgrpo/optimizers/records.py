@@ -29,9 +29,11 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Attempt:
     """One run of the program on a query: its outputs (None when it raised), the error, DSPy's trace of every
-    predictor call, the tool calls it made, and the attempt as the learning calls read it. `failed`: an LM call of the
-    attempt failed (a rate limit, a timeout, a lost connection, a refused prompt): the attempt has no answer, so it is
-    left out of its group and of the probe, and never scored."""
+    predictor call, the tool calls it made, and the attempt as the learning calls read it (`text`, cut to
+    `render.MAX_ATTEMPT_CHARS`; `text_chars`: its length before, when it was cut). `failed`: an LM call of the attempt
+    failed, or the provider replied with nothing (a rate limit, a timeout, a lost connection, a refused prompt): the
+    attempt has no answer, so it is left out of its group and of the probe, and never scored. `unparsed`: the error is
+    a reply with content the adapter could not parse, the program's own 0 and no outage."""
 
     outputs: dict | None
     error: str | None
@@ -39,42 +41,54 @@ class Attempt:
     tool_calls: int
     text: str
     failed: bool = False
+    unparsed: bool = False
+    text_chars: int | None = None
 
     def to_record(self) -> dict:
-        return {"outputs": self.outputs, "error": self.error, "trace": self.trace, "tool_calls": self.tool_calls,
-                "attempt": self.text, "failed": self.failed}
+        """The attempt as a checkpoint holds it."""
+        rec = {"outputs": self.outputs, "error": self.error, "failed": self.failed, "unparsed": self.unparsed,
+               "trace": self.trace, "tool_calls": self.tool_calls, "attempt": self.text}
+        return rec if self.text_chars is None else {**rec, "attempt_chars": self.text_chars}
 
     @classmethod
     def from_record(cls, rec: dict) -> Attempt:
         return cls(outputs=rec["outputs"], error=rec["error"], trace=rec["trace"], tool_calls=rec["tool_calls"],
-                   text=rec.get("attempt", ""), failed=rec.get("failed", False))
+                   text=rec.get("attempt", ""), failed=rec.get("failed", False), unparsed=rec.get("unparsed", False),
+                   text_chars=rec.get("attempt_chars"))
 
 
 @dataclass(frozen=True)
-class Scored:
-    """An attempt with its reward in [0, 1], what the metric said of it, and which of its query's G attempts it is."""
+class Scored(Attempt):
+    """An attempt with its score: the reward in [0, 1] (None for an attempt that got no answer, never scored), what
+    the metric said of it (`feedback`, cut to `render.MAX_FEEDBACK_CHARS`; `feedback_chars`: its length before, when
+    it was cut), `timeout` when the metric call timed out (scored 0, never saved), and which of its query's G attempts
+    it is (`g`)."""
 
-    attempt: Attempt
-    reward: float
+    reward: float | None = None
     feedback: str = ""
+    timeout: str | None = None
+    feedback_chars: int | None = None
     g: int = 0
 
-    # the attempt's fields, read through the scored attempt
-    @property
-    def outputs(self) -> dict | None:
-        return self.attempt.outputs
+    @classmethod
+    def of(cls, attempt: Attempt, score: dict, g: int = 0) -> Scored:
+        """`attempt` with the score a checkpoint holds (`score_record`)."""
+        return cls(**{f.name: getattr(attempt, f.name) for f in fields(Attempt)}, reward=score.get("reward"),
+                   feedback=score.get("feedback", ""), timeout=score.get("timeout"),
+                   feedback_chars=score.get("feedback_chars"), g=g)
 
-    @property
-    def error(self) -> str | None:
-        return self.attempt.error
+    def score_record(self) -> dict:
+        """The score as a checkpoint holds it."""
+        rec = {"reward": self.reward, "feedback": self.feedback}
+        rec.update({k: v for k in ("timeout", "feedback_chars") if (v := getattr(self, k)) is not None})
+        return rec
 
-    @property
-    def trace(self) -> list:
-        return self.attempt.trace
+    def to_record(self) -> dict:
+        return {**super().to_record(), **self.score_record()}
 
-    @property
-    def text(self) -> str:
-        return self.attempt.text
+    @classmethod
+    def from_record(cls, rec: dict) -> Scored:
+        return cls.of(Attempt.from_record(rec), rec)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import dspy
 
 from tfgrpo.base.util import clip
+from tfgrpo.optimizers.records import Attempt, Scored
 from tfgrpo.programs.render import MAX_FEEDBACK_CHARS, format_fields
 
 logger = logging.getLogger(__name__)
@@ -96,30 +97,33 @@ def _within(timeout_s: float, metric: Callable, args: tuple, where: str) -> Any:
     return box["result"]
 
 
-def score_attempt(metric: Callable, example: dspy.Example, record: dict, timeout_s: float | None = None) -> dict:
-    """The reward and feedback of a recorded attempt; a failed attempt scores 0 without asking the metric. A metric
-    call that times out (`timeout_s`) scores 0 too, with the timeout under "timeout" (such a record is not saved). A
-    feedback longer than `MAX_FEEDBACK_CHARS` is cut to it (head and tail kept), its length before under
-    "feedback_chars": every learning call reads it."""
-    if record["error"] or record["outputs"] is None:
-        return {"reward": 0.0, "feedback": f"the attempt failed: {record['error']}"}
+def score_attempt(metric: Callable, example: dspy.Example, attempt: Attempt, timeout_s: float | None = None,
+                  g: int = 0) -> Scored:
+    """The attempt with its reward and feedback; an attempt that raised scores 0 without asking the metric. A metric
+    call that times out (`timeout_s`) scores 0 too, with the timeout under `timeout` (such a score is not saved). A
+    feedback longer than `MAX_FEEDBACK_CHARS` is cut to it (head and tail kept), its length before in
+    `feedback_chars`: every learning call reads it."""
+    if attempt.error or attempt.outputs is None:
+        return Scored.of(attempt, {"reward": 0.0, "feedback": f"the attempt failed: {attempt.error}"}, g)
     try:
-        score, feedback = call_metric(metric, example, dspy.Prediction(**record["outputs"]), timeout_s)
+        score, feedback = call_metric(metric, example, dspy.Prediction(**attempt.outputs), timeout_s)
     except MetricTimeout as exc:
-        return {"reward": 0.0, "feedback": "the metric timed out on this attempt", "timeout": str(exc)}
+        return Scored.of(attempt, {"reward": 0.0, "feedback": "the metric timed out on this attempt",
+                                   "timeout": str(exc)}, g)
     if len(feedback) > MAX_FEEDBACK_CHARS:
-        return {"reward": score, "feedback": clip(feedback, MAX_FEEDBACK_CHARS), "feedback_chars": len(feedback)}
-    return {"reward": score, "feedback": feedback}
+        return Scored.of(attempt, {"reward": score, "feedback": clip(feedback, MAX_FEEDBACK_CHARS),
+                                   "feedback_chars": len(feedback)}, g)
+    return Scored.of(attempt, {"reward": score, "feedback": feedback}, g)
 
 
-def reference_example(example: dspy.Example, group: list[dict], use_ground_truth: bool) -> dspy.Example:
+def reference_example(example: dspy.Example, group: list[Attempt], use_ground_truth: bool) -> dspy.Example:
     """The example to score a group against: itself, or (without ground truth) its group's majority answers: per label,
     the most common value of the group's outputs (the first seen wins a tie; an empty one does not vote)."""
     if use_ground_truth:
         return example
     labels = {}
     for k in example.labels().keys():
-        values = [v for r in group if (v := (r["outputs"] or {}).get(k)) not in (None, "")]
+        values = [v for a in group if (v := (a.outputs or {}).get(k)) not in (None, "")]
         keyed = {json.dumps(v, sort_keys=True, default=str): v for v in reversed(values)}  # the first seen kept
         votes = Counter(json.dumps(v, sort_keys=True, default=str) for v in values)  # counts, in order first seen
         labels[k] = keyed[votes.most_common(1)[0][0]] if votes else None

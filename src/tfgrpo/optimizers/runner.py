@@ -47,11 +47,11 @@ import dspy
 from tfgrpo.base.util import jsonable
 from tfgrpo.optimizers.checkpoint import Checkpoint, RunMismatchError
 from tfgrpo.optimizers.knobs import Knobs
-from tfgrpo.optimizers.records import Attempt, Failed
+from tfgrpo.optimizers.records import Attempt, Failed, Scored
 from tfgrpo.optimizers.rewards import score_attempt
 from tfgrpo.optimizers.spend import Budget, BudgetExhausted, UsageMeter, add_usage
-from tfgrpo.optimizers.workers import (EMPTY_REPLY, AsyncWorkers, RayAttempts, StageBars, Workers, aattempt_record,
-                                       attempt_record, rollout_id, run_program, with_own_lms)
+from tfgrpo.optimizers.workers import (EMPTY_REPLY, AsyncWorkers, RayAttempts, StageBars, Workers, arun_attempt,
+                                       rollout_id, run_attempt, run_program, with_own_lms)
 from tfgrpo.programs.render import MAX_ATTEMPT_CHARS, MAX_FEEDBACK_CHARS
 
 logger = logging.getLogger(__name__)
@@ -60,9 +60,9 @@ CONTEXT_REFUSALS = ("contextwindowexceeded", "context length", "context_length_e
                     "context window", "exceeds the available context size")  # LiteLLM, OpenAI, vLLM, llama.cpp
 POLICY_STAGES = ("rollout", "probe", "validation", "attribution")  # the program's own calls; the rest are learning calls
 ROLE = dict.fromkeys(POLICY_STAGES, "policy")  # a stage's role: ROLE.get(stage, "reflection")
-# what a record says was cut for the learning calls: kind -> (its key, the length kept, what it is)
-CUTS = {"attempt": ("attempt_chars", MAX_ATTEMPT_CHARS, "An attempt"),
-        "feedback": ("feedback_chars", MAX_FEEDBACK_CHARS, "The metric's feedback on an attempt")}
+# what may be cut for the learning calls: kind -> (the length kept, what it is)
+CUTS = {"attempt": (MAX_ATTEMPT_CHARS, "An attempt"),
+        "feedback": (MAX_FEEDBACK_CHARS, "The metric's feedback on an attempt")}
 GROUP: contextvars.ContextVar[int | None] = contextvars.ContextVar("tfgrpo_group", default=None)  # (see `Scope.each`)
 
 
@@ -145,10 +145,11 @@ class Runner:
         for path, record in saved[:3] if self.knobs.use_ground_truth else []:
             reward = json.loads((path.parent.parent / "rewards" / path.name).read_text())["reward"] if (
                 path.parent.parent / "rewards" / path.name).exists() else None
-            again = score_attempt(self.metric, trainset[int(path.stem.split("_")[0])], record, self.knobs.metric_timeout_s)
-            if reward is not None and "timeout" not in again and abs(again["reward"] - reward) > 1e-9:
+            again = score_attempt(self.metric, trainset[int(path.stem.split("_")[0])], Attempt.from_record(record),
+                                  self.knobs.metric_timeout_s)
+            if reward is not None and again.timeout is None and abs(again.reward - reward) > 1e-9:
                 raise RunMismatchError(where.format("metric", f"{path.name}: reward {reward} then, "
-                                                    f"{again['reward']} now", "metric"))
+                                                    f"{again.reward} now", "metric"))
         if saved:  # the program as that rollout ran it (its LM copy's rollout ID, which a program may read)
             path, record = saved[0]
             step, (query, g) = int(path.parent.parent.name), path.stem.split("_")
@@ -159,12 +160,11 @@ class Runner:
                     asked.append({"predictor": name, "inputs": jsonable(inputs)})
                     return dspy.Prediction(**calls.pop(0)["outputs"]) if calls else dspy.Prediction()
                 predictor.forward = answer
-            _, rec = run_program(replay, trainset[int(query)])
-            if rec["outputs"] != record["outputs"] or asked != [{k: c[k] for k in ("predictor", "inputs")}
-                                                                 for c in record["trace"]]:
+            _, now = run_program(replay, trainset[int(query)])
+            if now.outputs != record["outputs"] or asked != [{k: c[k] for k in ("predictor", "inputs")}
+                                                             for c in record["trace"]]:
                 raise RunMismatchError(where.format("program", f"{path.name}, given the same replies, now asks "
-                                                    f"{asked[:2]} and answers {rec['outputs'] or rec['error']}",
-                                                    "program"))
+                                                    f"{asked[:2]} and answers {now.outputs or now.error}", "program"))
 
 
 class Scope:
@@ -254,7 +254,7 @@ class Scope:
         attempt that got no answer); the first call made outside the predictors is said."""
         runner = self.runner
         self.meter(stage).absorb(own.usage_data)
-        failed = isinstance(value, dict) and value.get("failed")
+        failed = isinstance(value, Attempt) and value.failed
         runner.budget.release(stage, share, own.totals(), 0 if failed else metric_calls)
         direct = sum(e["direct"] for entries in list(own.usage_data.values()) for e in entries)
         with runner.lock:  # said once per run, whichever unit's thread sees it first
@@ -276,49 +276,53 @@ class Scope:
             self.runner.keep(self.usage_key, self.usage())
 
     def attempt(self, stage: str, key: str | None, program: dspy.Module, example: dspy.Example, *,
-                score: bool = False) -> dict:
-        """One attempt of `program` (with its own LM copies) on `example`, scored in the same unit with `score`: its
-        record (outputs, error, `failed` when its LM call failed, trace, the attempt's text; with `score`, `reward`,
-        None for a failed one, `feedback`, and `timeout` for a metric call that timed out). Saved under `key` unless
-        it raised or timed out (a resume runs it again); counted as a failure when it did."""
+                score: bool = False) -> Attempt:
+        """One attempt of `program` (with its own LM copies) on `example`; with `score`, scored in the same unit: a
+        `Scored` (its reward None where it got no answer, `timeout` where the metric call timed out). Saved under `key`
+        unless it raised or timed out (a resume runs it again); counted as a failure when it did."""
         runner = self.runner
-        if (record := self._reused(key)) is None:
-            metric, body = runner.metric if score else None, attempt_record if runner.ray is None else runner.ray.attempt
-            record = self._unit(stage, lambda: body(program, example, metric, self.knobs.metric_timeout_s),
-                                metric_calls=1)
-            self._save_attempt(key, record)
-        return self._attempted(stage, record)
+        if (attempt := self._reused(key, score)) is None:
+            metric, body = runner.metric if score else None, run_attempt if runner.ray is None else runner.ray.attempt
+            attempt = self._unit(stage, lambda: body(program, example, metric, self.knobs.metric_timeout_s),
+                                 metric_calls=1)
+            self._save_attempt(key, attempt)
+        return self._attempted(stage, attempt)
 
     async def aattempt(self, stage: str, key: str | None, program: dspy.Module, example: dspy.Example, *,
-                       score: bool = False) -> dict:
+                       score: bool = False) -> Attempt:
         """`attempt` as a coroutine on the async workers' loop (backend="async")."""
-        if (record := self._reused(key)) is None:
+        if (attempt := self._reused(key, score)) is None:
             metric = self.runner.metric if score else None
-            record = await self._aunit(stage, lambda: aattempt_record(program, example, metric,
-                                                                      self.knobs.metric_timeout_s, self.work),
-                                       metric_calls=1)
-            self._save_attempt(key, record)
-        return self._attempted(stage, record)
+            attempt = await self._aunit(stage, lambda: arun_attempt(program, example, metric,
+                                                                    self.knobs.metric_timeout_s, self.work),
+                                        metric_calls=1)
+            self._save_attempt(key, attempt)
+        return self._attempted(stage, attempt)
 
-    def _reused(self, key: str | None) -> dict | None:
-        """The attempt saved under `key`, which counts in the run's metric calls all the same; None to run it."""
+    def _reused(self, key: str | None, score: bool) -> Attempt | None:
+        """The attempt saved under `key` (`Scored` with `score`), which counts in the run's metric calls all the same;
+        None to run it."""
         if key is not None and (record := self.runner.ckpt.get(key)) is not None:
             self.runner.budget.add({}, metric_calls=1)
-            return record
+            return Scored.from_record(record) if score else Attempt.from_record(record)
         return None
 
-    def _save_attempt(self, key: str | None, record: dict) -> None:
-        if key is not None and not record["error"] and "timeout" not in record:  # (one that raised runs again)
-            self.runner.ckpt.put(key, record)
+    def _save_attempt(self, key: str | None, attempt: Attempt) -> None:
+        timed_out = isinstance(attempt, Scored) and attempt.timeout
+        if key is not None and not attempt.error and not timed_out:  # (one that raised runs again)
+            self.runner.ckpt.put(key, attempt.to_record())
 
-    def _attempted(self, stage: str, record: dict) -> dict:
+    def _attempted(self, stage: str, attempt: Attempt) -> Attempt:
         # a reply that came back and did not parse is the program's own 0, no outage: it does not count as a failure
-        self._done(stage, None if record.get("unparsed") else record["error"] or record.get("timeout"))
-        self._say_clipped(record)
-        return record
+        timeout = attempt.timeout if isinstance(attempt, Scored) else None
+        self._done(stage, None if attempt.unparsed else attempt.error or timeout)
+        self._say_clipped("attempt", attempt.text_chars)
+        if isinstance(attempt, Scored):
+            self._say_clipped("feedback", attempt.feedback_chars)
+        return attempt
 
     def attempts(self, stage: str, jobs: list[tuple[str | None, dspy.Module, dspy.Example]], *,
-                 score: bool = False) -> list[dict]:
+                 score: bool = False) -> list[Attempt]:
         """`attempt(stage, key, program, example, score=score)` for each job (key, program, example), on the workers:
         as coroutines with backend="async", else on the pool's threads."""
         if isinstance(self.work, AsyncWorkers):
@@ -326,34 +330,36 @@ class Scope:
             return self.work.gather(stage, [functools.partial(self.aattempt, stage, *job, score=score) for job in jobs])
         return self.map(stage, lambda job: self.attempt(stage, *job, score=score), jobs)
 
-    def scored(self, stage: str, jobs: list[tuple[str | None, dspy.Module, dspy.Example]]) -> list[dict]:
+    def scored(self, stage: str, jobs: list[tuple[str | None, dspy.Module, dspy.Example]]) -> list[Scored]:
         """`attempts(stage, jobs, score=True)`: each attempt scored in its own unit (the probe, validation, the
         attribution)."""
         return self.attempts(stage, jobs, score=True)
 
-    def score(self, key: str, attempt: Attempt, example: dspy.Example) -> dict:
-        """`reward` and `feedback` of an answered attempt against `example` (the ground truth, or its group's majority
-        answer), saved under `key`; a metric call that timed out scores 0 with its message under `timeout`, unsaved."""
+    def score(self, key: str, attempt: Attempt, example: dspy.Example, g: int = 0) -> Scored:
+        """An answered attempt scored against `example` (the ground truth, or its group's majority answer), the score
+        saved under `key`; a metric call that timed out scores 0 with its message in `timeout`, unsaved. `g`: which of
+        its query's attempts it is."""
         if (saved := self.runner.ckpt.get(key)) is not None:
-            return saved
-        scored = score_attempt(self.runner.metric, example, attempt.to_record(), self.knobs.metric_timeout_s)
-        if "timeout" not in scored:
-            self.runner.ckpt.put(key, scored)
+            return Scored.of(attempt, saved, g)
+        scored = score_attempt(self.runner.metric, example, attempt, self.knobs.metric_timeout_s, g)
+        if scored.timeout is None:
+            self.runner.ckpt.put(key, scored.score_record())
         self._done("reward", None)
-        self._say_clipped(scored)
+        self._say_clipped("feedback", scored.feedback_chars)
         return scored
 
-    def _say_clipped(self, record: dict) -> None:
-        """Say once per run that an attempt's text, or the metric's feedback on it, was cut for the learning calls."""
-        for kind, (key, limit, what) in CUTS.items():
-            if key not in record:
-                continue
-            with self.runner.lock:
-                first = kind not in self.runner.clipped
-                self.runner.clipped.add(kind)
-            if first:
-                logger.warning("%s ran to %d characters: the learning calls read it cut to %d (its head and tail; "
-                               "further cuts are not said again)", what, record[key], limit)
+    def _say_clipped(self, kind: str, chars: int | None) -> None:
+        """Say once per run that an attempt's text, or the metric's feedback on it (`kind`), was cut for the learning
+        calls (`chars`: its length before; None: not cut)."""
+        if chars is None:
+            return
+        with self.runner.lock:
+            first = kind not in self.runner.clipped
+            self.runner.clipped.add(kind)
+        if first:
+            limit, what = CUTS[kind]
+            logger.warning("%s ran to %d characters: the learning calls read it cut to %d (its head and tail; "
+                           "further cuts are not said again)", what, chars, limit)
 
     def call(self, stage: str, name: str, fn: Callable[[], Any]) -> Any:
         """One learning call (see `calls`)."""

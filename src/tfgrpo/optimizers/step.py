@@ -39,7 +39,7 @@ from tfgrpo.optimizers.runner import CONTEXT_REFUSALS, Runner, Scope, TooManyFai
 from tfgrpo.optimizers.spend import add_usage
 from tfgrpo.optimizers.workers import rollout_id, with_own_lms
 from tfgrpo.optimizers.knobs import Knobs
-from tfgrpo.optimizers.records import (Attempt, Demo, Failed, Group, LearningPath, Lessons, Scored, StepResult,
+from tfgrpo.optimizers.records import (Demo, Failed, Group, LearningPath, Lessons, Scored, StepResult,
                                        Verdict)
 from tfgrpo.optimizers.rewards import reference_example
 from tfgrpo.programs.contrast_learner import ContrastLearner
@@ -166,21 +166,20 @@ def _group(run: Run, scope: Scope, state: State, programs: list, qi: int, size: 
     knobs, index, example = run.knobs, state.step, run.trainset[qi]
     first, timeouts = before or (None, [])
     gens = list(range(first.size if first else 0, size))
-    records = scope.attempts("rollout", [(Keys.rollout(index, qi, g), programs[g], example) for g in gens])
-    attempts = {g: Attempt.from_record(record) for g, record in zip(gens, records)}
+    attempts = dict(zip(gens, scope.attempts("rollout", [(Keys.rollout(index, qi, g), programs[g], example)
+                                                         for g in gens])))
     failed = [g for g, a in attempts.items() if a.error]
     scope.settle("rollout", bool(failed))
     for g in failed:  # the stage's failure check passed: they stand, and a resume replays the same group (had it
         run.runner.keep(Keys.rollout(index, qi, g), attempts[g].to_record(), once=True)  # failed, a resume retries)
     answered = [g for g, a in attempts.items() if not a.failed]  # a failed LM call is no answer
     # (a group made in halves has a probe, so the ground truth: the first half's rewards stand)
-    reference = reference_example(example, [attempts[g].to_record() for g in answered], knobs.use_ground_truth)
-    scores = scope.map("reward", lambda g: scope.score(Keys.reward(index, qi, g), attempts[g], reference), answered)
-    group = Group(index=qi, key=query_key(example, qi), example=example, size=size, attempts=(
-        *(first.attempts if first else ()),
-        *(Scored(attempts[g], s["reward"], s["feedback"], g) for g, s in zip(answered, scores))))
+    reference = reference_example(example, [attempts[g] for g in answered], knobs.use_ground_truth)
+    scores = scope.map("reward", lambda g: scope.score(Keys.reward(index, qi, g), attempts[g], reference, g), answered)
+    group = Group(index=qi, key=query_key(example, qi), example=example, size=size,
+                  attempts=(*(first.attempts if first else ()), *scores))
     result = run.path.learn(run, scope, state.library, group) if group.informative and learn else None
-    return group, result, [*timeouts, *(s["timeout"] for s in scores if "timeout" in s)]
+    return group, result, [*timeouts, *(s.timeout for s in scores if s.timeout)]
 
 
 def _rollout_programs(run: Run, state: State) -> list[dspy.Module]:
@@ -240,7 +239,7 @@ def _record(run: Run, new: State, epoch: int, *, groups: list[Group], lessons: L
         groups_kept=len(informative), frac_skipped_zero_std=1 - len(informative) / len(groups),
         rollout_failures=sum(bool(a.error) for a in attempts) + made_attempts - len(attempts),
         failed_calls=made_attempts - len(attempts), solved=sum(a.reward >= 1 for a in attempts),
-        tool_calls_mean=statistics.fmean(a.attempt.tool_calls for a in attempts) if attempts else 0.0,
+        tool_calls_mean=statistics.fmean(a.tool_calls for a in attempts) if attempts else 0.0,
         learning_failures=counts.get("learning_failures", 0),
         operations_proposed=counts.get("operations_proposed", len(lessons.proposals)),
         operations_applied=report.applied, operations_rejected=len(report.rejected),
@@ -427,7 +426,7 @@ class Probe:
 
     candidates: list[Candidate]
     queries: list[int]
-    found: dict = field(default_factory=dict)  # (program, query) -> its attempt's reward and solving trace
+    found: dict[tuple[int, int], Scored] = field(default_factory=dict)  # (program, query) -> its scored attempt
     base: tuple[int, float] = (0, 0.0)
 
     def run(self, scope: Scope, programs: list[dspy.Module], trainset: list,
@@ -437,13 +436,13 @@ class Probe:
             # has not changed reuses them on the probe queries it shares with this one
             units = [(None if keys is None else Keys.probe_base(keys[0], qi) if p == 0 else Keys.probe(keys[1], p, qi),
                       programs[p], trainset[qi]) for p, qi in jobs]
-            for (p, qi), rec in zip(jobs, scope.scored("probe", units)):
-                if rec.get("failed") and qi in self.queries:  # no answer: the query leaves the probe, for all
+            for (p, qi), attempt in zip(jobs, scope.scored("probe", units)):
+                if attempt.failed and qi in self.queries:  # no answer: the query leaves the probe, for all
                     logger.warning("Probe: an LM call failed on training query %d (%s); it leaves the probe", qi,
-                                   rec["error"])
+                                   attempt.error)
                     self.queries.remove(qi)
-                elif not rec.get("failed"):
-                    self.found[(p, qi)] = {"reward": rec["reward"], "trace": rec["trace"] if rec["reward"] >= 1 else []}
+                elif not attempt.failed:
+                    self.found[(p, qi)] = attempt
 
         ask([(0, qi) for qi in self.queries])  # the bar every candidate must clear
         self.base = self.score(0)
@@ -458,11 +457,11 @@ class Probe:
 
     # -- what the attempts show ------------------------------------------------------------------------------------
     def _hit(self, p: int, qi: int) -> bool:
-        return self.found[(p, qi)]["reward"] >= 1
+        return self.found[(p, qi)].reward >= 1
 
     def rewards(self, p: int) -> list[float]:
         """Program p's rewards on the probe queries it has run."""
-        return [self.found[(p, qi)]["reward"] for qi in self.queries if (p, qi) in self.found]
+        return [self.found[(p, qi)].reward for qi in self.queries if (p, qi) in self.found]
 
     def score(self, p: int) -> tuple[int, float]:
         """Full successes and mean reward over the queries program p has run."""
@@ -514,8 +513,8 @@ class Probe:
         self.ran = [len(self.rewards(1 + c)) for c in range(len(candidates))]
         self.tried = [[qi for qi in self.queries if (p, qi) in self.found] for p in programs]
         self.solved = [[qi for qi in ran if self._hit(p, qi)] for p, ran in enumerate(self.tried)]
-        self.traces = [{qi: self.found[(p, qi)]["trace"] for qi in self.solved[p]
-                        if self.found[(p, qi)].get("trace")} for p in programs]
+        self.traces = [{qi: self.found[(p, qi)].trace for qi in self.solved[p] if self.found[(p, qi)].trace}
+                       for p in programs]
         for c, (s, m), k, r in zip(candidates, self.scores, self.kept, self.ran):
             logger.info("Probe: %s: %d solved of %d run, mean %.3f vs %d, %.3f now -> %s", c.label, s, r, m,
                         *self.base, "kept" if k else "dropped")

@@ -323,14 +323,14 @@ def validate(run: Run, state: State, valset: list, epoch: int) -> EpochResult:
     logger.info("validation: %d call(s) on %d thread(s)", len(valset), run.knobs.num_threads)
     program = with_own_lms(with_learned(run.program, run.targets, state.library, state.demos))
     with run.runner.scope(f"validation after epoch {epoch}") as scope:
-        records = scope.scored("validation", [(None, program, x) for x in valset])
+        attempts = scope.scored("validation", [(None, program, x) for x in valset])
         scope.check("validation")
-    answered = [r for r in records if not r.get("failed")]
-    errors = [r["error"] or r.get("timeout") for r in records if r["error"] or r.get("timeout")]
+    answered = [a for a in attempts if not a.failed]
+    errors = [a.error or a.timeout for a in attempts if a.error or a.timeout]
     if errors:
         logger.warning("Epoch %d: the program failed on %d of %d validation examples (first: %s); a failed LM call is "
-                       "left out, any other failure scores 0", epoch, len(errors), len(records), errors[0])
-    value = sum(r["reward"] for r in answered) / len(answered) if answered else 0.0
+                       "left out, any other failure scores 0", epoch, len(errors), len(attempts), errors[0])
+    value = sum(a.reward for a in answered) / len(answered) if answered else 0.0
     logger.info("Epoch %d: validation score %.3f with %d experiences", epoch, value, len(state.library))
     run.runner.keep(Keys.epoch(epoch), {"val_score": value, "val_failures": len(errors),
                                      "library": state.library.dump_state(),

@@ -1,4 +1,4 @@
-"""Where a run's units run, and what an attempt runs: a program on an example (`run_program`, `attempt_record`), on
+"""Where a run's units run, and what an attempt runs: a program on an example (`run_program`, `run_attempt`), on
 a bounded pool of threads (`Workers`) or, with `backend="ray"`, as a task on a Ray cluster (`RayAttempts`).
 
 `Workers` is the runner's seam: `map` runs a stage's units on the pool and `each` runs a step's groups side by side;
@@ -25,6 +25,7 @@ import tqdm
 from dspy.utils.exceptions import AdapterParseError, LMError
 
 from tfgrpo.base.util import clip, digest, jsonable
+from tfgrpo.optimizers.records import Attempt, Scored
 from tfgrpo.optimizers.rewards import score_attempt
 from tfgrpo.optimizers.spend import UsageMeter, paced, pacers
 from tfgrpo.programs.render import MAX_ATTEMPT_CHARS, count_tool_calls, format_attempt
@@ -57,12 +58,11 @@ def fixed_temperature(lm: dspy.BaseLM) -> float | None:
     return 1.0 if reasoning else None
 
 
-def run_program(program: dspy.Module, example: dspy.Example) -> tuple[dspy.Prediction | None, dict]:
+def run_program(program: dspy.Module, example: dspy.Example) -> tuple[dspy.Prediction | None, Attempt]:
     """Run `program` on `example`'s inputs (an async-only program, with `aforward` and no `forward`, through its event
-    loop). Returns the prediction (None when the program raised) and a JSON record of the run: `outputs`, `error` (the
-    exception as text; never raised), `failed` (the error is an LM call's), `unparsed` (the error is a reply with
-    content the adapter could not parse), `trace` (every predictor call: name, inputs, outputs, whole) and
-    `tool_calls`."""
+    loop). Returns the prediction (None when the program raised; the error is never raised) and the `Attempt`: its
+    outputs or error, whether the error says it got no answer (`failed`) or a reply that did not parse (`unparsed`),
+    the trace of every predictor call (name, inputs, outputs, whole), its tool calls and its text."""
     trace: list = []
     try:
         with dspy.context(trace=trace):
@@ -71,12 +71,12 @@ def run_program(program: dspy.Module, example: dspy.Example) -> tuple[dspy.Predi
             else:
                 prediction = program(**example.inputs())
     except Exception as exc:
-        return None, _run_record(program, trace, None, exc)
-    return prediction, _run_record(program, trace, prediction, None)
+        return None, _attempt(program, example, trace, None, exc)
+    return prediction, _attempt(program, example, trace, prediction, None)
 
 
 async def arun_program(program: dspy.Module, example: dspy.Example, workers: AsyncWorkers
-                       ) -> tuple[dspy.Prediction | None, dict]:
+                       ) -> tuple[dspy.Prediction | None, Attempt]:
     """`run_program` as a coroutine on the event loop of `workers`: through the program's `acall` (DSPy's async path to
     the LM) where it has `aforward`, else its `forward` on one of the workers' threads."""
     trace: list = []
@@ -87,13 +87,13 @@ async def arun_program(program: dspy.Module, example: dspy.Example, workers: Asy
             else:
                 prediction = await workers.offload(program, **example.inputs())
     except Exception as exc:
-        return None, _run_record(program, trace, None, exc)
-    return prediction, _run_record(program, trace, prediction, None)
+        return None, _attempt(program, example, trace, None, exc)
+    return prediction, _attempt(program, example, trace, prediction, None)
 
 
-def _run_record(program: dspy.Module, trace: list, prediction: dspy.Prediction | None,
-                exc: Exception | None) -> dict:
-    """The JSON record of one run of `program` (see `run_program`): its prediction, or the exception it raised."""
+def _attempt(program: dspy.Module, example: dspy.Example, trace: list, prediction: dspy.Prediction | None,
+             exc: Exception | None) -> Attempt:
+    """One run of `program` (see `run_program`): its prediction, or the exception it raised."""
     outputs, error, failed, unparsed = None, None, False, False
     if exc is None:
         outputs = jsonable(dict(prediction.items()))
@@ -106,49 +106,43 @@ def _run_record(program: dspy.Module, trace: list, prediction: dspy.Prediction |
     names = {id(predictor): name for name, predictor in program.named_predictors()}
     steps = [{"predictor": names.get(id(predictor), type(predictor).__name__), "inputs": jsonable(inputs),
               "outputs": jsonable(dict(out.items()))} for predictor, inputs, out in trace]
-    return {"outputs": outputs, "error": error, "failed": failed, "unparsed": unparsed, "trace": steps,
-            "tool_calls": count_tool_calls(outputs)}
+    # the attempt as the learning calls read it, cut to MAX_ATTEMPT_CHARS (the runner says so)
+    text = format_attempt(dict(example.inputs().items()), outputs, steps, error, limit=None)
+    return Attempt(outputs=outputs, error=error, failed=failed, unparsed=unparsed, trace=steps,
+                   tool_calls=count_tool_calls(outputs), text=clip(text, MAX_ATTEMPT_CHARS),
+                   text_chars=len(text) if len(text) > MAX_ATTEMPT_CHARS else None)
 
 
-def attempt_record(program: dspy.Module, example: dspy.Example, metric: Callable | None,
-                   timeout_s: float | None) -> dict:
-    """An attempt's checkpoint record: `run_program`'s, with the attempt as the learning calls read it; with `metric`,
-    its score too (none for an attempt whose LM call failed)."""
-    rec = _with_text(example, run_program(program, example)[1])
-    if metric is None or rec["failed"]:
-        return rec if metric is None else {**rec, "reward": None, "feedback": ""}
-    return {**rec, **score_attempt(metric, example, rec, timeout_s)}
+def run_attempt(program: dspy.Module, example: dspy.Example, metric: Callable | None,
+                timeout_s: float | None) -> Attempt:
+    """One attempt of `program` on `example` (`run_program`'s); with `metric`, `Scored` (no score for an attempt that
+    got no answer)."""
+    attempt = run_program(program, example)[1]
+    if metric is None or attempt.failed:
+        return attempt if metric is None else Scored.of(attempt, {})
+    return score_attempt(metric, example, attempt, timeout_s)
 
 
-async def aattempt_record(program: dspy.Module, example: dspy.Example, metric: Callable | None,
-                          timeout_s: float | None, workers: AsyncWorkers) -> dict:
-    """`attempt_record` as a coroutine (`arun_program`), its first call's start reserved from each RequestPacer of the
+async def arun_attempt(program: dspy.Module, example: dspy.Example, metric: Callable | None,
+                       timeout_s: float | None, workers: AsyncWorkers) -> Attempt:
+    """`run_attempt` as a coroutine (`arun_program`), its first call's start reserved from each RequestPacer of the
     program's LMs before it runs (given back if no call used it); the metric runs on one of the workers' threads."""
     held = {pacer: await pacer.astart() for pacer in pacers(program)}
     try:
-        rec = _with_text(example, (await arun_program(program, example, workers))[1])
+        attempt = (await arun_program(program, example, workers))[1]
     finally:
         for pacer, reservation in held.items():
             pacer.unreserve(reservation)
-    if metric is None or rec["failed"]:
-        return rec if metric is None else {**rec, "reward": None, "feedback": ""}
-    return {**rec, **await workers.offload(score_attempt, metric, example, rec, timeout_s)}
+    if metric is None or attempt.failed:
+        return attempt if metric is None else Scored.of(attempt, {})
+    return await workers.offload(score_attempt, metric, example, attempt, timeout_s)
 
 
-def _with_text(example: dspy.Example, rec: dict) -> dict:
-    """A run's record with the attempt as the learning calls read it (cut to MAX_ATTEMPT_CHARS: the runner says so)."""
-    text = format_attempt(dict(example.inputs().items()), rec["outputs"], rec["trace"], rec["error"], limit=None)
-    rec["attempt"] = clip(text, MAX_ATTEMPT_CHARS)
-    if len(text) > MAX_ATTEMPT_CHARS:
-        rec["attempt_chars"] = len(text)
-    return rec
-
-
-def _no_answer_record(example: dspy.Example, metric: Callable | None, error: str) -> dict:
-    """The record of an attempt that got no answer because it never ran to the end (a Ray task lost with its node)."""
-    rec = {"outputs": None, "error": error, "failed": True, "trace": [], "tool_calls": 0,
-           "attempt": format_attempt(dict(example.inputs().items()), None, [], error)}
-    return rec if metric is None else {**rec, "reward": None, "feedback": ""}
+def _no_answer(example: dspy.Example, metric: Callable | None, error: str) -> Attempt:
+    """An attempt that got no answer because it never ran to the end (a Ray task lost with its node)."""
+    attempt = Attempt(outputs=None, error=error, failed=True, trace=[], tool_calls=0,
+                      text=format_attempt(dict(example.inputs().items()), None, [], error))
+    return attempt if metric is None else Scored.of(attempt, {})
 
 
 EMPTY_REPLY = "The LM returned an empty or null response"  # what DSPy's adapters raise for a reply with no content
@@ -392,10 +386,10 @@ class AsyncWorkers(Workers):
 
 
 class RayAttempts:
-    """The attempts of a run as Ray tasks: `attempt` has `attempt_record`'s contract, and runs it on any node of the
+    """The attempts of a run as Ray tasks: `attempt` has `run_attempt`'s contract, and runs it on any node of the
     cluster (RAY_ADDRESS, else the one `ray.init()` finds or starts; a cluster the caller connected to is used as it
     is). What travels: the program (its LM copies with their settings), the example, the metric when the unit scores
-    the attempt, and DSPy's `lm` and `adapter` settings; what comes back: the attempt's record and the usage of its LM
+    the attempt, and DSPy's `lm` and `adapter` settings; what comes back: the attempt and the usage of its LM
     calls, metered here as a local call is. A task whose worker or node dies is sent again by Ray (`max_retries`);
     lost for good, it is an attempt with no answer (`failed`, never scored), as a failed LM call is. The program's
     classes must import on the nodes: tfgrpo's do wherever it is installed; a class of the caller's own module needs
@@ -418,7 +412,7 @@ class RayAttempts:
         self._lock, self._running = threading.Lock(), set()
 
     def attempt(self, program: dspy.Module, example: dspy.Example, metric: Callable | None,
-                timeout_s: float | None) -> dict:
+                timeout_s: float | None) -> Attempt:
         settings = {"lm": dspy.settings.lm, "adapter": dspy.settings.adapter}
         if paced(settings["lm"]) or any(paced(p.lm) for p in program.predictors()):
             raise ValueError('backend="ray" sends the attempts\' calls from the nodes, where a RequestPacer '
@@ -428,17 +422,17 @@ class RayAttempts:
         with self._lock:
             self._running.add(ref)
         try:
-            record, usage = self._ray.get(ref)
+            attempt, usage = self._ray.get(ref)
         except self._ray.exceptions.RayTaskError as exc:  # the task's own error (a program that cannot unpickle)
             raise exc.as_instanceof_cause() from None
         except self._ray.exceptions.RayError as exc:  # its worker or node died more than max_retries times
-            record, usage = _no_answer_record(example, metric, f"RayTaskLost: {type(exc).__name__}: {exc}"), {}
+            attempt, usage = _no_answer(example, metric, f"RayTaskLost: {type(exc).__name__}: {exc}"), {}
         finally:
             with self._lock:
                 self._running.discard(ref)
         if dspy.settings.usage_tracker is not None:  # the unit's own meter
             dspy.settings.usage_tracker.absorb(usage)
-        return record
+        return attempt
 
     def cancel(self) -> None:
         """End the tasks still running (Ctrl-C on the driver)."""
@@ -452,9 +446,9 @@ _WORKER_PRICES: dict[str, dict] = {}  # a Ray worker's price lookups by the run'
 
 
 def _remote_attempt(program: dspy.Module, example: dspy.Example, metric: Callable | None, timeout_s: float | None,
-                    settings: dict, prices: dict | None) -> tuple[dict, dict]:
-    """A Ray task's body: the attempt's record and its LM calls' usage (`UsageMeter.usage_data`)."""
+                    settings: dict, prices: dict | None) -> tuple[Attempt, dict]:
+    """A Ray task's body: the attempt and its LM calls' usage (`UsageMeter.usage_data`)."""
     meter = UsageMeter(_WORKER_PRICES.setdefault(digest(prices), {}), custom=prices)
     with dspy.context(usage_tracker=meter, **settings):
-        record = attempt_record(program, example, metric, timeout_s)
-    return record, dict(meter.usage_data)
+        attempt = run_attempt(program, example, metric, timeout_s)
+    return attempt, dict(meter.usage_data)

@@ -163,10 +163,10 @@ class _Scores:
         """The program's reward per example (None where its LM call failed)."""
         self.made += len(examples)
         runnable = with_own_lms(program)
-        records = self.scope.scored("attribution", [(f"worth/{variant}/{digest(x.toDict())}", runnable, x)
-                                                    for x in examples])
+        attempts = self.scope.scored("attribution", [(f"worth/{variant}/{digest(x.toDict())}", runnable, x)
+                                                     for x in examples])
         self.scope.check("attribution")
-        return [r["reward"] for r in records]
+        return [a.reward for a in attempts]
 
 
 def _backward(scores: _Scores, items: list[ItemWorth]) -> list[str]:

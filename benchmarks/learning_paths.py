@@ -29,7 +29,8 @@ from tfgrpo.lms import open_lms
 from tfgrpo.task import task_parts
 from tfgrpo.optimizers.records import Attempt, Group, Scored
 from tfgrpo.optimizers.knobs import Knobs
-from tfgrpo.optimizers.step import ContrastPath, PaperPath
+from tfgrpo.optimizers.contrast_path import ContrastPath
+from tfgrpo.optimizers.step import PaperPath
 from tfgrpo.optimizers.step import learn_from_groups
 from tfgrpo.programs.render import query_key
 from tfgrpo.programs import ExperienceLibrary

@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from tfgrpo.optimizers.step import probe_power
+from tfgrpo.optimizers.judge import probe_power
 
 POOL = Path(__file__).resolve().parent / "results" / "replay" / "pool.json"
 FLAT = 24  # what a flat a op b op c op d search solves of the 48 harder training puzzles

@@ -31,7 +31,7 @@ from tfgrpo.lms import local_dspy_lm
 from tfgrpo.optimizers.checkpoint import Checkpoint
 from tfgrpo.optimizers.knobs import Knobs
 from tfgrpo.optimizers.runner import Runner
-from tfgrpo.optimizers.step import carried_demos
+from tfgrpo.optimizers.judge import carried_demos
 from tfgrpo.optimizers.worth import Attribution, Learned
 from tfgrpo.programs.inject import library_from_instructions
 from tfgrpo.programs.library import ExperienceLibrary

@@ -10,7 +10,7 @@ import pytest
 from scripted_lm import ScriptedLM, kind_of, output_fields
 from test_optimizer import LESSON, make_trainset, metric, student_answer
 from tfgrpo.optimizers import TooManyFailuresError, TrainingFreeGRPO
-from tfgrpo.optimizers.step import contrast_pairs, fold, overlap
+from tfgrpo.optimizers.contrast_path import contrast_pairs, fold, overlap
 from tfgrpo.optimizers.knobs import model_size_b
 from tfgrpo.programs import ExperienceLibrary
 from tfgrpo.programs.constrained import ConstrainedJSONAdapter, output_schema

@@ -8,7 +8,7 @@ import dspy
 from scripted_lm import ScriptedLM, kind_of
 from test_optimizer import compile_with, learner
 from tfgrpo.optimizers.records import Demo, Group, Scored
-from tfgrpo.optimizers.step import best_demos, demo_candidates
+from tfgrpo.optimizers.judge import best_demos, demo_candidates
 
 
 def _groups(rewards_by_query):

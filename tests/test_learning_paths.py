@@ -83,7 +83,7 @@ def test_a_path_learns_from_groups_it_is_given_and_the_plan_applies_to_a_copy():
     """What benchmarks/learning_paths.py does: a learning path alone, on groups scored elsewhere (no rollout)."""
     from test_optimizer import make_trainset
     from tfgrpo.optimizers.records import Group, Scored
-    from tfgrpo.optimizers.step import ContrastPath
+    from tfgrpo.optimizers.contrast_path import ContrastPath
     from tfgrpo.optimizers.knobs import Knobs
     from tfgrpo.optimizers.step import learn_from_groups
     from tfgrpo.programs.library import ExperienceLibrary

@@ -9,7 +9,7 @@ import dspy
 from scripted_lm import ScriptedLM, kind_of
 from test_optimizer import LESSON, compile_with, learner, make_trainset, student_answer
 from tfgrpo.base.util import digest
-from tfgrpo.optimizers.step import probe_queries
+from tfgrpo.optimizers.judge import probe_queries
 from tfgrpo.programs.library import ExperienceLibrary
 from tfgrpo.signatures.operations import ExcerptOperation
 
@@ -135,7 +135,7 @@ def _partial(example, pred, trace=None):
 def _probe(programs, candidates):
     """A probe on 4 training queries, every attempt run in turn (one thread), nothing saved."""
     from tfgrpo.optimizers.runner import Runner
-    from tfgrpo.optimizers.step import Probe
+    from tfgrpo.optimizers.judge import Probe
     from tfgrpo.optimizers.knobs import Knobs
 
     runner = Runner(Knobs(num_threads=1), _partial)
@@ -146,7 +146,7 @@ def _probe(programs, candidates):
 def full_verdicts(programs, candidates):
     """The oracle: what a probe that ran every attempt keeps (each program's 4 rewards, the rules of `keeps`, then the
     best of each kind), and each candidate's (successes, mean)."""
-    from tfgrpo.optimizers.step import keeps
+    from tfgrpo.optimizers.judge import keeps
 
     rewards = [[_partial(ex, p(**ex.inputs())) for ex in make_trainset(4)] for p in programs]
     scores = [(sum(r >= 1 for r in rs), statistics.fmean(rs)) for rs in rewards]
@@ -179,7 +179,7 @@ def test_stopping_early_gives_the_verdicts_of_the_full_probe_with_fewer_attempts
     """Random probes: every candidate kind (demo, rule, excerpt, edits of one experience); the early-stopping probe keeps exactly what the full one keeps and never runs more attempts."""
     import random
 
-    from tfgrpo.optimizers.step import Candidate
+    from tfgrpo.optimizers.judge import Candidate
     from tfgrpo.signatures.operations import ExcerptOperation, Operation
 
     rule = Operation(action="add", ids=[], text="Try every order of the numbers.")
@@ -200,7 +200,7 @@ def test_stopping_early_gives_the_verdicts_of_the_full_probe_with_fewer_attempts
 
 
 def test_partial_credit_alone_does_not_buy_a_demo_its_place():
-    from tfgrpo.optimizers.step import Candidate
+    from tfgrpo.optimizers.judge import Candidate
 
     programs = [_Fixed(1, "none"),  # now: 1 solved, nothing else printed
                 _Fixed(1, "7"),  # demo A: a number everywhere (partial credit), no new success
@@ -217,7 +217,7 @@ def test_partial_credit_alone_does_not_buy_a_demo_its_place():
 
 
 def test_only_the_best_of_two_winning_demos_is_recorded_as_kept():
-    from tfgrpo.optimizers.step import Candidate
+    from tfgrpo.optimizers.judge import Candidate
 
     programs = [_Fixed(1, "none"), _Fixed(2, "none"), _Fixed(3, "none")]  # now 1 solved; demo A 2; demo B 3
     candidates = [Candidate("A", demo={}), Candidate("B", demo={})]
@@ -228,7 +228,7 @@ def test_only_the_best_of_two_winning_demos_is_recorded_as_kept():
 def test_an_excerpt_must_add_successes_like_a_demo():
     """On the Game of 24 the 1.5B once picked a stub (`def solve(...): pass`) as an excerpt; a rule that only ties the
     current program stays, the same rule carrying code does not."""
-    from tfgrpo.optimizers.step import Candidate
+    from tfgrpo.optimizers.judge import Candidate
     from tfgrpo.signatures.operations import ExcerptOperation, Operation
 
     rule = Operation(action="add", ids=[], text="Try every order of the numbers.")
@@ -242,7 +242,7 @@ def test_an_excerpt_must_add_successes_like_a_demo():
 def test_only_the_best_of_two_winning_excerpts_is_kept_and_a_plain_rule_beside_them_too():
     """Game of 24, seed 0: two sum-only solvers each added a success on the probe and both went into the library. Code
     competes as demos do: one excerpt per step, the best; a rule without code is judged on its own."""
-    from tfgrpo.optimizers.step import Candidate
+    from tfgrpo.optimizers.judge import Candidate
     from tfgrpo.signatures.operations import ExcerptOperation, Operation
 
     rule = Operation(action="add", ids=[], text="Try every order of the numbers.")
@@ -255,7 +255,7 @@ def test_only_the_best_of_two_winning_excerpts_is_kept_and_a_plain_rule_beside_t
 
 def test_a_rewrite_and_a_retirement_of_the_same_experience_are_not_both_kept():
     """Game of 24, seed 0: `modify E1` and `retire E1` both tied the program at 0 solved and both were applied."""
-    from tfgrpo.optimizers.step import Candidate
+    from tfgrpo.optimizers.judge import Candidate
     from tfgrpo.signatures.operations import Operation
 
     modify = Operation(action="modify", ids=["E1"], text="Try every order of the numbers.")
@@ -270,7 +270,7 @@ def test_a_rewrite_and_a_retirement_of_the_same_experience_are_not_both_kept():
 def test_a_kept_demo_that_failed_its_own_query_is_shown_by_a_probe_success(tmp_path):
     """A candidate judged by what it does on other queries: when it wins the probe but had not solved its own query,
     the kept demo is its attempt on a probe query it solved (a demo always shows a success)."""
-    from tfgrpo.optimizers.step import Candidate
+    from tfgrpo.optimizers.judge import Candidate
 
     def solver(right):
         def respond(messages, kwargs):
@@ -301,7 +301,7 @@ def test_stop_when_nothing_to_learn_ends_the_run_and_says_so():
 
 
 def test_probe_power_falls_as_the_program_solves_more():
-    from tfgrpo.optimizers.step import probe_power
+    from tfgrpo.optimizers.judge import probe_power
 
     assert probe_power(0.0, 8) > 0.99 and probe_power(1.0, 8) == 0.0 and probe_power(0.5, 0) == 0.0
     powers = [probe_power(r / 10, 8) for r in range(11)]

@@ -162,14 +162,14 @@ class Knobs:
     max_demos: int = knob(0, integer(0), fingerprinted=True, doc=(
         "Winning attempts kept as few-shot demos of the target predictors: after each step, a query's best attempt "
         "that fully succeeded (reward >= 1) while its groupmates did worse, ranked by group advantage, one per query "
-        "(see src/tfgrpo/optimizers/step.py). An extension of the paper for small policy models, which copy a working example "
+        "(see src/tfgrpo/optimizers/judge.py). An extension of the paper for small policy models, which copy a working example "
         "far better than they follow advice. 0: off."))
     probe_size: int = knob(0, integer(0), fingerprinted=True, doc=(
         "Each step's candidate edits (library operations, demos) are tried on this many training queries outside "
         "the step's batch, one attempt each, against the current program on the same queries, ranked by full "
         "successes first and mean reward second: an operation is kept only if it ranks no lower; a demo, or an "
         "experience carrying an excerpt, only if it adds full successes; of the winning demos the best one's set "
-        "is kept, and of the winning experiences with an excerpt the best one (src/tfgrpo/optimizers/step.py). Needs "
+        "is kept, and of the winning experiences with an excerpt the best one (src/tfgrpo/optimizers/judge.py). Needs "
         "use_ground_truth. 0: off, every valid operation is applied, as in the paper."))
     max_probed_edits: int = knob(3, integer(1), fingerprinted=True, doc=(
         "Most candidate edits probed per step (half of them demos, when max_demos > 0); edits beyond it are "

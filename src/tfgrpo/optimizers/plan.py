@@ -33,7 +33,7 @@ from tfgrpo.base.util import digest
 from tfgrpo.optimizers.checkpoint import Checkpoint, code_fingerprint, prompt_versions
 from tfgrpo.optimizers.spend import metered, model_price
 from tfgrpo.optimizers.workers import fixed_temperature, run_program
-from tfgrpo.optimizers.step import carried_demos
+from tfgrpo.optimizers.judge import carried_demos
 from tfgrpo.optimizers.knobs import Knobs, fingerprinted_knobs, resolve
 from tfgrpo.optimizers.records import Demo
 from tfgrpo.programs.inject import PROVENANCE_KEY, resolve_targets, starting_library

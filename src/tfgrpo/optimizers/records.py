@@ -156,7 +156,7 @@ class Lessons:
 @runtime_checkable
 class LearningPath(Protocol):
     """How one step's groups with reward contrast become a plan of library operations (step.py holds the
-    paper's path and the contrast path). `learn` makes one group's learning calls through the step's `scope`
+    paper's path, contrast_path.py the contrast path). `learn` makes one group's learning calls through the step's `scope`
     (`scope.call`, `scope.calls`; groups run side by side, each as soon as its attempts are scored) and returns what
     `finish` needs; `finish` turns every group's result into the step's `Lessons`. `stages` names the stages its calls
     are metered and checked under. An instance holds settings only: one serves every step."""

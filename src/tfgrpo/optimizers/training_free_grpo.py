@@ -32,7 +32,8 @@ from tfgrpo.optimizers.runner import ROLE, Runner
 from tfgrpo.optimizers.spend import BudgetExhausted, add_usage
 from tfgrpo.optimizers.workers import StageBars, with_own_lms
 from tfgrpo.optimizers.knobs import KNOBS, Knobs, args_doc, check_knob
-from tfgrpo.optimizers.step import ContrastPath, PaperPath
+from tfgrpo.optimizers.contrast_path import ContrastPath
+from tfgrpo.optimizers.step import PaperPath
 from tfgrpo.optimizers.plan import Plan, make_plan
 from tfgrpo.optimizers.records import EpochResult, StepResult, TrainingFreeGRPOResult, WorthResult
 from tfgrpo.optimizers.rewards import metric_takes_trace

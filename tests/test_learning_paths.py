@@ -28,7 +28,7 @@ class WorstAnswerPath(LearningPath):
         proposals = [(group.key, Operation(action="add", text=rule)) for group, rule in results
                      if not isinstance(rule, Failed)]
         return Lessons(plan=[op for _, op in proposals][:1], proposals=proposals,
-                       counts={"learning_failures": sum(isinstance(r, Failed) for _, r in results)})
+                       learning_failures=sum(isinstance(r, Failed) for _, r in results))
 
 
 def _rule_lm():

@@ -118,16 +118,16 @@ class ContrastPath(LearningPath):
 
     def finish(self, run: Run, scope: Scope, library: ExperienceLibrary, results: list[tuple[Group, list]]
                ) -> Lessons:
-        proposals, counts = [], {"learning_failures": 0, "operations_proposed": 0, "refused_specific": 0,
-                                 "rewritten_specific": 0, "redundant": 0, "said_none": 0}
+        proposals, failures, proposed = [], 0, 0
+        counts = {"refused_specific": 0, "rewritten_specific": 0, "redundant": 0, "said_none": 0}
         for group, replies in results:
             for rec in replies:
                 if isinstance(rec, Failed):
-                    counts["learning_failures"] += 1
+                    failures += 1
                     logger.warning("Contrast call on query %s failed (%s); it proposes nothing", group.index, rec.error)
                     continue
                 counts["said_none"] += rec["action"] == "none"
-                counts["operations_proposed"] += rec["action"] != "none"
+                proposed += rec["action"] != "none"
                 counts["rewritten_specific"] += rec["rewritten"] and rec["refused"] is None
                 counts["refused_specific"] += bool(rec["refused"])
                 if rec["refused"]:
@@ -135,5 +135,5 @@ class ContrastPath(LearningPath):
                 if rec["operation"]:
                     proposals.append((group.key, Operation.model_validate(rec["operation"])))
         plan, counts["redundant"] = fold(library.texts(), [op for _, op in proposals])
-        return Lessons(plan=plan, proposals=proposals, counts=counts,
-                       consolidation=f"folded in code: {len(plan)} of {len(proposals)} kept")
+        return Lessons(plan=plan, proposals=proposals, consolidation=f"folded in code: {len(plan)} of {len(proposals)} kept",
+                       learning_failures=failures, operations_proposed=proposed, details=counts)

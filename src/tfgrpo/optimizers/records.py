@@ -144,13 +144,17 @@ class Demo:
 
 @dataclass
 class Lessons:
-    """What a learning path makes of a step: the plan, every proposal with the key of the query it came from, and
-    counts (learning_failures and operations_proposed at least; path-specific ones besides)."""
+    """What a learning path makes of a step: the plan, every proposal with the key of the query it came from, how the
+    plan was made (`consolidation`), the learning calls that failed, the operations proposed (None: one per proposal;
+    the contrast path counts the rules it refused too) and what only this path counts (`details`, as the step's
+    record holds it)."""
 
     plan: list[Operation]
     proposals: list[tuple[str, Operation]] = field(default_factory=list)
-    counts: dict[str, Any] = field(default_factory=dict)
     consolidation: str = ""
+    learning_failures: int = 0
+    operations_proposed: int | None = None
+    details: dict[str, int] = field(default_factory=dict)
 
 
 @runtime_checkable

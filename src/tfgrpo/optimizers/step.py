@@ -226,8 +226,7 @@ def _record(run: Run, new: State, epoch: int, *, groups: list[Group], lessons: L
     """The record of the step that made `new`: what it made (its groups, lessons, verdict and the library's report of
     the edits) and spent (`usage` by stage, `before`: what a stopped run had spent in it, the metric calls that timed
     out, when each stage ended, `t0`: when the step began)."""
-    attempts, informative, counts = [a for g in groups for a in g.attempts], [g for g in groups if g.informative], \
-        lessons.counts
+    attempts, informative = [a for g in groups for a in g.attempts], [g for g in groups if g.informative]
     made_attempts = sum(g.size for g in groups)
     return StepResult(
         step=new.step - 1, epoch=epoch, batch_size=len(groups), learning_path=run.path_name,
@@ -236,8 +235,8 @@ def _record(run: Run, new: State, epoch: int, *, groups: list[Group], lessons: L
         rollout_failures=sum(bool(a.error) for a in attempts) + made_attempts - len(attempts),
         failed_calls=made_attempts - len(attempts), solved=sum(a.reward >= 1 for a in attempts),
         tool_calls_mean=statistics.fmean(a.tool_calls for a in attempts) if attempts else 0.0,
-        learning_failures=counts.get("learning_failures", 0),
-        operations_proposed=counts.get("operations_proposed", len(lessons.proposals)),
+        learning_failures=lessons.learning_failures,
+        operations_proposed=len(lessons.proposals) if lessons.operations_proposed is None else lessons.operations_proposed,
         operations_applied=report.applied, operations_rejected=len(report.rejected),
         library_size=len(new.library), consolidation=lessons.consolidation,
         usage={stage: add_usage(dict(before.get(stage, {})), u) for stage, u in usage.items()},
@@ -245,8 +244,7 @@ def _record(run: Run, new: State, epoch: int, *, groups: list[Group], lessons: L
         metric_calls=len(attempts) + (verdict.record or {}).get("attempts_run", 0),
         demos=[d.query for d in verdict.demos], probe=verdict.record, queries=[g.index for g in groups],
         usage_before_resume=before,
-        details={**{k: v for k, v in counts.items() if k not in ("learning_failures", "operations_proposed")},
-                 **({"metric_timeouts": len(timeouts)} if timeouts else {})})
+        details={**lessons.details, **({"metric_timeouts": len(timeouts)} if timeouts else {})})
 
 
 def learn_from_groups(path: LearningPath, groups: list[Group], *, settings: Knobs, reflection_lm: dspy.BaseLM,
@@ -357,8 +355,7 @@ class PaperPath(LearningPath):
                 continue
             proposals += [(group.key, Operation.model_validate(o)) for o in res.ops]
         plan, status = self._consolidate(run, scope, library, proposals)  # 3. one call for the batch
-        return Lessons(plan=plan, proposals=proposals, consolidation=status,
-                       counts={"learning_failures": failures, "operations_proposed": len(proposals)})
+        return Lessons(plan=plan, proposals=proposals, consolidation=status, learning_failures=failures)
 
     @staticmethod
     def _consolidate(run: Run, scope: Scope, library: ExperienceLibrary, proposals: list[tuple[str, Operation]]

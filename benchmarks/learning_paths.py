@@ -93,7 +93,7 @@ def main() -> None:
             report = library.apply(plan, step=args.step, sources=sorted({q for q, _ in proposals}))
             calls = sum(u.get("calls", 0) for u in usage.values())
             # the same test for both paths: each proposal alone against the starting library, plus generality
-            proposed = len(proposals) if lessons.operations_proposed is None else lessons.operations_proposed
+            proposed = lessons.operations_proposed  # contrast: includes refused rules
             valid = sum(_valid(start, op, queries[key], allowed) for key, op in proposals)
             print(f"\n{path}: {calls} calls in {seconds:.0f} s; {proposed} proposed, {valid} valid, plan of "
                   f"{len(plan)}, {len(report.rejected)} refused when applied; library:")

@@ -135,5 +135,5 @@ class ContrastPath(LearningPath):
                 if rec["operation"]:
                     proposals.append((group.key, Operation.model_validate(rec["operation"])))
         plan, counts["redundant"] = fold(library.texts(), [op for _, op in proposals])
-        return Lessons(plan=plan, proposals=proposals, consolidation=f"folded in code: {len(plan)} of {len(proposals)} kept",
-                       learning_failures=failures, operations_proposed=proposed, details=counts)
+        return Lessons(plan=plan, proposals=proposals, learning_failures=failures, operations_proposed=proposed,
+                       details=counts, consolidation=f"folded in code: {len(plan)} of {len(proposals)} kept")

@@ -145,9 +145,9 @@ class Demo:
 @dataclass
 class Lessons:
     """What a learning path makes of a step: the plan, every proposal with the key of the query it came from, how the
-    plan was made (`consolidation`), the learning calls that failed, the operations proposed (None: one per proposal;
-    the contrast path counts the rules it refused too) and what only this path counts (`details`, as the step's
-    record holds it)."""
+    plan was made (`consolidation`), the learning calls that failed, the operations proposed (left None: one per
+    proposal; the contrast path counts the rules it refused too) and what only this path counts (`details`, as the
+    step's record holds it)."""
 
     plan: list[Operation]
     proposals: list[tuple[str, Operation]] = field(default_factory=list)
@@ -156,12 +156,16 @@ class Lessons:
     operations_proposed: int | None = None
     details: dict[str, int] = field(default_factory=dict)
 
+    def __post_init__(self):
+        if self.operations_proposed is None:
+            self.operations_proposed = len(self.proposals)
+
 
 @runtime_checkable
 class LearningPath(Protocol):
     """How one step's groups with reward contrast become a plan of library operations (step.py holds the
-    paper's path, contrast_path.py the contrast path). `learn` makes one group's learning calls through the step's `scope`
-    (`scope.call`, `scope.calls`; groups run side by side, each as soon as its attempts are scored) and returns what
+    paper's path, contrast_path.py the contrast path). `learn` makes one group's learning calls through the step's
+    `scope` (`scope.call`, `scope.calls`; groups run side by side, each as soon as its attempts are scored) and returns what
     `finish` needs; `finish` turns every group's result into the step's `Lessons`. `stages` names the stages its calls
     are metered and checked under. An instance holds settings only: one serves every step."""
 

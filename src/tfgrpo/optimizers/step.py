@@ -236,7 +236,7 @@ def _record(run: Run, new: State, epoch: int, *, groups: list[Group], lessons: L
         failed_calls=made_attempts - len(attempts), solved=sum(a.reward >= 1 for a in attempts),
         tool_calls_mean=statistics.fmean(a.tool_calls for a in attempts) if attempts else 0.0,
         learning_failures=lessons.learning_failures,
-        operations_proposed=len(lessons.proposals) if lessons.operations_proposed is None else lessons.operations_proposed,
+        operations_proposed=lessons.operations_proposed,
         operations_applied=report.applied, operations_rejected=len(report.rejected),
         library_size=len(new.library), consolidation=lessons.consolidation,
         usage={stage: add_usage(dict(before.get(stage, {})), u) for stage, u in usage.items()},
@@ -287,8 +287,8 @@ def learn_from_groups(path: LearningPath, groups: list[Group], *, settings: Knob
 # comes back as a `Failed` and is counted, and when more than `max_failure_rate` of a stage's calls failed the step
 # stops (a group whose calls failed is held in `calls` until the stage's check has seen every group's: a path never
 # waits on other groups itself). The paper's path is `PaperPath`; `ContrastPath` (contrast_path.py) is the path for
-# small reflection models. Pass an instance as `learning_path=` to plug in your own; `learn_from_groups` (above) runs a path
-# on groups scored elsewhere (saved rollouts, say).
+# small reflection models. Pass an instance as `learning_path=` to plug in your own; `learn_from_groups` (above) runs a
+# path on groups scored elsewhere (saved rollouts, say).
 
 EMPTY_LIBRARY = "(no experiences yet: only 'add' is possible)"
 

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 X = r"[+-]?\d+\.\d+"  # a figure as the benchmarks print them
 COVERED = {"api_run.py", "faults.py", "learning_paths.py", "local_learning.py", "local_math.py", "local_throughput.py",
            "local_web.py", "peers.py", "replay.py", "rule_ceiling.py", "step_latency.py", "worth.py", "ceiling.py",
-           "resume_saved.py", "same_run.py", "carry.py", "ray_backend.py", "async_backend.py"}  # each has a test below
+           "resume_saved.py", "same_run.py", "carry.py", "ray_backend.py", "async_backend.py", "judge_billing.py"}  # each has a test below
 NOT_BENCHMARKS = {"__init__.py", "common.py", "fault_child.py", "log_dir_checks.py", "stop_rows.py",
                   "trust_rows.py"}  # helpers of the benchmarks
 
@@ -49,6 +49,20 @@ def fake():
 
 def endpoint(server: FakeLMServer) -> list[str]:
     return ["--api-base", server.api_base, "--model", "fake"]
+
+
+def test_judge_billing():
+    """At its smallest size: an unbudgeted run and one with half its bill as max_cost; the spend reported is the
+    server's bill and the stop lands within 1.15x of the budget."""
+    lines = run("judge_billing.py", "--epochs", "2", "--shares", "0.5", "--backends", "threads")
+    pattern = re.compile(rf"judge_billing backend=threads max_cost=(none|{X}) billed=\${X} reported=\${X} \(ratio "
+                         rf"({X})\) judge_calls=(\d+)/(\d+) stopped=(yes|no) bill/budget=({X}) overshoot=\${X} "
+                         rf"\({X} units\)")
+    rows = [pattern.fullmatch(line) for line in lines if line.startswith("judge_billing ")]
+    assert len(rows) == 2 and all(rows), lines
+    for row in rows:
+        assert abs(float(row.group(2)) - 1) <= 0.05 and row.group(3) == row.group(4) != "0"
+    assert rows[1].group(5) == "yes" and float(rows[1].group(6)) <= 1.15
 
 
 def test_every_benchmark_has_a_test_here():

@@ -14,6 +14,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from pydantic_core import to_jsonable_python
+
 TMP_NAME = re.compile(r"^\..+\.[0-9a-f]{32}\.tmp$")  # write_atomic's temporary files: .<name>.<uuid4 hex>.tmp
 
 
@@ -79,8 +81,9 @@ def digest(value: Any) -> str:
 
 
 def jsonable(value: Any) -> Any:
-    """`value` made JSON-safe (checkpoints, records): structures kept, anything else as text."""
-    return json.loads(json.dumps(value, ensure_ascii=False, default=str))
+    """`value` made JSON-safe (checkpoints, records) as pydantic dumps it: a model as its fields, an Enum as its
+    value, a date as ISO text, a tuple or set as a list; anything pydantic cannot dump, as text."""
+    return json.loads(json.dumps(to_jsonable_python(value, fallback=str), ensure_ascii=False, default=str))
 
 
 def bootstrap_ci(values: list[float], *, seed: int = 0, resamples: int = 10_000) -> tuple[float, float]:

@@ -222,11 +222,10 @@ class Knobs:
         "threads of this process; \"async\", as coroutines on one event loop of this process, num_threads of them "
         "in flight, each through the program's `acall` and DSPy's async path to the LM (a program with only "
         "`forward` runs on a thread, and so do the learning calls and the metric, up to num_threads of them), for "
-        "hundreds of calls waiting on a provider; \"ray\", each attempt (the program run and, where it is scored in "
-        "the same unit, its metric) as a task on a Ray cluster (`pip install \"tfgrpo[ray]\"`; the cluster named by "
+        "hundreds of calls waiting on a provider; \"ray\", each attempt (the program run) as a task on a Ray cluster (`pip install \"tfgrpo[ray]\"`; the cluster named by "
         "RAY_ADDRESS, or the one `ray.init()` finds or starts), for programs whose own work (tools, sandboxed code, "
         "page fetching) outgrows one machine, num_threads of them in flight. The budget, the checkpoint, the failure "
-        "rule, the rewards of the rollouts and the learning calls stay in this process. See docs/long-runs.md and "
+        "rule, the metric (on outputs rebuilt to their types) and the learning calls stay in this process. See docs/long-runs.md and "
         "docs/ray.md."))
     max_failure_rate: float = knob(0.5, number(0, 1), doc=(
         "When more than this share of a step's attempts, summaries or group advantages, or of an epoch's "
@@ -240,7 +239,8 @@ class Knobs:
         "`max_failure_rate` of a step's attempts timing out stops the run, as an outage does. None waits for ever. "
         "Ctrl-C stops a run at once either way."))
     max_cost: float | None = knob(None, optional(positive("a number > 0 (USD)")), doc=(
-        "USD for every LM call of the run (rollouts, learning calls, probes, validation, attribution), priced from "
+        "USD for every LM call of the run (rollouts, the metric's own calls, learning calls, probes, validation, "
+        "attribution), priced from "
         "tokens by LiteLLM's price map or `prices`. Each unit of work is charged before it starts: when the next one "
         "would not fit beside those in flight, the run stops there, keeps the library so far and says so "
         "(`stopped_early`); a resume with a larger budget goes on without redoing finished work. A step the budget "

@@ -556,7 +556,9 @@ def _tokens(signatures: list, examples: list) -> int:
     them) for the inputs of `examples` (up to 20 averaged; `[{}]`: with empty inputs)."""
     total = 0
     for sig in signatures:
+        # an input the example lacks counts as empty text; a dspy.History it lacks, as no turns
         sizes = [sum(len(str(m["content"])) for m in ChatAdapter().format(sig, demos=[], inputs={
-            k: dict(x).get(k, "") for k in sig.input_fields})) for x in examples[:20]]
+            k: dict(x).get(k, "") for k, f in sig.input_fields.items()
+            if k in dict(x) or f.annotation is not dspy.History})) for x in examples[:20]]
         total += int(statistics.fmean(sizes)) // CHARS_PER_TOKEN
     return total

@@ -33,7 +33,11 @@ class Attempt:
     `render.MAX_ATTEMPT_CHARS`; `text_chars`: its length before, when it was cut). `failed`: an LM call of the attempt
     failed, or the provider replied with nothing (a rate limit, a timeout, a lost connection, a refused prompt): the
     attempt has no answer, so it is left out of its group and of the probe, and never scored. `unparsed`: the error is
-    a reply with content the adapter could not parse, the program's own 0 and no outage."""
+    a reply with content the adapter could not parse, the program's own 0 and no outage.
+
+    `prediction` is what the program returned, as the metric receives it (never saved: an attempt read back from a
+    checkpoint gets it rebuilt from `outputs`, `workers.typed`); `bare`: the program returned something other than a
+    `dspy.Prediction` (None, a string), kept as `outputs["returned"]`."""
 
     outputs: dict | None
     error: str | None
@@ -43,18 +47,21 @@ class Attempt:
     failed: bool = False
     unparsed: bool = False
     text_chars: int | None = None
+    bare: bool = False
+    prediction: Any = field(default=None, compare=False, repr=False)
 
     def to_record(self) -> dict:
         """The attempt as a checkpoint holds it."""
         rec = {"outputs": self.outputs, "error": self.error, "failed": self.failed, "unparsed": self.unparsed,
                "trace": self.trace, "tool_calls": self.tool_calls, "attempt": self.text}
+        rec.update({"bare": True} if self.bare else {})
         return rec if self.text_chars is None else {**rec, "attempt_chars": self.text_chars}
 
     @classmethod
     def from_record(cls, rec: dict) -> Attempt:
         return cls(outputs=rec["outputs"], error=rec["error"], trace=rec["trace"], tool_calls=rec["tool_calls"],
                    text=rec.get("attempt", ""), failed=rec.get("failed", False), unparsed=rec.get("unparsed", False),
-                   text_chars=rec.get("attempt_chars"))
+                   text_chars=rec.get("attempt_chars"), bare=rec.get("bare", False))
 
 
 @dataclass(frozen=True)
@@ -361,7 +368,8 @@ class TrainingFreeGRPOResult(_Record):
         best_epoch: The epoch whose library (and demos) the compiled program carries; None without a valset,
             where the program carries the last one.
         usage: Per role, the calls this `compile()` made, with their tokens and known cost: "policy" (rollouts,
-            probes) and "reflection" (learning calls); steps reused from `log_dir` are not counted.
+            probes, validation), "reflection" (learning calls) and, where the metric calls an LM (an LLM judge),
+            "metric" (its calls); steps reused from `log_dir` are not counted.
         run_usage: The same for the whole run, reused steps included: what the budgets count.
         reused_units: Units of work read back from `log_dir` instead of computed again.
         stopped_early: Why the run stopped before its last step (a budget ran out, say), or None.
@@ -371,8 +379,9 @@ class TrainingFreeGRPOResult(_Record):
             None.
         limits: What limited the run: `attempts_solved` (the rollouts that solved their own query, of all answered),
             `best_written` (the demo candidate that solved most of its probe's queries: step, solved, of) against
-            `kept` (the kept program on the last probe), a `verdict`, the `calls` per stage, why it `stopped`, and
-            the `summary` sentence the log and `tfgrpo report` print.
+            `kept` (the kept program on the last probe), a `verdict`, the `calls` this compile sent per stage, the
+            `learning_failures` of its steps, why it `stopped`, and the `summary` sentence the log and
+            `tfgrpo report` print.
     """
 
     steps: list[StepResult]

@@ -106,14 +106,30 @@ def score_attempt(metric: Callable, example: dspy.Example, attempt: Attempt, tim
     if attempt.error or attempt.outputs is None:
         return Scored.of(attempt, {"reward": 0.0, "feedback": f"the attempt failed: {attempt.error}"}, g)
     try:
-        score, feedback = call_metric(metric, example, dspy.Prediction(**attempt.outputs), timeout_s)
+        score, feedback = call_metric(metric, example, as_returned(attempt), timeout_s)
     except MetricTimeout as exc:
         return Scored.of(attempt, {"reward": 0.0, "feedback": "the metric timed out on this attempt",
                                    "timeout": str(exc)}, g)
+    except MetricError as exc:
+        if not attempt.bare:
+            raise
+        # a program that returned no Prediction (dspy.BestOfN's None when every try failed): a metric that cannot
+        # read it scores it 0, as dspy.Evaluate's failure_score does
+        returned = attempt.outputs["returned"]
+        return Scored.of(attempt, {"reward": 0.0, "feedback": f"the program returned {returned!r} and the metric "
+                                                              f"raised on it: {exc.__cause__ or exc}"}, g)
     if len(feedback) > MAX_FEEDBACK_CHARS:
         return Scored.of(attempt, {"reward": score, "feedback": clip(feedback, MAX_FEEDBACK_CHARS),
                                    "feedback_chars": len(feedback)}, g)
     return Scored.of(attempt, {"reward": score, "feedback": feedback}, g)
+
+
+def as_returned(attempt: Attempt):
+    """What the program returned, as the metric receives it (as `dspy.Evaluate` gives it): the prediction itself, or
+    for an attempt read back from a checkpoint and not rebuilt (`workers.typed`), a prediction of its saved outputs."""
+    if attempt.prediction is not None:
+        return attempt.prediction
+    return attempt.outputs["returned"] if attempt.bare else dspy.Prediction(**attempt.outputs)
 
 
 def reference_example(example: dspy.Example, group: list[Attempt], use_ground_truth: bool) -> dspy.Example:

@@ -51,15 +51,16 @@ from tfgrpo.optimizers.records import Attempt, Failed, Scored
 from tfgrpo.optimizers.rewards import score_attempt
 from tfgrpo.optimizers.spend import Budget, BudgetExhausted, UsageMeter, add_usage
 from tfgrpo.optimizers.workers import (EMPTY_REPLY, AsyncWorkers, RayAttempts, StageBars, Workers, arun_attempt,
-                                       rollout_id, run_attempt, run_program, with_own_lms)
+                                       rebuilt, rollout_id, run_program, typed, with_own_lms)
 from tfgrpo.programs.render import MAX_ATTEMPT_CHARS, MAX_FEEDBACK_CHARS
 
 logger = logging.getLogger(__name__)
 
 CONTEXT_REFUSALS = ("contextwindowexceeded", "context length", "context_length_exceeded", "maximum context",
                     "context window", "exceeds the available context size")  # LiteLLM, OpenAI, vLLM, llama.cpp
-POLICY_STAGES = ("rollout", "probe", "validation", "attribution")  # the program's own calls; the rest are learning calls
-ROLE = dict.fromkeys(POLICY_STAGES, "policy")  # a stage's role: ROLE.get(stage, "reflection")
+POLICY_STAGES = ("rollout", "probe", "validation", "attribution")  # the program's own calls
+# a stage's role: ROLE.get(stage, "reflection"): the program's calls, the metric's (an LLM judge's), the learning calls
+ROLE = {**dict.fromkeys(POLICY_STAGES, "policy"), "reward": "metric"}
 # what may be cut for the learning calls: kind -> (the length kept, what it is)
 CUTS = {"attempt": (MAX_ATTEMPT_CHARS, "An attempt"),
         "feedback": (MAX_FEEDBACK_CHARS, "The metric's feedback on an attempt")}
@@ -80,14 +81,16 @@ class StageFailures:
 
 class Runner:
     """What a whole run shares (see the module docstring): the knobs, the metric, the checkpoint, the `budget` (the
-    knobs' budgets), the prices and what every scope spent (`spent` by role, `unrecorded` by stage: what no step record
-    holds). Open a `scope()` around each step, validation or attribution; its verbs run the units."""
+    knobs' budgets), the prices and what every scope spent (`spent` by role and `sent` by stage, in this process;
+    `unrecorded` by stage: what no step record holds). Open a `scope()` around each step, validation or attribution; its verbs run the units."""
 
     def __init__(self, knobs: Knobs, metric: Callable, ckpt: Checkpoint | None = None):
         self.knobs, self.metric, self.ckpt = knobs, metric, ckpt or Checkpoint(None)
         self.budget, self.custom_prices, self.prices = Budget(knobs), knobs.prices, {}
-        self.spent: dict[str, dict] = {"policy": {}, "reflection": {}}  # by this process, every scope
+        self.spent: dict[str, dict] = {"policy": {}, "reflection": {}}  # by this process, every scope ("metric" too,
+        # once a metric calls an LM)
         self.unrecorded: dict[str, dict] = {}  # by stage, what no step record holds (validation, attribution, a stop)
+        self.sent: dict[str, dict] = {}  # by stage, what this process sent (every scope)
         self.direct_calls = 0  # LM calls of the program outside its predictors (they get no library)
         self.clipped: set[str] = set()  # what was cut for the learning calls: "feedback", "attempt" (each said once)
         self.lock = threading.Lock()
@@ -104,7 +107,7 @@ class Runner:
         scope = Scope(self, name, prefix=prefix, usage_key=usage_key, before=before or {})
         recorded = False
         workers = AsyncWorkers if self.knobs.backend == "async" else Workers
-        with workers(self.knobs.num_threads, progress=self.knobs.progress or bars, meters=scope.meters) as scope.work:
+        with workers(self.knobs.num_threads, progress=self.knobs.progress or bars) as scope.work:
             try:
                 yield scope
                 recorded = usage_key is not None  # the step's record holds the scope's usage
@@ -115,9 +118,12 @@ class Runner:
             finally:
                 bars.close()
                 for stage, meter in scope.meters.items():
-                    add_usage(self.spent[ROLE.get(stage, "reflection")], meter.totals())
+                    if not (totals := meter.totals())["calls"]:  # (a metric with no LM call, say)
+                        continue
+                    add_usage(self.spent.setdefault(ROLE.get(stage, "reflection"), {}), totals)
+                    add_usage(self.sent.setdefault(stage, {}), totals)
                     if not recorded:  # a validation, an attribution, a step stopped part way
-                        add_usage(self.unrecorded.setdefault(stage, {}), meter.totals())
+                        add_usage(self.unrecorded.setdefault(stage, {}), totals)
                     for lm, entries in (meter.usage_data.items() if outer is not None else ()):
                         outer.usage_data[lm].extend(entries)
 
@@ -145,8 +151,8 @@ class Runner:
         for path, record in saved[:3] if self.knobs.use_ground_truth else []:
             reward = json.loads((path.parent.parent / "rewards" / path.name).read_text())["reward"] if (
                 path.parent.parent / "rewards" / path.name).exists() else None
-            again = score_attempt(self.metric, trainset[int(path.stem.split("_")[0])], Attempt.from_record(record),
-                                  self.knobs.metric_timeout_s)
+            again = score_attempt(self.metric, trainset[int(path.stem.split("_")[0])],
+                                  typed(program, Attempt.from_record(record)), self.knobs.metric_timeout_s)
             if reward is not None and again.timeout is None and abs(again.reward - reward) > 1e-9:
                 raise RunMismatchError(where.format("metric", f"{path.name}: reward {reward} then, "
                                                     f"{again.reward} now", "metric"))
@@ -156,9 +162,10 @@ class Runner:
             replay, asked = with_own_lms(program, rollout_id=rollout_id(self.knobs.seed, step, int(g)),
                                          temperature=self.knobs.temperature), []
             for name, predictor in replay.named_predictors():
-                def answer(name=name, calls=[c for c in record["trace"] if c["predictor"] == name], **inputs):
+                def answer(name=name, calls=[c for c in record["trace"] if c["predictor"] == name],
+                           types={k: f.annotation for k, f in predictor.signature.output_fields.items()}, **inputs):
                     asked.append({"predictor": name, "inputs": jsonable(inputs)})
-                    return dspy.Prediction(**calls.pop(0)["outputs"]) if calls else dspy.Prediction()
+                    return dspy.Prediction(**rebuilt(types, calls.pop(0)["outputs"])) if calls else dspy.Prediction()
                 predictor.forward = answer
             _, now = run_program(replay, trainset[int(query)])
             if now.outputs != record["outputs"] or asked != [{k: c[k] for k in ("predictor", "inputs")}
@@ -256,7 +263,8 @@ class Scope:
         self.meter(stage).absorb(own.usage_data)
         failed = isinstance(value, Attempt) and value.failed
         runner.budget.release(stage, share, own.totals(), 0 if failed else metric_calls)
-        direct = sum(e["direct"] for entries in list(own.usage_data.values()) for e in entries)
+        direct = sum(e["direct"] for entries in list(own.usage_data.values()) for e in entries
+                     ) if stage in POLICY_STAGES else 0  # (a metric may call its judge LM as it likes)
         with runner.lock:  # said once per run, whichever unit's thread sees it first
             first, runner.direct_calls = direct and not runner.direct_calls, runner.direct_calls + direct
         if first:
@@ -277,35 +285,42 @@ class Scope:
 
     def attempt(self, stage: str, key: str | None, program: dspy.Module, example: dspy.Example, *,
                 score: bool = False) -> Attempt:
-        """One attempt of `program` (with its own LM copies) on `example`; with `score`, scored in the same unit: a
+        """One attempt of `program` (with its own LM copies) on `example`; with `score`, then scored (`_score`): a
         `Scored` (its reward None where it got no answer, `timeout` where the metric call timed out). Saved under `key`
         unless it raised or timed out (a resume runs it again); counted as a failure when it did."""
         runner = self.runner
-        if (attempt := self._reused(key, score)) is None:
-            metric, body = runner.metric if score else None, run_attempt if runner.ray is None else runner.ray.attempt
-            attempt = self._unit(stage, lambda: body(program, example, metric, self.knobs.metric_timeout_s),
-                                 metric_calls=1)
+        if (attempt := self._reused(key, score, program)) is None:
+            body = runner.ray.attempt if runner.ray is not None else lambda *job: run_program(*job)[1]
+            attempt = self._unit(stage, lambda: body(program, example), metric_calls=1)
+            attempt = self._score(attempt, example) if score else attempt
             self._save_attempt(key, attempt)
         return self._attempted(stage, attempt)
 
     async def aattempt(self, stage: str, key: str | None, program: dspy.Module, example: dspy.Example, *,
                        score: bool = False) -> Attempt:
         """`attempt` as a coroutine on the async workers' loop (backend="async")."""
-        if (attempt := self._reused(key, score)) is None:
-            metric = self.runner.metric if score else None
-            attempt = await self._aunit(stage, lambda: arun_attempt(program, example, metric,
-                                                                    self.knobs.metric_timeout_s, self.work),
-                                        metric_calls=1)
+        if (attempt := self._reused(key, score, program)) is None:
+            attempt = await self._aunit(stage, lambda: arun_attempt(program, example, self.work), metric_calls=1)
+            attempt = await self.work.offload(self._score, attempt, example) if score else attempt
             self._save_attempt(key, attempt)
         return self._attempted(stage, attempt)
 
-    def _reused(self, key: str | None, score: bool) -> Attempt | None:
-        """The attempt saved under `key` (`Scored` with `score`), which counts in the run's metric calls all the same;
-        None to run it."""
+    def _reused(self, key: str | None, score: bool, program: dspy.Module) -> Attempt | None:
+        """The attempt saved under `key` (`Scored` with `score`), its prediction rebuilt to the program's types, which
+        counts in the run's metric calls all the same; None to run it."""
         if key is not None and (record := self.runner.ckpt.get(key)) is not None:
             self.runner.budget.add({}, metric_calls=1)
-            return Scored.from_record(record) if score else Attempt.from_record(record)
+            return typed(program, Scored.from_record(record) if score else Attempt.from_record(record))
         return None
+
+    def _score(self, attempt: Attempt, example: dspy.Example, g: int = 0) -> Scored:
+        """The metric on an attempt, as one unit of the "reward" stage: charged before it starts and metered, so that
+        the calls of a metric that calls an LM (an LLM judge) count in the budget and in the run's usage. An attempt
+        that got no answer is never scored."""
+        if attempt.failed:
+            return Scored.of(attempt, {}, g)
+        return self._unit("reward", lambda: score_attempt(self.runner.metric, example, attempt,
+                                                          self.knobs.metric_timeout_s, g))
 
     def _save_attempt(self, key: str | None, attempt: Attempt) -> None:
         timed_out = isinstance(attempt, Scored) and attempt.timeout
@@ -341,7 +356,7 @@ class Scope:
         its query's attempts it is."""
         if (saved := self.runner.ckpt.get(key)) is not None:
             return Scored.of(attempt, saved, g)
-        scored = score_attempt(self.runner.metric, example, attempt, self.knobs.metric_timeout_s, g)
+        scored = self._score(attempt, example, g)
         if scored.timeout is None:
             self.runner.ckpt.put(key, scored.score_record())
         self._done("reward", None)

@@ -267,7 +267,7 @@ class Budget:
             for name, value in (("cost", cost), ("tokens", tokens), ("metric_calls", metric_calls)):
                 self.in_flight[name] -= share[name]
                 self.spent[name] += value
-            if used.get("calls"):
+            if used.get("calls") or stage == "reward":  # a metric unit with no LM call measured a metric that is free
                 self.done.setdefault(stage, []).append((cost, tokens))
 
     def reached(self, attempts: int = 0) -> str | None:
@@ -276,8 +276,10 @@ class Budget:
         else None."""
         with self._lock:
             done = self.done.get("rollout") or [x for units in self.done.values() for x in units] or [(0.0, 0)]
-            need = {"cost": attempts * statistics.fmean(c for c, _ in done), "metric_calls": attempts,
-                    "tokens": attempts * statistics.fmean(t for _, t in done)}
+            scored = self.done.get("reward") or [(0.0, 0)]  # what the metric spends on each (an LLM judge)
+            need = {"cost": attempts * (statistics.fmean(c for c, _ in done) + statistics.fmean(c for c, _ in scored)),
+                    "metric_calls": attempts,
+                    "tokens": attempts * (statistics.fmean(t for _, t in done) + statistics.fmean(t for _, t in scored))}
         for name, limit in self.limits.items():
             if limit is not None and self.spent[name] >= limit:
                 return self._why(name, "", 0)

@@ -30,7 +30,7 @@ from tfgrpo.base import hooks
 from tfgrpo.optimizers.checkpoint import Checkpoint, Keys
 from tfgrpo.optimizers.runner import ROLE, Runner
 from tfgrpo.optimizers.spend import BudgetExhausted, add_usage
-from tfgrpo.optimizers.workers import StageBars, with_own_lms
+from tfgrpo.optimizers.workers import StageBars, guard_cache, with_own_lms
 from tfgrpo.optimizers.knobs import KNOBS, Knobs, args_doc, check_knob
 from tfgrpo.optimizers.contrast_path import ContrastPath
 from tfgrpo.optimizers.step import PaperPath
@@ -157,6 +157,7 @@ class TrainingFreeGRPO(Teleprompter):
         if teacher is not None:
             raise ValueError("TrainingFreeGRPO learns from the student's own attempts and takes no teacher; to have "
                              "a stronger model make the learning calls, pass reflection_lm=")
+        guard_cache()  # an empty reply is never served back from DSPy's cache to a retry or a resume
         ckpt = Checkpoint(self.log_dir)
         with ckpt.locked():  # one compile per log_dir: a second one is refused at once
             plan = make_plan(self, student, trainset, valset, attribution_set, say=True)
@@ -237,13 +238,13 @@ class TrainingFreeGRPO(Teleprompter):
         by_stage = [*((stage, used) for stats in steps for stage, used in stats.usage.items()),  # included) and the
                     *run.runner.unrecorded.items()]  # validations, the attribution, a step stopped part way
         for stage, used in by_stage:
-            add_usage(run_usage[ROLE.get(stage, "reflection")], used)
+            add_usage(run_usage.setdefault(ROLE.get(stage, "reflection"), {}), used)
         compiled = with_learned(run.program, run.targets, *learned)
         compiled.detailed_results = TrainingFreeGRPOResult(
             steps=steps, epochs=epochs, best_val_score=best[0].val_score if best else None,
             best_epoch=best[0].epoch if best else None, usage=run.runner.spent, run_usage=run_usage,
             reused_units=run.runner.ckpt.reused, stopped_early=stopped, worth=worth, refit=refit,
-            limits=_limits(steps, run.runner.spent, stopped, run.runner.unrecorded, run.runner.ckpt.reused))
+            limits=_limits(steps, run.runner.spent, stopped, run.runner.sent, run.runner.ckpt.reused))
         compiled.provenance = {"policy": plan.models["policy"], "reflection": plan.models["reflection"],
                                "knobs": plan.fingerprint["knobs"], "steps": len(steps),
                                "worth": {item.id: item.worth for item in worth.items} if worth else None,
@@ -267,7 +268,10 @@ class TrainingFreeGRPO(Teleprompter):
             need = len(batch) * knobs.num_generations + 2 * min(knobs.probe_size, len(run.trainset))
             if fresh and (short := run.runner.budget.reached(need)):  # a step it cannot finish would learn nothing
                 return state, short
-            state, stats = step(run, state, epoch, batch)
+            try:
+                state, stats = step(run, state, epoch, batch)
+            except BudgetExhausted as exc:  # the step cannot finish: the run keeps the last finished one's state
+                return state, str(exc)
             steps.append(stats)
             logger.info("%s", plan.projection(steps))
             for tracker in trackers:
@@ -355,12 +359,11 @@ def _learned_out(knobs: Knobs, stats: StepResult) -> str | None:
     return None
 
 
-def _limits(steps: list[StepResult], usage: dict, stopped: str | None, unrecorded: dict, reused: int) -> dict:
-    """What limited the run, logged at WARNING level with what it spent (`usage`, by role; `reused`: units read back
-    from log_dir): how many attempts solved their own query, the best winning attempt written (the demo candidate that
-    solved most of its probe's queries) against the program kept (its solved share on the last probe), the calls per
-    stage (the steps', and the `unrecorded` ones: validation, attribution, a step stopped part way), and why it
-    stopped."""
+def _limits(steps: list[StepResult], usage: dict, stopped: str | None, sent: dict, reused: int) -> dict:
+    """What limited the run, logged at WARNING level with what this compile spent (`usage` by role, `sent` by stage;
+    `reused`: units read back from log_dir): how many attempts solved their own query, the best winning attempt
+    written (the demo candidate that solved most of its probe's queries) against the program kept (its solved share on
+    the last probe), the calls this compile sent per stage, the learning calls that failed, and why it stopped."""
     attempts = [(s.step, c) for s in steps for c in (s.probe or {}).get("candidates", []) if c["edit"].startswith("demo")]
     best = max(attempts, key=lambda sc: sc[1]["successes"] / max(sc[1]["queries_run"], 1), default=None)
     last = next((s for s in reversed(steps) if s.probe and s.probe.get("queries")), None)
@@ -372,9 +375,8 @@ def _limits(steps: list[StepResult], usage: dict, stopped: str | None, unrecorde
               if best else None,
               "kept": {"step": last.step, "solved": kept["successes"] if kept else last.probe["base_successes"],
                        "of": len(last.probe["queries"])} if last else None,
-              "calls": {stage: sum(s.usage.get(stage, {}).get("calls", 0) for s in steps)
-                        + unrecorded.get(stage, {}).get("calls", 0)
-                        for stage in dict.fromkeys([*(st for s in steps for st in s.usage), *unrecorded])},
+              "calls": {stage: used["calls"] for stage, used in sent.items() if used.get("calls")},
+              "learning_failures": sum(s.learning_failures for s in steps),
               "stopped": stopped or "ran every step"}
     shares = [x["solved"] / max(x["of"], 1) for x in (limits["best_written"], limits["kept"]) if x]
     limits["verdict"] = ("no winning attempt was probed: the rollouts wrote nothing to keep" if not best else
@@ -391,7 +393,9 @@ def _limits(steps: list[StepResult], usage: dict, stopped: str | None, unrecorde
              + f" + {u.get('completion_tokens', 0):,} tokens" + (f", ${u['cost']:.4f}" if "cost" in u else "")
              for role, u in usage.items() if u.get("calls")]
     nothing = "nothing new (every unit reused)" if reused else "nothing (no call was made)"
-    logger.warning("compile spent: %s; calls by stage %s; %s", "; ".join(parts) or nothing, limits["calls"],
+    failed = f"; {limits['learning_failures']} learning call(s) failed (each step's learning_failures)" \
+        if limits["learning_failures"] else ""
+    logger.warning("compile spent: %s; calls by stage %s%s; %s", "; ".join(parts) or nothing, limits["calls"], failed,
                    limits["stopped"])
     if best or last:
         logger.warning("what limited the run: %s", limits["summary"])

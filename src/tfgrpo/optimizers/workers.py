@@ -1,4 +1,4 @@
-"""Where a run's units run, and what an attempt runs: a program on an example (`run_program`, `run_attempt`), on
+"""Where a run's units run, and what an attempt runs: a program on an example (`run_program`), on
 a bounded pool of threads (`Workers`) or, with `backend="ray"`, as a task on a Ray cluster (`RayAttempts`).
 
 `Workers` is the runner's seam: `map` runs a stage's units on the pool and `each` runs a step's groups side by side;
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import functools
 import logging
 import queue
@@ -21,12 +22,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import dspy
+import pydantic
 import tqdm
 from dspy.utils.exceptions import AdapterParseError, LMError
 
 from tfgrpo.base.util import clip, digest, jsonable
 from tfgrpo.optimizers.records import Attempt, Scored
-from tfgrpo.optimizers.rewards import score_attempt
 from tfgrpo.optimizers.spend import UsageMeter, paced, pacers
 from tfgrpo.programs.render import MAX_ATTEMPT_CHARS, count_tool_calls, format_attempt
 
@@ -91,58 +92,114 @@ async def arun_program(program: dspy.Module, example: dspy.Example, workers: Asy
     return prediction, _attempt(program, example, trace, prediction, None)
 
 
-def _attempt(program: dspy.Module, example: dspy.Example, trace: list, prediction: dspy.Prediction | None,
+def _attempt(program: dspy.Module, example: dspy.Example, trace: list, prediction: Any,
              exc: Exception | None) -> Attempt:
-    """One run of `program` (see `run_program`): its prediction, or the exception it raised."""
-    outputs, error, failed, unparsed = None, None, False, False
+    """One run of `program` (see `run_program`): what it returned, or the exception it raised."""
+    outputs, error, failed, unparsed, bare = None, None, False, False, False
     if exc is None:
-        outputs = jsonable(dict(prediction.items()))
+        bare = not isinstance(prediction, dspy.Prediction)  # None, a string: the metric gets it as it is
+        outputs = {"returned": jsonable(prediction)} if bare else jsonable(dict(prediction.items()))
+        if not bare:
+            _say_untyped(output_types(program), prediction)
     else:
         error, cause = f"{type(exc).__name__}: {exc}", exc
         while cause is not None and not failed:  # the provider's failure or empty reply, wherever in the chain
             failed, unparsed = no_answer(cause), unparsed or isinstance(cause, AdapterParseError)
             cause = cause.__cause__ or cause.__context__
         unparsed = unparsed and not failed
-    names = {id(predictor): name for name, predictor in program.named_predictors()}
-    steps = [{"predictor": names.get(id(predictor), type(predictor).__name__), "inputs": jsonable(inputs),
-              "outputs": jsonable(dict(out.items()))} for predictor, inputs, out in trace]
+    steps = [{"predictor": name, "inputs": jsonable(inputs), "outputs": jsonable(dict(out.items()))}
+             for name, (_, inputs, out) in zip(predictor_names(program, trace), trace)]
     # the attempt as the learning calls read it, cut to MAX_ATTEMPT_CHARS (the runner says so)
     text = format_attempt(dict(example.inputs().items()), outputs, steps, error, limit=None)
     return Attempt(outputs=outputs, error=error, failed=failed, unparsed=unparsed, trace=steps,
                    tool_calls=count_tool_calls(outputs), text=clip(text, MAX_ATTEMPT_CHARS),
-                   text_chars=len(text) if len(text) > MAX_ATTEMPT_CHARS else None)
+                   text_chars=len(text) if len(text) > MAX_ATTEMPT_CHARS else None, bare=bare,
+                   prediction=None if exc is not None else prediction)
 
 
-def run_attempt(program: dspy.Module, example: dspy.Example, metric: Callable | None,
-                timeout_s: float | None) -> Attempt:
-    """One attempt of `program` on `example` (`run_program`'s); with `metric`, `Scored` (no score for an attempt that
-    got no answer)."""
-    attempt = run_program(program, example)[1]
-    if metric is None or attempt.failed:
-        return attempt if metric is None else Scored.of(attempt, {})
-    return score_attempt(metric, example, attempt, timeout_s)
+_SAID: set[str] = set()  # what this process has warned of once
 
 
-async def arun_attempt(program: dspy.Module, example: dspy.Example, metric: Callable | None,
-                       timeout_s: float | None, workers: AsyncWorkers) -> Attempt:
-    """`run_attempt` as a coroutine (`arun_program`), its first call's start reserved from each RequestPacer of the
-    program's LMs before it runs (given back if no call used it); the metric runs on one of the workers' threads."""
+def _say_once(key: str, message: str, *args) -> None:
+    if key not in _SAID:
+        _SAID.add(key)
+        logger.warning(message, *args)
+
+
+def predictor_names(program: dspy.Module, trace: list) -> list[str]:
+    """The name (`program.named_predictors()`) of the predictor of each call in `trace`. A wrapper that runs a copy of
+    its module (dspy.BestOfN, dspy.Refine) calls predictors the program does not hold; a copy shares its original's
+    signature, which names it. A call no predictor of the program can be told from keeps its class name (its demos
+    reach nothing), said once."""
+    named = program.named_predictors()
+    by_id = {id(p): name for name, p in named}
+    by_signature: dict[int, list[str]] = {}
+    for name, p in named:
+        by_signature.setdefault(id(p.signature), []).append(name)
+    names = []
+    for predictor, _, _ in trace:
+        name = by_id.get(id(predictor))
+        if name is None and len(found := by_signature.get(id(getattr(predictor, "signature", None)), [])) == 1:
+            name = found[0]
+        if name is None:
+            name = type(predictor).__name__
+            _say_once(f"unnamed {name}", "A call of a %s that is not among the program's predictors (named_predictors) "
+                      "and shares no signature with exactly one of them: a demo of that call reaches no predictor",
+                      name)
+        names.append(name)
+    return names
+
+
+def output_types(program: dspy.Module) -> dict[str, Any]:
+    """The type of each output field of the program's predictors (by field name; a later predictor's wins)."""
+    return {name: f.annotation for _, p in program.named_predictors() for name, f in p.signature.output_fields.items()}
+
+
+def _say_untyped(types: dict, prediction: dspy.Prediction) -> None:
+    for name, value in prediction.items():
+        if name not in types and value is not None and not isinstance(value, (str, int, float, bool, list, dict)):
+            _say_once(f"untyped {name}", "The program's output %r (%s) is the output of no predictor's signature: an "
+                      "attempt read back from log_dir gives the metric its JSON form (%s)", name,
+                      type(value).__name__, type(jsonable(value)).__name__)
+
+
+def typed(program: dspy.Module, attempt: Attempt) -> Attempt:
+    """`attempt` (read back from a checkpoint or a Ray node) with its `prediction` rebuilt from the saved outputs as
+    the program returned it (`rebuilt`, by the types of the program's output fields)."""
+    if attempt.prediction is not None or attempt.outputs is None or attempt.bare:
+        return attempt
+    return dataclasses.replace(attempt, prediction=dspy.Prediction(**rebuilt(output_types(program), attempt.outputs)))
+
+
+def rebuilt(types: dict[str, Any], outputs: dict) -> dict:
+    """Saved `outputs` with each field of `types` validated to its type (pydantic's `TypeAdapter` of the annotation:
+    a model, an Enum, a tuple, a date), any other as saved. One that does not validate is kept as saved, said once."""
+    values = dict(outputs)
+    for name, value in outputs.items():
+        if name in types and value is not None and types[name] not in (str, Any):
+            try:
+                values[name] = pydantic.TypeAdapter(types[name]).validate_python(value)
+            except Exception as exc:  # noqa: BLE001 - said, and the saved value used
+                _say_once(f"rebuild {name}", "The saved output %r does not rebuild to its type %s (%s): the metric "
+                          "gets it as saved", name, types[name], str(exc).splitlines()[0])
+    return values
+
+
+async def arun_attempt(program: dspy.Module, example: dspy.Example, workers: AsyncWorkers) -> Attempt:
+    """`run_program`'s attempt as a coroutine (`arun_program`), its first call's start reserved from each RequestPacer
+    of the program's LMs before it runs (given back if no call used it)."""
     held = {pacer: await pacer.astart() for pacer in pacers(program)}
     try:
-        attempt = (await arun_program(program, example, workers))[1]
+        return (await arun_program(program, example, workers))[1]
     finally:
         for pacer, reservation in held.items():
             pacer.unreserve(reservation)
-    if metric is None or attempt.failed:
-        return attempt if metric is None else Scored.of(attempt, {})
-    return await workers.offload(score_attempt, metric, example, attempt, timeout_s)
 
 
-def _no_answer(example: dspy.Example, metric: Callable | None, error: str) -> Attempt:
+def _no_answer(example: dspy.Example, error: str) -> Attempt:
     """An attempt that got no answer because it never ran to the end (a Ray task lost with its node)."""
-    attempt = Attempt(outputs=None, error=error, failed=True, trace=[], tool_calls=0,
-                      text=format_attempt(dict(example.inputs().items()), None, [], error))
-    return attempt if metric is None else Scored.of(attempt, {})
+    return Attempt(outputs=None, error=error, failed=True, trace=[], tool_calls=0,
+                   text=format_attempt(dict(example.inputs().items()), None, [], error))
 
 
 EMPTY_REPLY = "The LM returned an empty or null response"  # what DSPy's adapters raise for a reply with no content
@@ -152,6 +209,44 @@ def no_answer(exc: BaseException) -> bool:
     """Whether `exc` says the provider gave no answer: an LM call that failed, or a reply with nothing to parse (DSPy's
     adapters raise an `AdapterParseError` for no choices, or an empty content such as a content filter leaves)."""
     return isinstance(exc, LMError) or (isinstance(exc, AdapterParseError) and EMPTY_REPLY in str(exc))
+
+
+def answered(record: Any) -> bool:
+    """Whether a reply DSPy caches (`dspy.cache`: its own record of a call, or a provider's raw response) holds
+    anything: a text or a tool call in some choice. A record of another kind (an embedding) counts as answered."""
+    if isinstance(record, dict) and "_dspy_format" in record:
+        outputs = record.get("outputs") or []
+    else:
+        choices = record.get("choices") if isinstance(record, dict) else getattr(record, "choices", None)
+        if choices is None:
+            return True
+        messages = [c.get("message") if isinstance(c, dict) else getattr(c, "message", None) for c in choices]
+        outputs = [m if isinstance(m, dict) else {"text": getattr(m, "content", None),
+                                                   "tool_calls": getattr(m, "tool_calls", None)} for m in messages]
+        outputs = [{"text": o.get("content", o.get("text")), "tool_calls": o.get("tool_calls")} for o in outputs]
+    return any(bool(o.strip()) if isinstance(o, str) else
+               isinstance(o, dict) and bool((o.get("text") or "").strip() or o.get("tool_calls")) for o in outputs)
+
+
+def guard_cache() -> None:
+    """Keep replies with nothing in them (no choices, an empty content) out of DSPy's cache, and pass over one an
+    earlier run left there: a retry or a resume after such a reply asks the provider again, where DSPy would serve
+    the empty reply back from its cache forever. Installed on `dspy.cache` once (each compile checks)."""
+    cache = dspy.cache
+    if getattr(cache.put, "tfgrpo_guard", False):
+        return
+    put, get = cache.put, cache.get
+
+    def guarded_put(request, value, *args, **kwargs):
+        if answered(value):
+            put(request, value, *args, **kwargs)
+
+    def guarded_get(request, *args, **kwargs):
+        value = get(request, *args, **kwargs)
+        return value if value is None or answered(value) else None
+
+    guarded_put.tfgrpo_guard = True
+    cache.put, cache.get = guarded_put, guarded_get
 
 
 def rollout_id(*parts) -> int:
@@ -233,19 +328,18 @@ class Workers:
     most `num_threads` threads in all and returns the results in order, and may be called from several threads at
     once (one per group of a step, `each`), so that a group's learning calls start while other groups still roll out.
 
-    A unit runs with the caller's DSPy settings and with `meters[stage]` as DSPy's usage tracker; `progress(stage,
-    done, total)` is told of each finished unit. Nothing is swallowed: the first unit that raises stops everything
+    A unit runs with the caller's DSPy settings (the runner meters each unit itself); `progress(stage, done, total)`
+    is told of each finished unit. Nothing is swallowed: the first unit that raises stops everything
     (units not started are cancelled, running ones finish) and its exception is raised by the `with` block's
     `map`/`each`; on Ctrl-C nothing is waited for: a unit that hangs is abandoned on its daemon thread."""
 
-    def __init__(self, num_threads: int, *, progress: Callable[[str, int, int], None] | None = None,
-                 meters: dict | None = None):
+    def __init__(self, num_threads: int, *, progress: Callable[[str, int, int], None] | None = None):
         from dspy.dsp.utils.settings import thread_local_overrides
 
         self._overrides = thread_local_overrides
         self._parent = thread_local_overrides.get().copy()
         self._bars = StageBars() if progress is None else None
-        self.progress, self.meters = progress or self._bars, meters or {}
+        self.progress = progress or self._bars
         self._pool, self._groups = DaemonPool(num_threads), None
         self._counts: dict[str, list[int]] = {}  # stage -> [done, submitted]
         self._lock = threading.Lock()
@@ -273,8 +367,7 @@ class Workers:
 
     def map(self, stage: str, fn: Callable, items: list) -> list:
         """`[fn(item) for item in items]`, run on the pool, in order."""
-        caller = self._overrides.get().copy()
-        overrides = {**caller, **({"usage_tracker": self.meters[stage]} if stage in self.meters else {})}
+        overrides = self._overrides.get().copy()
         with self._lock:
             if self._stopped:
                 raise Cancelled()
@@ -320,12 +413,11 @@ class AsyncWorkers(Workers):
     provider without a thread each. `gather(stage, fns)` runs coroutine functions there; everything else keeps
     `Workers`' verbs on its pool of `in_flight` threads: the metric, a program with only `forward`, the learning calls
     (`map`; tfgrpo's learning modules have no async path), the groups side by side (`each`). The same rules hold: a
-    unit runs with the caller's DSPy settings and `meters[stage]`, the first unit that raises stops the units not yet
+    unit runs with the caller's DSPy settings, the first unit that raises stops the units not yet
     started and is raised by its `gather`, and on Ctrl-C nothing is waited for."""
 
-    def __init__(self, in_flight: int, *, progress: Callable[[str, int, int], None] | None = None,
-                 meters: dict | None = None):
-        super().__init__(in_flight, progress=progress, meters=meters)
+    def __init__(self, in_flight: int, *, progress: Callable[[str, int, int], None] | None = None):
+        super().__init__(in_flight, progress=progress)
         self.loop = asyncio.new_event_loop()
         # LiteLLM builds each async request on the loop's default executor (`run_in_executor`); at its default size
         # (6 threads on 2 cores) hundreds of requests queue there for seconds after their pacer start: one thread each
@@ -350,8 +442,7 @@ class AsyncWorkers(Workers):
     def gather(self, stage: str, fns: list[Callable[[], Any]]) -> list:
         """`[await fn() for fn in fns]`, the coroutines side by side on the loop (at most `in_flight` of the scope's at
         once), in order; called from any thread, which waits for them."""
-        caller = self._overrides.get().copy()
-        overrides = {**caller, **({"usage_tracker": self.meters[stage]} if stage in self.meters else {})}
+        overrides = self._overrides.get().copy()
         with self._lock:
             if self._stopped:
                 raise Cancelled()
@@ -386,11 +477,11 @@ class AsyncWorkers(Workers):
 
 
 class RayAttempts:
-    """The attempts of a run as Ray tasks: `attempt` has `run_attempt`'s contract, and runs it on any node of the
+    """The attempts of a run as Ray tasks: `attempt` returns `run_program`'s attempt, run on any node of the
     cluster (RAY_ADDRESS, else the one `ray.init()` finds or starts; a cluster the caller connected to is used as it
-    is). What travels: the program (its LM copies with their settings), the example, the metric when the unit scores
-    the attempt, and DSPy's `lm` and `adapter` settings; what comes back: the attempt and the usage of its LM
-    calls, metered here as a local call is. A task whose worker or node dies is sent again by Ray (`max_retries`);
+    is). What travels: the program (its LM copies with their settings), the example, and DSPy's `lm` and `adapter`
+    settings; what comes back: the attempt (its outputs, rebuilt here to their types for the metric, which runs on
+    this machine) and the usage of its LM calls, metered here as a local call is. A task whose worker or node dies is sent again by Ray (`max_retries`);
     lost for good, it is an attempt with no answer (`failed`, never scored), as a failed LM call is. The program's
     classes must import on the nodes: tfgrpo's do wherever it is installed; a class of the caller's own module needs
     that module there (installed, or Ray's `runtime_env`)."""
@@ -411,14 +502,13 @@ class RayAttempts:
         self._task = ray.remote(_remote_attempt).options(max_retries=self.max_retries, retry_exceptions=False)
         self._lock, self._running = threading.Lock(), set()
 
-    def attempt(self, program: dspy.Module, example: dspy.Example, metric: Callable | None,
-                timeout_s: float | None) -> Attempt:
+    def attempt(self, program: dspy.Module, example: dspy.Example) -> Attempt:
         settings = {"lm": dspy.settings.lm, "adapter": dspy.settings.adapter}
         if paced(settings["lm"]) or any(paced(p.lm) for p in program.predictors()):
             raise ValueError('backend="ray" sends the attempts\' calls from the nodes, where a RequestPacer '
                              "(max_requests_per_minute) paces nothing: leave it off and let the provider's 429s and "
                              'num_retries pace the run, or use backend="threads"')
-        ref = self._task.remote(program, example, metric, timeout_s, settings, self.prices)
+        ref = self._task.remote(program, example, settings, self.prices)
         with self._lock:
             self._running.add(ref)
         try:
@@ -426,13 +516,13 @@ class RayAttempts:
         except self._ray.exceptions.RayTaskError as exc:  # the task's own error (a program that cannot unpickle)
             raise exc.as_instanceof_cause() from None
         except self._ray.exceptions.RayError as exc:  # its worker or node died more than max_retries times
-            attempt, usage = _no_answer(example, metric, f"RayTaskLost: {type(exc).__name__}: {exc}"), {}
+            attempt, usage = _no_answer(example, f"RayTaskLost: {type(exc).__name__}: {exc}"), {}
         finally:
             with self._lock:
                 self._running.discard(ref)
         if dspy.settings.usage_tracker is not None:  # the unit's own meter
             dspy.settings.usage_tracker.absorb(usage)
-        return attempt
+        return typed(program, attempt)
 
     def cancel(self) -> None:
         """End the tasks still running (Ctrl-C on the driver)."""
@@ -445,10 +535,11 @@ class RayAttempts:
 _WORKER_PRICES: dict[str, dict] = {}  # a Ray worker's price lookups by the run's `prices`, kept for its later tasks
 
 
-def _remote_attempt(program: dspy.Module, example: dspy.Example, metric: Callable | None, timeout_s: float | None,
-                    settings: dict, prices: dict | None) -> tuple[Attempt, dict]:
-    """A Ray task's body: the attempt and its LM calls' usage (`UsageMeter.usage_data`)."""
+def _remote_attempt(program: dspy.Module, example: dspy.Example, settings: dict, prices: dict | None
+                    ) -> tuple[Attempt, dict]:
+    """A Ray task's body: the attempt (without its prediction, which need not unpickle on the driver) and its LM
+    calls' usage (`UsageMeter.usage_data`)."""
     meter = UsageMeter(_WORKER_PRICES.setdefault(digest(prices), {}), custom=prices)
     with dspy.context(usage_tracker=meter, **settings):
-        attempt = run_attempt(program, example, metric, timeout_s)
-    return attempt, dict(meter.usage_data)
+        attempt = run_program(program, example)[1]
+    return dataclasses.replace(attempt, prediction=None), dict(meter.usage_data)

@@ -10,14 +10,18 @@ prompt as DeepSeek and OpenAI bill it, `Provider` adds prices and a bill, reason
 temperature other than 1 with HTTP 400) and a rate limit, and `dspy_prices(model)` reads the per-token prices DSPy
 itself bills a model at, for a server that bills the same.
 
+`BillingServer` is a plain chat server that answers with a function of the request and bills every call at its
+model's price: what a compile reports it spent is checked against its bill.
+
 `LocalRayCluster` starts a Ray cluster of several nodes on this machine, each its own `ray start` process, and can kill
 one: for `backend="ray"`.
 """
 
+from tfgrpo.testing.billing import BillingServer
 from tfgrpo.testing.fake_lm_server import FAULTS, REPLY_FAULTS, TRANSIENT_FAULTS, FakeLMServer
 from tfgrpo.testing.prompts import KINDS, field_values, kind_of, output_fields
 from tfgrpo.testing.provider import PrefixCache, Provider, dspy_prices
 from tfgrpo.testing.ray_cluster import LocalRayCluster
 
-__all__ = ["FAULTS", "KINDS", "REPLY_FAULTS", "TRANSIENT_FAULTS", "FakeLMServer", "LocalRayCluster", "PrefixCache", "Provider",
+__all__ = ["FAULTS", "KINDS", "REPLY_FAULTS", "TRANSIENT_FAULTS", "BillingServer", "FakeLMServer", "LocalRayCluster", "PrefixCache", "Provider",
            "dspy_prices", "field_values", "kind_of", "output_fields"]

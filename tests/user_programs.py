@@ -1,0 +1,125 @@
+"""Programs a DSPy user writes, with DSPy's own modules and typed signatures, and a scripted student for them: the
+conformance tests compile each one. Nothing here imports tfgrpo, so that a fresh process can load a saved program
+in stock DSPy."""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import hashlib
+import json
+
+import dspy
+import pydantic
+
+
+class Color(enum.Enum):
+    RED = "red"
+    BLUE = "blue"
+
+
+class Item(pydantic.BaseModel):
+    name: str
+    count: int
+
+
+class Typed(dspy.Signature):
+    """Describe the thing asked about."""
+
+    question: str = dspy.InputField()
+    color: Color = dspy.OutputField()
+    things: list[Item] = dspy.OutputField()
+    pair: tuple[int, int] = dspy.OutputField()
+    day: datetime.date = dspy.OutputField()
+
+
+class Chat(dspy.Signature):
+    """Answer the question, given the conversation so far."""
+
+    question: str = dspy.InputField()
+    history: dspy.History = dspy.InputField()
+    answer: str = dspy.OutputField()
+
+
+RIGHT = {"color": "red", "things": [{"name": "apple", "count": 2}], "pair": [1, 2], "day": "2024-01-02",
+         "answer": "yes"}
+WRONG = {"color": "blue", "things": [{"name": "pear", "count": 1}], "pair": [2, 1], "day": "2023-05-06",
+         "answer": "no"}
+OTHER = {"reasoning": "Thinking it over.", "next_thought": "I know it.", "next_tool_name": "finish",
+         "next_tool_args": {}, "discussion": "It went wrong.", "advice": {}}
+
+
+def right(pred) -> bool:
+    """What the metric calls right: RED, or the answer yes."""
+    if isinstance(pred, dspy.Prediction):
+        return pred.get("color") == Color.RED or pred.get("answer") == "yes"
+    return pred == "yes"
+
+
+def student(fields: list[str], user: str, kwargs: dict) -> dict:
+    """The student's reply: right or wrong by a hash of the request and its rollout ID (so a group has contrast)."""
+    roll = hashlib.sha256(f"{user}|{kwargs.get('rollout_id')}|{kwargs.get('temperature')}".encode()).digest()[0]
+    values = RIGHT if roll % 2 else WRONG
+    reply = {}
+    for name in fields:
+        value = values.get(name, OTHER.get(name, "ok"))
+        reply[name] = value if isinstance(value, str) else json.dumps(value)
+    return reply
+
+
+def lookup(name: str) -> str:
+    """Look a name up."""
+    return f"{name} is red"
+
+
+class AnswerOrNone(dspy.Module):
+    """A program that returns None when its predictor says no (as dspy.BestOfN does when every try fails)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ask = dspy.Predict("question -> answer")
+
+    def forward(self, question):
+        pred = self.ask(question=question)
+        return pred if pred.answer == "yes" else None
+
+
+class AnswerText(dspy.Module):
+    """A program whose forward returns a string, not a Prediction."""
+
+    def __init__(self):
+        super().__init__()
+        self.ask = dspy.Predict("question -> answer")
+
+    def forward(self, question):
+        return self.ask(question=question).answer
+
+
+def reward(args, pred) -> float:
+    return 1.0 if right(pred) else 0.0
+
+
+PROGRAMS = {
+    "predict_typed": lambda: dspy.Predict(Typed),
+    "chain_of_thought_typed": lambda: dspy.ChainOfThought(Typed),
+    "history": lambda: dspy.Predict(Chat),
+    "best_of_n": lambda: dspy.BestOfN(dspy.Predict(Typed), N=2, reward_fn=reward, threshold=1.0),
+    "refine": lambda: dspy.Refine(dspy.Predict("question -> answer"), N=2, reward_fn=reward, threshold=1.0),
+    "react": lambda: dspy.ReAct("question -> answer", tools=[lookup], max_iters=2),
+    "returns_none": AnswerOrNone,
+    "returns_text": AnswerText,
+}
+
+
+def example(i: int, name: str) -> dspy.Example:
+    if name == "history":
+        history = dspy.History(messages=[{"question": f"Was thing {i} there?", "answer": "It was."}])
+        return dspy.Example(question=f"Is thing {i} red?", history=history).with_inputs("question", "history")
+    return dspy.Example(question=f"Is thing {i} red?").with_inputs("question")
+
+
+def learned(program: dspy.Module) -> dict:
+    """What a program carries, per predictor: its instructions and demos, as plain JSON."""
+    return {name: {"instructions": p.signature.instructions,
+                   "demos": json.loads(json.dumps([dict(d) for d in p.demos], sort_keys=True, default=str))}
+            for name, p in program.named_predictors()}

@@ -94,26 +94,24 @@ def main() -> None:
     parser.add_argument("--backends", default="threads,async")
     args = parser.parse_args()
     for backend in args.backends.split(","):
-        unit = None
+        whole, unit = None, None  # the unbudgeted run's bill, and its dearest stage's mean unit price
         for share in [None, *map(float, args.shares.split(","))]:
+            budget = None if share is None else share * whole
             with BillingServer(respond_with(Responder()), PRICES) as server:
-                budget = None if share is None else share * whole
                 compiled = compile_once(server, args.epochs, backend, budget)
                 billed, answered = server.total(), server.calls["judge"]
             result = compiled.detailed_results
             reported = sum(u.get("cost", 0.0) for u in result.run_usage.values())
             if share is None:
                 whole = billed
-                per_unit = [u["cost"] / u["calls"] for s in result.steps for u in s.usage.values() if u.get("calls")]
-                unit = max(per_unit)
-            over = billed - budget if budget is not None else 0.0
+                unit = max(u["cost"] / u["calls"] for s in result.steps for u in s.usage.values() if u.get("calls"))
+            over = max(billed - budget, 0.0) if budget is not None else 0.0
             print(f"judge_billing backend={backend} max_cost={'none' if budget is None else f'{budget:.4f}'} "
                   f"billed=${billed:.4f} reported=${reported:.4f} (ratio {reported / billed:.3f}) "
                   f"judge_calls={result.run_usage['metric']['calls']}/{answered} "
                   f"stopped={'yes' if result.stopped_early else 'no'} "
-                  f"bill/budget={billed / budget if budget else 0:.3f} overshoot=${max(over, 0):.4f} "
-                  f"({max(over, 0) / unit:.2f} units)", flush=True)
-
+                  f"bill/budget={billed / budget if budget else 0:.3f} overshoot=${over:.4f} "
+                  f"({over / unit:.2f} units)", flush=True)
 
 if __name__ == "__main__":
     main()

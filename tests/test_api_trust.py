@@ -138,7 +138,7 @@ def test_a_long_attempt_is_cut_for_the_learning_calls_and_said_once(caplog):
     assert caplog.text.count("An attempt ran to ") == 1 and f"cut to {MAX_ATTEMPT_CHARS}" in caplog.text
 
 
-def test_a_resume_under_other_versions_is_refused_naming_both_unless_asked(tmp_path, monkeypatch):
+def test_a_resume_under_other_versions_is_refused_naming_both_unless_asked(tmp_path, monkeypatch, caplog):
     """run.json records the versions that make the prompts; a resume under another DSPy (or tfgrpo, LiteLLM, adapter)
     is refused with both versions and the way to go on; resume_other_versions=True reuses the saved units."""
     from test_optimizer import compile_with
@@ -154,9 +154,13 @@ def test_a_resume_under_other_versions_is_refused_naming_both_unless_asked(tmp_p
         compile_with(lm, dspy.Predict("question -> answer"), log_dir=str(tmp_path))
     assert f"versions dspy: '{saved['versions']['dspy']}' -> '9.9.9'" in str(info.value)
     assert "resume_other_versions=True" in str(info.value) and lm.calls == []
-    again = compile_with(lm, dspy.Predict("question -> answer"), log_dir=str(tmp_path), resume_other_versions=True)
+    with caplog.at_level(logging.WARNING, logger="tfgrpo"):
+        again = compile_with(lm, dspy.Predict("question -> answer"), log_dir=str(tmp_path),
+                             resume_other_versions=True)
     assert lm.calls == [] and again.detailed_results.reused_units > 0  # every unit reused, nothing sent
-    assert json.loads((tmp_path / "run.json").read_text())["versions"]["dspy"] == "9.9.9"
+    assert caplog.text.count("made under other versions") == 1  # said once
+    recorded = json.loads((tmp_path / "run.json").read_text())
+    assert recorded["versions"]["dspy"] == "9.9.9" and recorded["earlier_versions"] == [saved["versions"]]
 
 
 def test_what_a_stopped_run_spent_is_in_its_usage_and_a_run_that_sent_nothing_says_so(caplog):
@@ -216,7 +220,7 @@ def test_a_reflection_lm_that_answers_only_in_its_reasoning_gets_a_hint(caplog):
     learning call; the failure says why, first, not only DSPy's parse error."""
     from test_optimizer import compile_with
 
-    from tfgrpo.optimizers.runner import REASONING_HINT
+    from tfgrpo.optimizers.runner import EMPTY_HINT
 
     student = ScriptedLM(learner())
     silent = ScriptedLM(lambda messages, kwargs: "")  # an empty content: the answer went into the reasoning
@@ -224,7 +228,7 @@ def test_a_reflection_lm_that_answers_only_in_its_reasoning_gets_a_hint(caplog):
         compiled = compile_with(student, dspy.Predict("question -> answer"), reflection_lm=silent,
                                 learning_path="paper", max_failure_rate=1.0)
     assert compiled.detailed_results.steps[0].learning_failures > 0
-    assert REASONING_HINT[:60] in caplog.text
+    assert EMPTY_HINT[:60] in caplog.text
 
 
 class Biller(ThreadingHTTPServer):

@@ -97,3 +97,21 @@ def test_load_program_restores_the_library_and_reports_bad_files(tmp_path):
         assert OPEN_TAG not in target.signature.instructions  # nothing half-loaded
     with pytest.raises(ValueError, match="no saved state"):
         load_program(dspy.ChainOfThought("question -> answer"), path)
+
+
+def test_a_file_of_another_program_is_refused_naming_what_each_holds(tmp_path):
+    class Two(dspy.Module):
+        def __init__(self):
+            super().__init__()
+            self.draft = dspy.Predict("question -> answer")
+            self.check = dspy.Predict("question, answer -> verdict")
+
+    class Other(dspy.Module):
+        def __init__(self):
+            super().__init__()
+            self.solve = dspy.Predict("question -> answer")
+
+    save_program(Other(), tmp_path / "other.json")
+    with pytest.raises(ValueError, match=r"no saved state for predictors \['draft', 'check'\]; the file holds "
+                                         r"\['solve'\] and this program has \['draft', 'check'\]"):
+        load_program(Two(), tmp_path / "other.json")

@@ -108,13 +108,13 @@ class Checkpoint:
         finally:
             self.closed = True
 
-    def check(self, fingerprint: dict[str, Any], *, other_versions: bool = False) -> int:
+    def check(self, fingerprint: dict[str, Any], *, other_versions: bool = False, quiet: bool = False) -> int:
         """The saved units a run of this fingerprint would reuse, read without writing anything (the plan's check).
 
         Raises `RunMismatchError` naming each setting that differs (old -> new), and when the folder holds saved units
         but its run.json is missing or unreadable (their settings are then unknown). The versions that make the
         prompts (tfgrpo, DSPy, LiteLLM, the adapter) count as settings unless `other_versions`: then a change of them
-        is said and the saved units are reused."""
+        is said (unless `quiet`: the compile's `start` says it) and the saved units are reused."""
         if not self.root is not None or not self.root.exists():
             return 0
         path, units = self.root / "run.json", self.saved_units()
@@ -130,8 +130,9 @@ class Checkpoint:
         changes = fingerprint_changes(old, fingerprint)
         versions = [c for c in changes if c.startswith("versions ")]
         if versions and other_versions and units:
-            logger.warning("%s: resuming %d saved unit(s) made under other versions (%s): resume_other_versions=True",
-                           self.root, units, "; ".join(versions))
+            if not quiet:
+                logger.warning("%s: resuming %d saved unit(s) made under other versions (%s): "
+                               "resume_other_versions=True", self.root, units, "; ".join(versions))
             changes = [c for c in changes if c not in versions]
         if changes and units:
             anyway = ("\nthe saved units' prompts were made by those versions; to reuse them anyway, pass "
@@ -153,8 +154,14 @@ class Checkpoint:
         self.root.mkdir(parents=True, exist_ok=True)
         remove_stale_tmp(self.root)  # left by a run killed mid-write; safe under the lock, which a start holds
         units, path = self.check(fingerprint, other_versions=other_versions), self.root / "run.json"
-        if self._read(path) != fingerprint:  # a new run, or one that had saved nothing (or an older run.json's fields)
-            write_atomic(path, json.dumps(fingerprint, ensure_ascii=False))
+        old, record = self._read(path), dict(fingerprint)
+        earlier = list(old.get("earlier_versions", [])) if isinstance(old, dict) else []
+        if units and isinstance(old, dict) and old.get("versions") not in (None, fingerprint.get("versions")):
+            earlier.append(old["versions"])  # a resume under other versions: those the saved units were made by
+        if earlier:  # (not compared: a key only run.json has)
+            record["earlier_versions"] = earlier
+        if old != record:  # a new run, or one that had saved nothing (or an older run.json's fields)
+            write_atomic(path, json.dumps(record, ensure_ascii=False))
         return units
 
     def saved_units(self) -> int:

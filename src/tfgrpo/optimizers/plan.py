@@ -184,6 +184,11 @@ def make_plan(optimizer, student: dspy.Module, trainset: list, valset: list | No
         notes.append(f"the student's items were learned with {carried['policy']}, not {policy}, but there are no "
                      "held-out queries to refit them on (valset= or attribution_set=): they are kept as they are")
         refit = False
+    unmeasured = carried_demos(program, targets) if not knobs.max_demos else []  # (another optimizer's, say)
+    if say and unmeasured and (knobs.refit is True or (knobs.refit == "auto" and elsewhere)):
+        logger.warning("The student carries %d demo(s) that the refit does not measure, since max_demos=0: they stay "
+                       "on their predictors as they are; pass max_demos=%d (or more) to have each measured and kept "
+                       "or left out", len(unmeasured), len(unmeasured))
     if refit and say:
         logger.warning("Refit: each of the %d carried item(s) measured on %s before the steps (learned with %s)",
                        len(library) + len(demos), ", ".join(policy),
@@ -192,7 +197,8 @@ def make_plan(optimizer, student: dspy.Module, trainset: list, valset: list | No
         raise TypeError(f"{type(program).__name__} defines neither forward() nor aforward(): a dspy.Module runs one of "
                         "them on each example")
     fingerprint = make_fingerprint(knobs, program, targets, trainset, valset, library, demos, lms, optimizer.metric)
-    saved = Checkpoint(knobs.log_dir).check(fingerprint, other_versions=knobs.resume_other_versions)  # as compile
+    saved = Checkpoint(knobs.log_dir).check(fingerprint, other_versions=knobs.resume_other_versions,
+                                            quiet=say)  # as compile (whose start says what it reuses)
     measured = pilot_usage(program, trainset[:pilot], knobs) if pilot else None
     if measured is not None:
         notes.append(f"the pilot: {measured['calls']} call(s) on {min(pilot, len(trainset))} training "

@@ -82,7 +82,8 @@ class StageFailures:
 class Runner:
     """What a whole run shares (see the module docstring): the knobs, the metric, the checkpoint, the `budget` (the
     knobs' budgets), the prices and what every scope spent (`spent` by role and `sent` by stage, in this process;
-    `unrecorded` by stage: what no step record holds). Open a `scope()` around each step, validation or attribution; its verbs run the units."""
+    `unrecorded` by stage: what no step record holds). Open a `scope()` around each step, validation or attribution;
+    its verbs run the units."""
 
     def __init__(self, knobs: Knobs, metric: Callable, ckpt: Checkpoint | None = None):
         self.knobs, self.metric, self.ckpt = knobs, metric, ckpt or Checkpoint(None)
@@ -290,8 +291,8 @@ class Scope:
         unless it raised or timed out (a resume runs it again); counted as a failure when it did."""
         runner = self.runner
         if (attempt := self._reused(key, score, program)) is None:
-            body = runner.ray.attempt if runner.ray is not None else lambda *job: run_program(*job)[1]
-            attempt = self._unit(stage, lambda: body(program, example), metric_calls=1)
+            attempt = self._unit(stage, lambda: runner.ray.attempt(program, example) if runner.ray is not None
+                                 else run_program(program, example)[1], metric_calls=1)
             attempt = self._score(attempt, example) if score else attempt
             self._save_attempt(key, attempt)
         return self._attempted(stage, attempt)
@@ -451,13 +452,14 @@ class Gate:
             self._cond.notify_all()
 
 
-REASONING_HINT = ("the reflection LM's reply had no content: a reasoning model may have put all of it in its "
-                  "reasoning (reasoning_content) or run out of max_tokens before answering; give it more max_tokens, "
-                  "or use a model that answers in its content")
+EMPTY_HINT = ("the reflection LM's reply had nothing in it to read (no choices, or an empty content): a provider that "
+              "sent nothing (an outage, a content filter: a resume asks again), a reply cut at max_tokens, or a "
+              "reasoning model that put all of it in its reasoning (reasoning_content): check the provider, give the "
+              "model more max_tokens, or use one that answers in its content")
 
 
 def _why(exc: BaseException) -> str:
-    """A failed learning call's error as text, its hint first where the reply had no content (what a reasoning model
-    that answers only in its reasoning sends), since the error's own text is long and its end gets cut in logs."""
+    """A failed learning call's error as text, its hint first where the reply had nothing in it (`EMPTY_HINT`), since
+    the error's own text is long and its end gets cut in logs."""
     text = f"{type(exc).__name__}: {exc}"
-    return f"{REASONING_HINT} ({text})" if EMPTY_REPLY in text else text
+    return f"{EMPTY_HINT} ({text})" if EMPTY_REPLY in text else text

@@ -13,8 +13,10 @@ import contextvars
 import dataclasses
 import functools
 import logging
+import os
 import queue
 import re
+import socket
 import sys
 import threading
 from concurrent.futures import FIRST_EXCEPTION, CancelledError, Future, ThreadPoolExecutor, wait
@@ -27,7 +29,7 @@ import tqdm
 from dspy.utils.exceptions import AdapterParseError, LMError
 
 from tfgrpo.base.util import clip, digest, jsonable
-from tfgrpo.optimizers.records import Attempt, Scored
+from tfgrpo.optimizers.records import Attempt
 from tfgrpo.optimizers.spend import UsageMeter, paced, pacers
 from tfgrpo.programs.render import MAX_ATTEMPT_CHARS, count_tool_calls, format_attempt
 
@@ -494,6 +496,8 @@ class RayAttempts:
         except ImportError:
             raise ImportError('backend="ray" needs Ray on this machine and the nodes: pip install "tfgrpo[ray]"') from None
         if not ray.is_initialized():
+            _check_address()
+            _token_auth_if_any()
             ray.init(logging_level="WARNING")
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         logger.info("backend ray: attempts run as tasks on %d node(s), %g CPU(s) (%s)", len(nodes),
@@ -508,7 +512,15 @@ class RayAttempts:
             raise ValueError('backend="ray" sends the attempts\' calls from the nodes, where a RequestPacer '
                              "(max_requests_per_minute) paces nothing: leave it off and let the provider's 429s and "
                              'num_retries pace the run, or use backend="threads"')
-        ref = self._task.remote(program, example, settings, self.prices)
+        try:
+            ref = self._task.remote(program, example, settings, self.prices)
+        except Exception as exc:  # the program does not pickle (Ray's message is long and names neither the part nor
+            part = unpicklable(program, "program", self._ray.cloudpickle.dumps)  # its type): said in one line first
+            if part is None:
+                raise
+            raise TypeError(f'backend="ray" sends the program to the nodes, and {part} does not pickle: keep it out of '
+                            f"the program (build it inside forward, or hold it in a module-level object), or use "
+                            f'backend="threads" ({type(exc).__name__}: {str(exc).splitlines()[0][:300]})') from exc
         with self._lock:
             self._running.add(ref)
         try:
@@ -529,7 +541,64 @@ class RayAttempts:
         with self._lock:
             running, self._running = list(self._running), set()
         for ref in running:
-            self._ray.cancel(ref, force=True)
+            try:
+                self._ray.cancel(ref, force=True)
+            except Exception as exc:  # noqa: BLE001 - a task that ended meanwhile; Ctrl-C goes on stopping the run
+                logger.debug("ray.cancel: %s", exc)
+
+
+def _check_address() -> None:
+    """Before `ray.init()`: the cluster it would join (RAY_ADDRESS, else the address file a cluster leaves in
+    /tmp/ray, which a cluster killed without `ray stop` leaves behind) answers, else a ConnectionError at once that
+    names the address and the fix (where ray.init would retry it for minutes)."""
+    import ray._private.utils as ray_utils
+
+    given = os.environ.get("RAY_ADDRESS")
+    address, source = (given, "RAY_ADDRESS") if given else (ray_utils.read_ray_address(), "/tmp/ray/ray_current_cluster")
+    if not address or address in ("auto", "local") or "://" in address or ":" not in address:
+        return
+    host, port = address.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=3).close()
+    except (OSError, ValueError):
+        fix = "start the cluster (`ray start --head`), or unset RAY_ADDRESS to have a local one started" if given \
+            else "the cluster that wrote it is gone: run `ray stop --force` (or delete the file) to have a local one " \
+                 "started, or start one with `ray start --head`"
+        raise ConnectionError(f'backend="ray": no Ray cluster answers at {address} (from {source}): {fix}') from None
+
+
+def _token_auth_if_any() -> None:
+    """With RAY_AUTH_MODE unset and a Ray token at hand (~/.ray/auth_token, RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH),
+    connect with token authentication, as `ray start --head` turns it on for its cluster where a token is at hand
+    (a driver that connects without it is refused: InvalidAuthToken). RAY_AUTH_MODE set is used as it is."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available)
+    except ImportError:  # a Ray without token authentication
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+def unpicklable(value: Any, path: str, dumps: Callable, depth: int = 0) -> str | None:
+    """The deepest part of `value` that does not pickle, as "path (type)": its attributes, items and elements looked
+    into in turn; None when `value` pickles."""
+    try:
+        dumps(value)
+        return None
+    except Exception:  # noqa: BLE001 - what does not pickle is what is looked for
+        pass
+    if isinstance(value, dict):
+        parts = [(f"{path}[{k!r}]", v) for k, v in value.items()]
+    elif isinstance(value, (list, tuple)):
+        parts = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+    else:
+        parts = [(f"{path}.{k}", v) for k, v in getattr(value, "__dict__", {}).items()]
+    for where, part in parts if depth < 8 else ():
+        if (found := unpicklable(part, where, dumps, depth + 1)) is not None:
+            return found
+    return f"{path} ({type(value).__module__}.{type(value).__qualname__})"
 
 
 _WORKER_PRICES: dict[str, dict] = {}  # a Ray worker's price lookups by the run's `prices`, kept for its later tasks

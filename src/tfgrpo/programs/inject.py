@@ -192,7 +192,9 @@ def load_program(program: dspy.Module, path: str | Path, target_predictors: list
     names = [name for name, _ in program.named_predictors()]
     missing = [n for n in names if not isinstance(state.get(n), dict)]
     if missing:
-        raise ValueError(f"{path}: no saved state for predictors {missing}; was it saved from this program?")
+        held = [k for k, v in state.items() if isinstance(v, dict) and "signature" in v]
+        raise ValueError(f"{path}: no saved state for predictors {missing}; the file holds {held} and this program "
+                         f"has {names}: was it saved from this program?")
     for name, predictor in program.named_predictors():
         if problem := _saved_disagrees(state[name], predictor, library):
             raise ValueError(f"{path}: predictor {name!r}: {problem}")

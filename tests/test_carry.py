@@ -142,3 +142,16 @@ def test_a_shipped_program_says_where_it_learned_so_another_model_refits_it(name
         assert plan.refit is refit and len(plan.demos) == 2, model
     stock = learned.load(shipped)  # dspy's own load
     assert len(stock.predictors()[0].demos) == 2
+
+
+def test_demos_another_optimizer_wrote_are_named_when_max_demos_leaves_them_unmeasured(caplog):
+    """A student whose demos stock dspy.BootstrapFewShot kept, refit=True with max_demos=0 (the small model's preset):
+    the run says in one line that they stay unmeasured and which max_demos would measure them."""
+    student = dspy.Predict("question -> answer")
+    student.demos = [dspy.Example(question="What is 1 + 1?", answer="2", augmented=True),
+                     dspy.Example(question="What is 2 + 3?", answer="5", augmented=True)]
+    with caplog.at_level(logging.WARNING, logger="tfgrpo"):
+        compiled = compile_with(ScriptedLM(learner()), student, valset=make_trainset(4), refit=True, max_demos=0,
+                                num_train_epochs=1)
+    assert "carries 2 demo(s) that the refit does not measure, since max_demos=0" in caplog.text
+    assert "pass max_demos=2" in caplog.text and len(compiled.demos) == 2  # left as they were

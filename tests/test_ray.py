@@ -160,3 +160,13 @@ def test_a_worker_node_killed_mid_run_loses_nothing(cluster):
     assert row["killed"] == 1 and row["processes_killed"] > 0, row
     assert row["crashes"] == 0 and row["corrupted"] == 0 and row["charged_twice"] == 0, row
     assert row["library_equal"], row
+
+
+def test_a_program_that_does_not_pickle_is_named_by_its_part(cluster):
+    from test_ray_errors import HoldsALock
+
+    with server() as srv, dspy.context(lm=srv.lm()):
+        started = time.time()
+        with pytest.raises(TypeError, match=r"and program\.cache\['lock'\] \(_thread\.lock\) does not pickle"):
+            _attempt(with_own_lms(HoldsALock()), make_trainset(1)[0])
+    assert time.time() - started < 30

@@ -60,11 +60,15 @@ def _children(pid: int) -> list[int]:
 
 class LocalRayCluster:
     """`nodes` Ray nodes on this machine (`cpus_per_node` CPUs each, a small object store): node 0 the head, the others
-    workers joined to it. `env` is added to the environment the nodes (and so their task processes) run in."""
+    workers joined to it. `env` is added to the environment the nodes (and so their task processes) run in. `auth`:
+    the nodes' RAY_AUTH_MODE ("disabled", so that a token in the user's ~/.ray, with which `ray start` turns token
+    authentication on, does not change the tests' cluster), or None: as a shell without RAY_AUTH_* starts it."""
 
-    def __init__(self, nodes: int = 2, *, cpus_per_node: int = 1, env: dict | None = None):
-        self.nodes, self.cpus, self.env = nodes, cpus_per_node, {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
-                                                                 **(env or {})}
+    def __init__(self, nodes: int = 2, *, cpus_per_node: int = 1, env: dict | None = None,
+                 auth: str | None = "disabled"):
+        base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+        self.nodes, self.cpus = nodes, cpus_per_node
+        self.env = {**base, "RAY_USAGE_STATS_ENABLED": "0", **({"RAY_AUTH_MODE": auth} if auth else {}), **(env or {})}
         self.temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
         self.port, self.manager_ports = free_port(), [free_port() for _ in range(nodes)]
         self.address = f"127.0.0.1:{self.port}"

@@ -126,3 +126,20 @@ def test_a_resume_after_an_outage_of_empty_replies_asks_again_and_finishes(tmp_p
         assert resumed.experience_library.texts() and not resumed.detailed_results.stopped_early
     finally:
         dspy.configure_cache(disk_cache_dir=DISK_CACHE_DIR)
+
+
+def test_a_piloted_plan_counts_the_judge_calls():
+    """plan(pilot=N) scores the pilot's answers with the metric too: a judge's calls per scored attempt, and their
+    price, are in every step's estimate and in the run's."""
+    with BillingServer(serve(), PRICES) as server:
+        dspy.configure(lm=server.lm("student", cache=False))
+        trainset = [dspy.Example(question=f"Is thing {i} red?").with_inputs("question") for i in range(4)]
+        optimizer = TrainingFreeGRPO(judged(server), num_generations=4, batch_size=4, num_train_epochs=2,
+                                     learning_path="paper", auto=None, reflection_lm=server.lm("reflection"),
+                                     prices={f"openai/{m}": p for m, p in PRICES.items()})
+        blind = optimizer.plan(dspy.Predict("question -> answer"), trainset=trainset)
+        piloted = optimizer.plan(dspy.Predict("question -> answer"), trainset=trainset, pilot=2)
+        assert server.calls["judge"] == 2  # the pilot's two answers, judged
+    assert "reward" not in blind.expected["per_step"]
+    judge = piloted.expected["per_step"]["reward"]
+    assert judge["calls"] == 16 and judge["cost"] > 0  # one judge call for each of a step's 16 attempts

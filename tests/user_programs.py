@@ -95,6 +95,33 @@ class AnswerText(dspy.Module):
         return self.ask(question=question).answer
 
 
+class Compared(dspy.Module):
+    """Two attempts of a ChainOfThought, compared by dspy.MultiChainComparison."""
+
+    def __init__(self):
+        super().__init__()
+        self.attempt = dspy.ChainOfThought("question -> answer")
+        self.compare = dspy.MultiChainComparison("question -> answer", M=2)
+
+    def forward(self, question):
+        completions = [self.attempt(question=question, config={"rollout_id": i}) for i in range(2)]
+        return self.compare(completions=completions, question=question)
+
+
+class TwoAtOnce(dspy.Module):
+    """Two predictors run side by side with dspy.Parallel; the second's answer is returned."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = dspy.Predict("question -> answer")
+        self.second = dspy.Predict("question -> answer")
+        self.parallel = dspy.Parallel(num_threads=2)
+
+    def forward(self, question):
+        first, second = self.parallel([(self.first, {"question": question}), (self.second, {"question": question})])
+        return second
+
+
 def reward(args, pred) -> float:
     return 1.0 if right(pred) else 0.0
 
@@ -106,6 +133,8 @@ PROGRAMS = {
     "best_of_n": lambda: dspy.BestOfN(dspy.Predict(Typed), N=2, reward_fn=reward, threshold=1.0),
     "refine": lambda: dspy.Refine(dspy.Predict("question -> answer"), N=2, reward_fn=reward, threshold=1.0),
     "react": lambda: dspy.ReAct("question -> answer", tools=[lookup], max_iters=2),
+    "multi_chain_comparison": Compared,
+    "parallel": TwoAtOnce,
     "returns_none": AnswerOrNone,
     "returns_text": AnswerText,
 }

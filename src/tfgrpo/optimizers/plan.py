@@ -36,6 +36,7 @@ from tfgrpo.optimizers.workers import fixed_temperature, run_program
 from tfgrpo.optimizers.judge import carried_demos
 from tfgrpo.optimizers.knobs import Knobs, fingerprinted_knobs, resolve
 from tfgrpo.optimizers.records import Demo
+from tfgrpo.optimizers.rewards import score_attempt
 from tfgrpo.programs.inject import PROVENANCE_KEY, resolve_targets, starting_library
 from tfgrpo.programs.learning import AdvantageExtractor, Consolidator, Summarizer
 from tfgrpo.programs.library import ExperienceLibrary
@@ -199,7 +200,7 @@ def make_plan(optimizer, student: dspy.Module, trainset: list, valset: list | No
     fingerprint = make_fingerprint(knobs, program, targets, trainset, valset, library, demos, lms, optimizer.metric)
     saved = Checkpoint(knobs.log_dir).check(fingerprint, other_versions=knobs.resume_other_versions,
                                             quiet=say)  # as compile (whose start says what it reuses)
-    measured = pilot_usage(program, trainset[:pilot], knobs) if pilot else None
+    measured = pilot_usage(program, trainset[:pilot], knobs, optimizer.metric) if pilot else None
     if measured is not None:
         notes.append(f"the pilot: {measured['calls']} call(s) on {min(pilot, len(trainset))} training "
                      f"queries{measured['spent']}; their replies and prompts set the estimate's sizes")
@@ -389,7 +390,8 @@ def estimate(knobs: Knobs, program: dspy.Module, trainset: list, valset: list | 
              "runs": knobs.num_train_epochs * len(valset or []) + attribution_runs(knobs, len(trainset),
                                                                                    len(held_out or []))["runs"],
              "prices": (model_price(str(policy.model), knobs.prices),
-                        model_price(str(lms["reflection"].model), knobs.prices))}
+                        model_price(str(lms["reflection"].model), knobs.prices)),
+             "metric": pilot.get("metric") if pilot else None}  # a judge's calls per scored attempt, as piloted
     scheduled = knobs.total_steps(len(trainset))
     per_step = _tally(knobs, sizes, learning_path, False, scheduled)["per_step"]
     steps = reachable_steps(knobs, per_step, scheduled, len(trainset))
@@ -413,22 +415,35 @@ def estimate(knobs: Knobs, program: dspy.Module, trainset: list, valset: list | 
     return expected, bound
 
 
-def pilot_usage(program: dspy.Module, examples: list, knobs: Knobs) -> dict | None:
+def pilot_usage(program: dspy.Module, examples: list, knobs: Knobs, metric=None) -> dict | None:
     """The student run on `examples` (real LM calls, billed; nothing is written): its calls, and the mean prompt and
     reply tokens of a call as the provider reported them (None when no call reported any). A query that fails is
-    passed over: the run meets it again."""
+    passed over: the run meets it again. With `metric`, each answer is scored too, and what the metric's own LM calls
+    (an LLM judge's) spent per scored attempt is under `metric` (None when it made no call)."""
+    answered = []
     with metered(knobs.prices) as used:
         for example in examples:
             _, attempt = run_program(program.deepcopy(), example)  # as an attempt runs it (an async program too)
             if attempt.error:  # a failed pilot query measures nothing
                 logger.info("pilot query failed: %s", attempt.error)
+            else:
+                answered.append((example, attempt))
+    with metered(knobs.prices) as judged:
+        for example, attempt in answered if metric is not None else ():
+            score_attempt(metric, example, attempt, knobs.metric_timeout_s)
     entries = [e for lm_entries in used.usage_data.values() for e in lm_entries if e.get("completion_tokens")]
     if not entries:
         return None
-    total = used.totals()
-    return {"calls": len(entries), "reply": round(statistics.fmean(int(e["completion_tokens"]) for e in entries)),
+    total, scored = used.totals(), judged.totals()
+    per = {k: scored.get(k, 0) / len(answered) for k in ("calls", "prompt_tokens", "completion_tokens", "cost")} \
+        if scored["calls"] else None
+    if per is not None and "cost" not in scored:
+        per["cost"] = None
+    spent = [x for x in (total.get("cost"), scored.get("cost") if per else None) if x is not None]
+    return {"calls": len(entries) + scored["calls"],
+            "reply": round(statistics.fmean(int(e["completion_tokens"]) for e in entries)),
             "prompt": round(statistics.fmean(int(e.get("prompt_tokens") or 0) for e in entries)),
-            "spent": f", ${total['cost']:.4f}" if total.get("cost") is not None else ""}
+            "spent": f", ${sum(spent):.4f}" if spent else "", "metric": per}
 
 
 def reachable_steps(knobs: Knobs, per_step: dict, scheduled: int, trainset_size: int) -> int:
@@ -442,8 +457,10 @@ def reachable_steps(knobs: Knobs, per_step: dict, scheduled: int, trainset_size:
              * bool(knobs.probe_size),
              "tokens": sum(s["prompt_tokens"] + s["completion_tokens"] for s in per_step.values()),
              "cost": sum(s["cost"] or 0.0 for s in per_step.values())}
-    one = {"metric_calls": 1, "tokens": (rollout["prompt_tokens"] + rollout["completion_tokens"]) / max(attempts, 1),
-           "cost": (rollout["cost"] or 0.0) / max(attempts, 1)}
+    scored = per_step.get("reward", {})  # (a metric that calls an LM)
+    one = {"metric_calls": 1, "cost": ((rollout["cost"] or 0.0) + (scored.get("cost") or 0.0)) / max(attempts, 1),
+           "tokens": sum(s.get(k, 0) for s in (rollout, scored) for k in ("prompt_tokens", "completion_tokens"))
+           / max(attempts, 1)}
     steps = scheduled
     for name, limit in (("metric_calls", knobs.max_metric_calls), ("tokens", knobs.max_total_tokens),
                         ("cost", knobs.max_cost)):
@@ -497,11 +514,20 @@ def _tally(knobs: Knobs, sizes: dict, learning_path: str, bound: bool, steps: in
         price = sizes["prices"][0 if name in ("rollout", "probe", "validation") else 1]
         s["cost"] = None if price is None else ((s["prompt_tokens"] - s["cached_tokens"]) * price["input"] + s[
             "cached_tokens"] * price["cached_input"] + s["completion_tokens"] * price["output"])
+    scored = batch * G + probe_attempts * bool(knobs.probe_size)  # a step's metric calls
+    if judge := sizes.get("metric"):  # a metric that calls an LM, at what the pilot's scoring spent per attempt
+        stages["reward"] = {"calls": scored * judge["calls"] * tries, "cached_tokens": 0,
+                            **{k: scored * judge[k] * tries for k in ("prompt_tokens", "completion_tokens")},
+                            "cost": None if judge["cost"] is None else scored * judge["cost"] * tries}
+        for k in ("calls", "prompt_tokens", "completion_tokens"):
+            extra[k] += sizes["runs"] * judge[k] * tries
+        extra["cost"] = None if extra["cost"] is None or judge["cost"] is None else \
+            extra["cost"] + sizes["runs"] * judge["cost"] * tries
     total = {k: steps * sum(s[k] for s in stages.values()) + extra[k]
              for k in ("calls", "prompt_tokens", "completion_tokens", "cached_tokens")}
     costs = [s["cost"] for s in [*stages.values(), extra]]
     total["cost"] = None if None in costs else steps * sum(costs[:-1]) + costs[-1]
-    total["metric_calls"] = steps * (batch * G + probe_attempts * bool(knobs.probe_size)) + sizes["runs"]
+    total["metric_calls"] = steps * scored + sizes["runs"]
     return {"per_step": stages, "total": total}
 
 

@@ -165,7 +165,9 @@ class Runner:
             for name, predictor in replay.named_predictors():
                 def answer(name=name, calls=[c for c in record["trace"] if c["predictor"] == name],
                            types={k: f.annotation for k, f in predictor.signature.output_fields.items()}, **inputs):
-                    asked.append({"predictor": name, "inputs": jsonable(inputs)})
+                    asked.append({"predictor": name, "inputs": jsonable({k: v for k, v in inputs.items() if k not in
+                                                                         ("config", "demos", "signature", "lm")})})
+                    # (what a Predict takes as settings of the call; its trace holds the inputs alone)
                     return dspy.Prediction(**rebuilt(types, calls.pop(0)["outputs"])) if calls else dspy.Prediction()
                 predictor.forward = answer
             _, now = run_program(replay, trainset[int(query)])

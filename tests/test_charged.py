@@ -143,3 +143,13 @@ def test_a_piloted_plan_counts_the_judge_calls():
     assert "reward" not in blind.expected["per_step"]
     judge = piloted.expected["per_step"]["reward"]
     assert judge["calls"] == 16 and judge["cost"] > 0  # one judge call for each of a step's 16 attempts
+
+
+def test_what_counts_as_an_empty_reply_for_the_cache():
+    from tfgrpo.optimizers.workers import answered
+
+    record = {"_dspy_format": "dspy-lm15-result-v1", "outputs": [""]}
+    assert not answered(record) and answered({**record, "outputs": ["[[ ## answer ## ]]\n2"]})
+    assert answered({**record, "outputs": [{"text": None, "tool_calls": [{"id": "1"}]}]})  # a tool call is an answer
+    assert not answered({"choices": []}) and not answered({"choices": [{"message": {"content": "  "}}]})
+    assert answered({"choices": [{"message": {"content": "2"}}]}) and answered([0.1, 0.2])  # (an embedding)

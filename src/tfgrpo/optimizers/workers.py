@@ -222,10 +222,13 @@ def answered(record: Any) -> bool:
         choices = record.get("choices") if isinstance(record, dict) else getattr(record, "choices", None)
         if choices is None:
             return True
-        messages = [c.get("message") if isinstance(c, dict) else getattr(c, "message", None) for c in choices]
-        outputs = [m if isinstance(m, dict) else {"text": getattr(m, "content", None),
-                                                   "tool_calls": getattr(m, "tool_calls", None)} for m in messages]
-        outputs = [{"text": o.get("content", o.get("text")), "tool_calls": o.get("tool_calls")} for o in outputs]
+        outputs = []
+        for choice in choices:
+            message = (choice.get("message") if isinstance(choice, dict) else getattr(choice, "message", None)) or {}
+            if not isinstance(message, dict):  # a LiteLLM response's Message
+                message = {"content": getattr(message, "content", None), "tool_calls": getattr(message, "tool_calls",
+                                                                                              None)}
+            outputs.append({"text": message.get("content"), "tool_calls": message.get("tool_calls")})
     return any(bool(o.strip()) if isinstance(o, str) else
                isinstance(o, dict) and bool((o.get("text") or "").strip() or o.get("tool_calls")) for o in outputs)
 

@@ -108,25 +108,26 @@ class Runner:
         scope = Scope(self, name, prefix=prefix, usage_key=usage_key, before=before or {})
         recorded = False
         workers = AsyncWorkers if self.knobs.backend == "async" else Workers
-        with workers(self.knobs.num_threads, progress=self.knobs.progress or bars) as scope.work:
-            try:
-                yield scope
-                recorded = usage_key is not None  # the step's record holds the scope's usage
-            except KeyboardInterrupt:
-                if self.ray is not None:  # Ctrl-C ends the run's tasks on the cluster too
-                    self.ray.cancel()
-                raise
-            finally:
-                bars.close()
-                for stage, meter in scope.meters.items():
-                    if not (totals := meter.totals())["calls"]:  # (a metric with no LM call, say)
-                        continue
-                    add_usage(self.spent.setdefault(ROLE.get(stage, "reflection"), {}), totals)
-                    add_usage(self.sent.setdefault(stage, {}), totals)
-                    if not recorded:  # a validation, an attribution, a step stopped part way
-                        add_usage(self.unrecorded.setdefault(stage, {}), totals)
-                    for lm, entries in (meter.usage_data.items() if outer is not None else ()):
-                        outer.usage_data[lm].extend(entries)
+        try:
+            with workers(self.knobs.num_threads, progress=self.knobs.progress or bars) as scope.work:
+                try:
+                    yield scope
+                    recorded = usage_key is not None  # the step's record holds the scope's usage
+                except KeyboardInterrupt:
+                    if self.ray is not None:  # Ctrl-C ends the run's tasks on the cluster too
+                        self.ray.cancel()
+                    raise
+        finally:  # (after the workers' exit: a scope stopped by an error has let its running units finish)
+            bars.close()
+            for stage, meter in scope.meters.items():
+                if not (totals := meter.totals())["calls"]:  # (a metric with no LM call, say)
+                    continue
+                add_usage(self.spent.setdefault(ROLE.get(stage, "reflection"), {}), totals)
+                add_usage(self.sent.setdefault(stage, {}), totals)
+                if not recorded:  # a validation, an attribution, a step stopped part way
+                    add_usage(self.unrecorded.setdefault(stage, {}), totals)
+                for lm, entries in (meter.usage_data.items() if outer is not None else ()):
+                    outer.usage_data[lm].extend(entries)
 
     # -- the run's own records ---------------------------------------------------------------------------------------
     def record(self, key: str, *, reused: bool = True) -> Any | None:

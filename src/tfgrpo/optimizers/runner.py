@@ -172,10 +172,18 @@ class Runner:
                     return dspy.Prediction(**rebuilt(types, calls.pop(0)["outputs"])) if calls else dspy.Prediction()
                 predictor.forward = answer
             _, now = run_program(replay, trainset[int(query)])
-            if now.outputs != record["outputs"] or asked != [{k: c[k] for k in ("predictor", "inputs")}
-                                                             for c in record["trace"]]:
+            if now.outputs != record["outputs"] or _by_predictor(asked) != _by_predictor(record["trace"]):
                 raise RunMismatchError(where.format("program", f"{path.name}, given the same replies, now asks "
                                                     f"{asked[:2]} and answers {now.outputs or now.error}", "program"))
+
+
+def _by_predictor(calls: list[dict]) -> dict[str, list]:
+    """Each predictor's inputs, in the order it was called: the order across predictors is the program's threads'
+    (dspy.Parallel), that of one predictor's own calls is its program's."""
+    grouped: dict[str, list] = {}
+    for call in calls:
+        grouped.setdefault(call["predictor"], []).append(call["inputs"])
+    return grouped
 
 
 class Scope:

@@ -298,3 +298,18 @@ def test_the_cli_says_interrupted_exits_130_and_a_rerun_says_it_resumes(tmp_path
     said = " ".join(again.output.split())
     assert f"resuming from {checkpoint}: " in said and "finished units found" in said
     assert "run: epoch 1/1, steps" in said
+
+
+def test_the_cli_exits_130_on_ctrl_c_under_ray_too(tmp_path):
+    """backend="ray" on a cluster of one `ray start` node: Ctrl-C ends the compile with the same line and code."""
+    pytest.importorskip("ray")
+    from tfgrpo.testing.ray_cluster import LocalRayCluster
+
+    with FakeLMServer(latency=0.001) as server, LocalRayCluster(nodes=1) as cluster:
+        cfg = cli_config(tmp_path, server.api_base)
+        cfg.write_text(cfg.read_text() + 'backend = "ray"\n')
+        proc, _ = start_hanging(tmp_path, [sys.executable, "-m", "tfgrpo.cli", "compile", str(cfg)],
+                                env={"HANG_MARKER": str(tmp_path / "hanging"), "RAY_ADDRESS": cluster.address})
+        code, out = interrupt(proc)
+    assert code == 130, out
+    assert "interrupted; finished work is kept in" in " ".join(out.split())

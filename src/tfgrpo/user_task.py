@@ -25,7 +25,7 @@ from typing import Any, Callable
 import dspy
 
 from tfgrpo.optimizers.rewards import metric_takes_trace
-from tfgrpo.base.util import read_jsonl_rows
+from tfgrpo.base.util import USER_MODULE_PREFIX, read_jsonl_rows
 
 FORMS = "'module:name' or 'path/to/file.py:name'"
 
@@ -63,7 +63,7 @@ def import_file(path: Path) -> Any:
     """The module of the file at `path`, imported under a name made from its full path (once: the program and the
     metric may come from one file), so that another file of the same name elsewhere is never taken for it."""
     stem, tag = re.sub(r"\W", "_", path.stem), hashlib.sha1(str(path).encode()).hexdigest()[:12]
-    name = f"tfgrpo_user_{stem}_{tag}"
+    name = f"{USER_MODULE_PREFIX}{stem}_{tag}"
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)

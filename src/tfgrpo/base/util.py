@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic_core import to_jsonable_python
 
+USER_MODULE_PREFIX = "tfgrpo_user_"  # the name of a module imported from a file path (tfgrpo.user_task.import_file)
 TMP_NAME = re.compile(r"^\..+\.[0-9a-f]{32}\.tmp$")  # write_atomic's temporary files: .<name>.<uuid4 hex>.tmp
 
 

@@ -28,7 +28,7 @@ import pydantic
 import tqdm
 from dspy.utils.exceptions import AdapterParseError, LMError
 
-from tfgrpo.base.util import clip, digest, jsonable
+from tfgrpo.base.util import USER_MODULE_PREFIX, clip, digest, jsonable
 from tfgrpo.optimizers.records import Attempt
 from tfgrpo.optimizers.spend import UsageMeter, paced, pacers
 from tfgrpo.programs.render import MAX_ATTEMPT_CHARS, count_tool_calls, format_attempt
@@ -502,6 +502,9 @@ class RayAttempts:
             _check_address()
             _token_auth_if_any()
             ray.init(logging_level="WARNING")
+        for name, module in list(sys.modules.items()):  # a program or metric file the CLI imported by its path has
+            if name.startswith(USER_MODULE_PREFIX):  # a name the nodes cannot import: its code travels by value
+                ray.cloudpickle.register_pickle_by_value(module)
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         logger.info("backend ray: attempts run as tasks on %d node(s), %g CPU(s) (%s)", len(nodes),
                     ray.cluster_resources().get("CPU", 0), ray.get_runtime_context().gcs_address)

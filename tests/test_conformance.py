@@ -1,6 +1,6 @@
 """A user's program as DSPy runs it: each kind of DSPy module (Predict, ChainOfThought, BestOfN, Refine, ReAct,
-MultiChainComparison, Parallel, a History input, a forward that returns None or a string) with typed outputs (an Enum, pydantic models, a tuple, a
-date), compiled with a scripted LM. For each: the metric receives the types `dspy.Evaluate` gives it, on fresh
+MultiChainComparison, Parallel, a History input, a forward that returns None or a string) with typed outputs (an
+Enum, pydantic models, a tuple, a date), compiled with a scripted LM. For each: the metric receives the types `dspy.Evaluate` gives it, on fresh
 attempts and on attempts read back from log_dir; the library reaches every predictor and the demos their predictors;
 the program saves and loads in stock DSPy in a fresh process with the same prompts; a run stopped part way and
 resumed gives the program of a run that was never stopped."""

@@ -277,9 +277,9 @@ class Budget:
         with self._lock:
             done = self.done.get("rollout") or [x for units in self.done.values() for x in units] or [(0.0, 0)]
             scored = self.done.get("reward") or [(0.0, 0)]  # what the metric spends on each (an LLM judge)
-            need = {"cost": attempts * (statistics.fmean(c for c, _ in done) + statistics.fmean(c for c, _ in scored)),
-                    "metric_calls": attempts,
-                    "tokens": attempts * (statistics.fmean(t for _, t in done) + statistics.fmean(t for _, t in scored))}
+            need = {name: attempts * sum(statistics.fmean(unit[i] for unit in units) for units in (done, scored))
+                    for i, name in enumerate(("cost", "tokens"))}
+            need["metric_calls"] = attempts
         for name, limit in self.limits.items():
             if limit is not None and self.spent[name] >= limit:
                 return self._why(name, "", 0)

@@ -113,7 +113,8 @@ def step(run: Run, state: State, epoch: int, batch: list[int]) -> tuple[State, S
         seconds = {**{s: t - t0 for s, t in scope.finished.items()}, "learning": time.time() - t0}
         verdict = judge(run, scope, state, index, groups, lessons)
         judged = "reward" in scope.meters and scope.meter("reward").totals()["calls"]  # a metric that calls an LM
-        stages = ("rollout", *(("reward",) if judged else ()), *run.path.stages, *(("probe",) if verdict.record else ()))
+        stages = ("rollout", *(("reward",) if judged else ()), *run.path.stages,
+                  *(("probe",) if verdict.record else ()))
         usage = {s: scope.meter(s).totals() for s in stages}
     sources = sorted({q for q, _ in lessons.proposals})
     new, report = state.apply(verdict, sources, quiet=bool(run.knobs.probe_size))

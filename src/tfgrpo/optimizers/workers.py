@@ -486,10 +486,11 @@ class RayAttempts:
     cluster (RAY_ADDRESS, else the one `ray.init()` finds or starts; a cluster the caller connected to is used as it
     is). What travels: the program (its LM copies with their settings), the example, and DSPy's `lm` and `adapter`
     settings; what comes back: the attempt (its outputs, rebuilt here to their types for the metric, which runs on
-    this machine) and the usage of its LM calls, metered here as a local call is. A task whose worker or node dies is sent again by Ray (`max_retries`);
-    lost for good, it is an attempt with no answer (`failed`, never scored), as a failed LM call is. The program's
-    classes must import on the nodes: tfgrpo's do wherever it is installed; a class of the caller's own module needs
-    that module there (installed, or Ray's `runtime_env`)."""
+    this machine) and the usage of its LM calls, metered here as a local call is. A task whose worker or node dies is
+    sent again by Ray (`max_retries`); lost for good, it is an attempt with no answer (`failed`, never scored), as a
+    failed LM call is. The program's classes must import on the nodes: tfgrpo's do wherever it is installed; a class
+    of the caller's own module needs that module there (installed, or Ray's `runtime_env`), except a file the CLI
+    imported by its path, whose code travels by value."""
 
     max_retries = 3  # sends of one task whose worker or node died, after the first
 

@@ -434,12 +434,11 @@ def pilot_usage(program: dspy.Module, examples: list, knobs: Knobs, metric=None)
     entries = [e for lm_entries in used.usage_data.values() for e in lm_entries if e.get("completion_tokens")]
     if not entries:
         return None
-    total, scored = used.totals(), judged.totals()
-    per = {k: scored.get(k, 0) / len(answered) for k in ("calls", "prompt_tokens", "completion_tokens", "cost")} \
-        if scored["calls"] else None
-    if per is not None and "cost" not in scored:
-        per["cost"] = None
-    spent = [x for x in (total.get("cost"), scored.get("cost") if per else None) if x is not None]
+    total, scored, per = used.totals(), judged.totals(), None
+    if scored["calls"]:  # per scored attempt (a cost only where the judge's price is known)
+        per = {k: scored[k] / len(answered) for k in ("calls", "prompt_tokens", "completion_tokens")}
+        per["cost"] = scored["cost"] / len(answered) if "cost" in scored else None
+    spent = [x for x in (total.get("cost"), scored.get("cost")) if x is not None]
     return {"calls": len(entries) + scored["calls"],
             "reply": round(statistics.fmean(int(e["completion_tokens"]) for e in entries)),
             "prompt": round(statistics.fmean(int(e.get("prompt_tokens") or 0) for e in entries)),

@@ -249,7 +249,7 @@ class Budget:
     def reserve(self, stage: str, metric_calls: int = 0) -> dict[str, float]:
         """This unit's expected share, now counted as in flight; `BudgetExhausted` if it does not fit."""
         with self._lock:  # nothing measured yet: the first units of a run are the measurement
-            done = self.done.get(stage) or [x for units in self.done.values() for x in units] or [(0.0, 0)]
+            done = self._measured(stage)
             share = {"cost": statistics.fmean(c for c, _ in done), "tokens": statistics.fmean(t for _, t in done),
                      "metric_calls": metric_calls}
             for name, limit in self.limits.items():
@@ -259,6 +259,12 @@ class Budget:
             for name in self.in_flight:
                 self.in_flight[name] += share[name]
             return share
+
+    def _measured(self, stage: str) -> list[tuple[float, int]]:
+        """(cost, tokens) of the stage's finished units, else of every finished unit that called an LM (a free metric's
+        units, recorded with none, measure only the metric), else of nothing spent; called under the lock."""
+        return self.done.get(stage) or [x for name, units in self.done.items() if name != "reward" for x in units] \
+            or [(0.0, 0)]
 
     def release(self, stage: str, share: dict, used: dict, metric_calls: int = 0) -> None:
         """The unit has ended: its share leaves the flight, what it `used` (meter totals) is spent."""
@@ -275,7 +281,7 @@ class Budget:
         `attempts` the next step needs at least (each a metric call, costing what a finished attempt did on average);
         else None."""
         with self._lock:
-            done = self.done.get("rollout") or [x for units in self.done.values() for x in units] or [(0.0, 0)]
+            done = self._measured("rollout")
             scored = self.done.get("reward") or [(0.0, 0)]  # what the metric spends on each (an LLM judge)
             need = {name: attempts * sum(statistics.fmean(unit[i] for unit in units) for units in (done, scored))
                     for i, name in enumerate(("cost", "tokens"))}

@@ -44,14 +44,16 @@ def floor(module: str) -> str:
 MODULES = {module_name(p): p for p in (SRC / "tfgrpo").rglob("*.py")}
 
 
-def imports(module: str) -> list[tuple[str, int, bool]]:
-    """(imported tfgrpo module, line, inside a function) for each import of `module`."""
+def imports(module: str, *, annotations: bool = False) -> list[tuple[str, int, bool]]:
+    """(imported tfgrpo module, line, inside a function) for each import of `module` (`annotations`: those made for
+    type annotations only, under `if TYPE_CHECKING:`, too)."""
     path, found = MODULES[module], []
     package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
 
     def visit(node: ast.AST, deferred: bool) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and ast.unparse(child.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            if isinstance(child, ast.If) and ast.unparse(child.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING") \
+                    and not annotations:
                 continue  # names for annotations only: never imported when the program runs
             if isinstance(child, ast.Import):
                 found.extend((a.name, child.lineno, deferred) for a in child.names)
@@ -118,6 +120,19 @@ def test_no_cycle_between_modules():
         if m not in state:
             visit(m, [m])
     assert not cycles, "\n".join(cycles)
+
+
+def test_the_optimizer_modules_import_one_way():
+    """In `optimizers/`, no two modules need each other, not even for an annotation or inside a function: a reader
+    goes down the imports from the step and never comes back up."""
+    folder = [m for m in MODULES if m.startswith("tfgrpo.optimizers.")]
+    graph = {m: {t for t, _, _ in imports(m, annotations=True) if t in folder and t != m} for m in folder}
+
+    def reaches(a: str, b: str, seen: frozenset = frozenset()) -> bool:
+        return a == b or any(n not in seen and reaches(n, b, seen | {n}) for n in graph[a])
+
+    both = sorted(f"{m} <-> {t}" for m in folder for t in graph[m] if reaches(t, m))
+    assert not both, "modules of optimizers/ in an import circle:\n" + "\n".join(both)
 
 
 def test_a_deferred_import_says_why():

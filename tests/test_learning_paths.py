@@ -7,7 +7,8 @@ import pytest
 from scripted_lm import ScriptedLM
 from test_contrast import compile_contrast, contrast_learner
 from test_optimizer import LESSON, compile_with, learner
-from tfgrpo.optimizers.records import Failed, LearningPath, Lessons, StepResult, TrainingFreeGRPOResult
+from tfgrpo.optimizers.records import Failed, Lessons, StepResult, TrainingFreeGRPOResult
+from tfgrpo.optimizers.runner import LearningPath
 from tfgrpo.signatures.operations import Operation
 
 

@@ -180,3 +180,33 @@ def test_evaluation_records_a_failing_program_and_stops_on_a_failing_metric():
     assert rows[0]["usage_total"]["calls"] == len(lm.calls)
     with pytest.raises(MetricError, match="misspelled_metric"):
         evaluate_program(dspy.Predict("question -> answer"), make_trainset(2), misspelled_metric, lm=lm)
+
+
+def failing_summaries(*queries):
+    """A responder whose summary calls fail for the groups of `queries` (by their question); all else as `learner`."""
+    ok = learner()
+
+    def respond(messages, kwargs):
+        if kind_of(messages) == "summary" and any(q in messages[-1]["content"] for q in queries):
+            raise ConnectionError("the reflection endpoint dropped this one")
+        return ok(messages, kwargs)
+
+    return respond
+
+
+def test_a_group_whose_learning_calls_failed_spends_nothing_more_until_the_stage_check_passes():
+    """One group's 4 summaries of 16 fail: under max_failure_rate=0.3 the stage's check passes and the group goes on
+    (its advantage from the raw attempts); with two groups' 8 the check stops the step, and neither of those groups
+    sent its advantage call (the other two did, having met no failure)."""
+    lm = ScriptedLM(failing_summaries("What is 0 + 10?"))
+    compiled = compile_with(lm, dspy.Predict("question -> answer"), max_failure_rate=0.3)
+    step = compiled.detailed_results.to_dict()["steps"][0]
+    assert count(lm, "advantage") == 4 and step["learning_failures"] == 4
+    assert compiled.experience_library.texts() == [LESSON]
+
+    lm = ScriptedLM(failing_summaries("What is 0 + 10?", "What is 1 + 11?"))
+    with pytest.raises(RuntimeError, match="8 of 16 summary calls failed"):
+        compile_with(lm, dspy.Predict("question -> answer"), max_failure_rate=0.3)
+    advantages = [c for c in lm.calls if kind_of(c["messages"]) == "advantage"]
+    assert len(advantages) == 2
+    assert not any(q in c["messages"][-1]["content"] for c in advantages for q in ("What is 0 + 10?", "What is 1 + 11?"))

@@ -12,20 +12,15 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import TYPE_CHECKING
-
 import dspy
 
 from tfgrpo.base.util import clip
-from tfgrpo.optimizers.records import Failed, Group, LearningPath, Lessons, Scored
+from tfgrpo.optimizers.records import Failed, Group, Lessons, Scored
+from tfgrpo.optimizers.runner import LearningPath, Run, Scope
 from tfgrpo.programs.contrast_learner import ContrastLearner
 from tfgrpo.programs.library import ExperienceLibrary
 from tfgrpo.programs.render import format_fields, outcome, tool_actions, tool_observations
 from tfgrpo.signatures.operations import Operation
-
-if TYPE_CHECKING:
-    from tfgrpo.optimizers.runner import Scope
-    from tfgrpo.optimizers.step import Run
 
 logger = logging.getLogger(__name__)
 

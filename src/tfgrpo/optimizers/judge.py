@@ -30,22 +30,17 @@ import math
 import random
 import statistics
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
 import dspy
 
 from tfgrpo.base.util import digest
 from tfgrpo.optimizers.checkpoint import Keys
 from tfgrpo.optimizers.knobs import Knobs
 from tfgrpo.optimizers.records import Demo, Group, Lessons, Scored, Verdict
+from tfgrpo.optimizers.runner import Run, Scope, State
 from tfgrpo.optimizers.workers import rollout_id, with_own_lms
 from tfgrpo.programs.inject import with_learned
 from tfgrpo.programs.render import query_key
 from tfgrpo.signatures.operations import Operation
-
-if TYPE_CHECKING:
-    from tfgrpo.optimizers.runner import Scope
-    from tfgrpo.optimizers.step import Run, State
 
 logger = logging.getLogger(__name__)
 

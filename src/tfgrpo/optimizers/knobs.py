@@ -71,7 +71,7 @@ def _is_number(v: Any) -> bool:
 
 
 FLAG = instance(bool, "True or False")
-PATH_INSTANCE = lazy_instance("tfgrpo.optimizers.records", "LearningPath", "a LearningPath instance")
+PATH_INSTANCE = lazy_instance("tfgrpo.optimizers.runner", "LearningPath", "a LearningPath instance")
 PATHS = ("auto", "paper", "contrast")
 PREDICTOR_NAMES = Check(lambda v: isinstance(v, (list, tuple)) and len(v) > 0 and all(isinstance(n, str) for n in v),
                         "a non-empty list of predictor names")

@@ -36,6 +36,7 @@ from tfgrpo.optimizers.workers import fixed_temperature, run_program
 from tfgrpo.optimizers.judge import carried_demos
 from tfgrpo.optimizers.knobs import Knobs, fingerprinted_knobs, resolve
 from tfgrpo.optimizers.records import Demo
+from tfgrpo.optimizers.runner import role
 from tfgrpo.optimizers.rewards import score_attempt
 from tfgrpo.programs.inject import PROVENANCE_KEY, resolve_targets, starting_library
 from tfgrpo.programs.learning import AdvantageExtractor, Consolidator, Summarizer
@@ -330,9 +331,9 @@ def check_prices(lms: dict, prices: dict | None) -> None:
     """Refuse a `max_cost` budget when an LM that will be called has no known price: its calls would count as $0 and
     the budget would never stop the run."""
     unpriced: dict[str, list[str]] = {}
-    for role, lm in [("policy", lm) for lm in lms["policy"]] + [("reflection", lms["reflection"])]:
+    for whose, lm in [("policy", lm) for lm in lms["policy"]] + [("reflection", lms["reflection"])]:
         if model_price(str(getattr(lm, "model", type(lm).__name__)), prices) is None:
-            unpriced.setdefault(str(getattr(lm, "model", type(lm).__name__)), []).append(role)
+            unpriced.setdefault(str(getattr(lm, "model", type(lm).__name__)), []).append(whose)
     if unpriced:
         named = ", ".join(f"the {' and '.join(dict.fromkeys(roles))} LM {model!r}" for model, roles in unpriced.items())
         raise ValueError(f"max_cost is set, but DSPy knows no price for {named} (LiteLLM's price map has no entry for "
@@ -510,7 +511,7 @@ def _tally(knobs: Knobs, sizes: dict, learning_path: str, bound: bool, steps: in
         stages["probe"] = stage(probe_attempts * turns, attempt, reply, shown)
     extra = stage(sizes["runs"] * turns, attempt, reply, shown)  # validation and attribution, once for the run
     for name, s in [*stages.items(), ("validation", extra)]:
-        price = sizes["prices"][0 if name in ("rollout", "probe", "validation") else 1]
+        price = sizes["prices"][0 if role(name) == "policy" else 1]
         s["cost"] = None if price is None else ((s["prompt_tokens"] - s["cached_tokens"]) * price["input"] + s[
             "cached_tokens"] * price["cached_input"] + s["completion_tokens"] * price["output"])
     scored = batch * G + probe_attempts * bool(knobs.probe_size)  # a step's metric calls

@@ -1,7 +1,7 @@
 """The typed records of a run: what a step's stages pass forward, and `compiled.detailed_results`.
 
 A rollout makes an `Attempt`, the reward stage a `Scored` attempt, and a query's scored attempts make a `Group`; a
-`LearningPath` turns groups into `Lessons` (the plan of library operations), the judge turns lessons and winning
+learning path (`runner.LearningPath`) turns groups into `Lessons` (the plan of library operations), the judge turns lessons and winning
 attempts into a `Verdict` (the operations and `Demo`s kept), and the state applies it. Each stage makes new values and
 never writes into the ones before it. A unit of work that raised is a `Failed` value, counted by its caller.
 Checkpoints store the plain records (`to_record`) and rebuild the values from them.
@@ -14,16 +14,12 @@ plain JSON-ready data (what `steps.jsonl` holds).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any
 
 import dspy
 
 from tfgrpo.signatures.operations import Operation
 
-if TYPE_CHECKING:
-    from tfgrpo.optimizers.runner import Scope
-    from tfgrpo.optimizers.step import Run
-    from tfgrpo.programs.library import ExperienceLibrary
 
 
 @dataclass(frozen=True)
@@ -166,22 +162,6 @@ class Lessons:
     def __post_init__(self):
         if self.operations_proposed is None:
             self.operations_proposed = len(self.proposals)
-
-
-@runtime_checkable
-class LearningPath(Protocol):
-    """How one step's groups with reward contrast become a plan of library operations (step.py holds the
-    paper's path, contrast_path.py the contrast path). `learn` makes one group's learning calls through the step's
-    `scope` (`scope.call`, `scope.calls`; groups run side by side, each as soon as its attempts are scored) and returns what
-    `finish` needs; `finish` turns every group's result into the step's `Lessons`. `stages` names the stages its calls
-    are metered and checked under. An instance holds settings only: one serves every step."""
-
-    stages: tuple[str, ...] = ()
-
-    def learn(self, run: Run, scope: Scope, library: ExperienceLibrary, group: Group) -> Any: ...
-
-    def finish(self, run: Run, scope: Scope, library: ExperienceLibrary, results: list[tuple[Group, Any]]
-               ) -> Lessons: ...
 
 
 @dataclass(frozen=True)

@@ -19,52 +19,56 @@ probe and counts it in `failed_calls`, and a validation leaves it out of its sco
 reply with content that does not parse, a tool that raises) is the program's own doing: it scores 0.
 
 The `Runner` is the run's: its knobs, metric, checkpoint, budget and what was spent. A `Scope` is one step, one
-validation or one attribution, opened with `with runner.scope(...) as scope`: its workers, meters by stage, failure
-counts, and the `Gate` of its groups. The step holds its scope and passes it on (to the probe and the learning path);
-nothing of a scope is written on the runner. The run's own records (a finished step, a validation, the attribution)
-are read and written with the runner's `record` and `keep`.
+validation or one attribution, opened with `with runner.scope(...) as scope`: its workers, meters by stage and failure
+counts. The step holds its scope and passes it on (to the probe and the learning path); nothing of a scope is written
+on the runner. The run's own records (a finished step, a validation, the attribution) are read and written with the
+runner's `record` and `keep`. `Run` and `State` are what a step reads and changes, and `LearningPath` what a path of
+learning calls provides.
 
-The one place where a step's groups wait on each other is the scope's `Gate`: `each` runs the groups side by side,
-and a group whose units of a stage failed (its attempts in the step, its learning calls in `calls`) waits there until
-every group has reached the stage, so that the stage's failure check sees all of the stage's units before the group
-spends more on its query.
+No verb waits on another group: learning calls of which one failed, at a stage the step has not checked yet, raise
+`Held`, and the step (which catches it) runs the stage's failure check over every group before the group goes on.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import json
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol, runtime_checkable
 
 import dspy
+import pydantic
 
 from tfgrpo.base.util import jsonable
 from tfgrpo.optimizers.checkpoint import Checkpoint, RunMismatchError
 from tfgrpo.optimizers.knobs import Knobs
-from tfgrpo.optimizers.records import Attempt, Failed, Scored
+from tfgrpo.optimizers.records import Attempt, Demo, Failed, Group, Lessons, Scored, Verdict
 from tfgrpo.optimizers.rewards import score_attempt
 from tfgrpo.optimizers.spend import Budget, BudgetExhausted, UsageMeter, add_usage
 from tfgrpo.optimizers.workers import (EMPTY_REPLY, AsyncWorkers, RayAttempts, StageBars, Workers, arun_attempt,
                                        rebuilt, rollout_id, run_program, typed, with_own_lms)
+from tfgrpo.programs.library import ApplyReport, ExperienceLibrary
 from tfgrpo.programs.render import MAX_ATTEMPT_CHARS, MAX_FEEDBACK_CHARS
 
 logger = logging.getLogger(__name__)
 
 CONTEXT_REFUSALS = ("contextwindowexceeded", "context length", "context_length_exceeded", "maximum context",
                     "context window", "exceeds the available context size")  # LiteLLM, OpenAI, vLLM, llama.cpp
-POLICY_STAGES = ("rollout", "probe", "validation", "attribution")  # the program's own calls
-# a stage's role: ROLE.get(stage, "reflection"): the program's calls, the metric's (an LLM judge's), the learning calls
-ROLE = {**dict.fromkeys(POLICY_STAGES, "policy"), "reward": "metric"}
+# the stages of units of work with their role, which is whose calls they are: the program's ("policy"), the metric's
+# (an LLM judge's); every other stage is a learning path's (its `stages`): "reflection" (`role`)
+ROLE = {"rollout": "policy", "reward": "metric", "probe": "policy", "validation": "policy", "attribution": "policy"}
 # what may be cut for the learning calls: kind -> (the length kept, what it is)
 CUTS = {"attempt": (MAX_ATTEMPT_CHARS, "An attempt"),
         "feedback": (MAX_FEEDBACK_CHARS, "The metric's feedback on an attempt")}
-GROUP: contextvars.ContextVar[int | None] = contextvars.ContextVar("tfgrpo_group", default=None)  # (see `Scope.each`)
+
+
+def role(stage: str) -> str:
+    """Whose calls a stage's are: "policy", "metric" or "reflection" (see `ROLE`)."""
+    return ROLE.get(stage, "reflection")
 
 
 class TooManyFailuresError(RuntimeError):
@@ -77,6 +81,67 @@ class StageFailures:
 
     units: int = 0
     errors: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Run:
+    """What every step of a run shares: the knobs (as the run uses them), the metric, the learning path and its name,
+    the reflection LM, the program and its target predictors, the trainset and the runner."""
+
+    knobs: Knobs
+    metric: Callable
+    path: LearningPath
+    path_name: str
+    reflection_lm: dspy.BaseLM
+    runner: Runner
+    program: dspy.Module | None = None
+    targets: list[str] = field(default_factory=list)
+    trainset: list = field(default_factory=list)
+    instructions: str = ""  # the program's own instructions (what a rule may repeat)
+
+
+@dataclass(frozen=True)
+class State:
+    """What a step changes: the library and demos the program carries, the demo candidates found for the next step
+    (`pending`) and the steps done."""
+
+    library: ExperienceLibrary
+    demos: list[Demo] = field(default_factory=list)
+    pending: list[Demo] = field(default_factory=list)
+    step: int = 0
+
+    def apply(self, verdict: Verdict, sources: list[str], *, quiet: bool = False) -> tuple[State, ApplyReport]:
+        """The state after a step: the verdict's operations validated and applied in code, all or nothing per operation,
+        to a copy of the library (`sources`: the queries they came from; `quiet`: a probe said its refusals already)."""
+        library = self.library.copy()
+        report = library.apply(verdict.plan, step=self.step, sources=sources, quiet=quiet)
+        return State(library=library, demos=verdict.demos, pending=verdict.found, step=self.step + 1), report
+
+    def to_record(self) -> dict:
+        return {"library": self.library.dump_state(), "demos": [d.to_record() for d in self.demos],
+                "found": [d.to_record() for d in self.pending]}
+
+    @classmethod
+    def from_record(cls, rec: dict, step: int) -> State:
+        return cls(library=ExperienceLibrary.from_state(rec["library"]),
+                   demos=[Demo.from_record(d) for d in rec.get("demos", [])],
+                   pending=[Demo.from_record(d) for d in rec.get("found", [])], step=step)
+
+
+@runtime_checkable
+class LearningPath(Protocol):
+    """How one step's groups with reward contrast become a plan of library operations (step.py holds the
+    paper's path, contrast_path.py the contrast path). `learn` makes one group's learning calls through the step's
+    `scope` (`scope.call`, `scope.calls`; groups run side by side, each as soon as its attempts are scored) and returns what
+    `finish` needs; `finish` turns every group's result into the step's `Lessons`. `stages` names the stages its calls
+    are metered and checked under. An instance holds settings only: one serves every step."""
+
+    stages: tuple[str, ...] = ()
+
+    def learn(self, run: Run, scope: Scope, library: ExperienceLibrary, group: Group) -> Any: ...
+
+    def finish(self, run: Run, scope: Scope, library: ExperienceLibrary, results: list[tuple[Group, Any]]
+               ) -> Lessons: ...
 
 
 class Runner:
@@ -122,7 +187,7 @@ class Runner:
             for stage, meter in scope.meters.items():
                 if not (totals := meter.totals())["calls"]:  # (a metric with no LM call, say)
                     continue
-                add_usage(self.spent.setdefault(ROLE.get(stage, "reflection"), {}), totals)
+                add_usage(self.spent.setdefault(role(stage), {}), totals)
                 add_usage(self.sent.setdefault(stage, {}), totals)
                 if not recorded:  # a validation, an attribution, a step stopped part way
                     add_usage(self.unrecorded.setdefault(stage, {}), totals)
@@ -191,7 +256,8 @@ class Scope:
     program on an example, scored in the same unit or later by `score`), `scored` (attempts scored: the probe,
     validation, the attribution) and `calls` (learning calls), each checkpointed, charged to the run's budget and
     metered by stage (`meter`); `map` runs any function on the scope's workers and `each` runs a step's groups side by
-    side; `check` applies the failure rule to a stage. `finished` holds when each stage's latest unit ended."""
+    side; `check` applies the failure rule to a stage (`checked`: the stages whose check passed). `finished` holds when
+    each stage's latest unit ended."""
 
     def __init__(self, runner: Runner, name: str, *, prefix: str, usage_key: str | None, before: dict):
         self.runner, self.knobs, self.name, self.prefix = runner, runner.knobs, name, prefix
@@ -199,8 +265,9 @@ class Scope:
         self.meters: dict[str, UsageMeter] = {}
         self.failures: dict[str, StageFailures] = {}
         self.finished: dict[str, float] = {}
+        self.checked: set[str] = set()
         self.work: Workers | None = None  # set by Runner.scope
-        self.gate = Gate()
+        self._values: dict[str, Any] = {}  # learning calls made or read in this scope, a failed one's `Failed` too
         self._lock = threading.Lock()
 
     def meter(self, stage: str) -> UsageMeter:
@@ -222,25 +289,8 @@ class Scope:
 
     def each(self, fn: Callable, items: list) -> list:
         """`[fn(item) for item in items]`, each item a group of its own running side by side with the others (its
-        units on the scope's workers); in order. The groups are the gate's from here: a group that saw failures at a
-        stage waits in `settle` for the others (or their end)."""
-        self.gate.expect(range(len(items)))
-
-        def group(i: int) -> Any:
-            token = GROUP.set(i)
-            try:
-                return fn(items[i])
-            finally:
-                self.gate.leave(i)
-                GROUP.reset(token)
-
-        return self.work.each(group, list(range(len(items))))
-
-    def settle(self, stage: str, failed: bool) -> None:
-        """The current group (of `each`) has reached `stage`, having seen failures there or not (see `Gate`); outside
-        a group, nothing to wait for."""
-        if (group := GROUP.get()) is not None:
-            self.gate.reach(stage, group, failed, self.check)
+        units on the scope's workers); in order."""
+        return self.work.each(fn, items)
 
     # -- units ----------------------------------------------------------------------------------------------------
     def _unit(self, stage: str, fn: Callable[[], Any], metric_calls: int = 0) -> Any:
@@ -276,7 +326,7 @@ class Scope:
         failed = isinstance(value, Attempt) and value.failed
         runner.budget.release(stage, share, own.totals(), 0 if failed else metric_calls)
         direct = sum(e["direct"] for entries in list(own.usage_data.values()) for e in entries
-                     ) if stage in POLICY_STAGES else 0  # (a metric may call its judge LM as it likes)
+                     ) if role(stage) == "policy" else 0  # (a metric may call its judge LM as it likes)
         with runner.lock:  # said once per run, whichever unit's thread sees it first
             first, runner.direct_calls = direct and not runner.direct_calls, runner.direct_calls + direct
         if first:
@@ -362,14 +412,14 @@ class Scope:
         attribution)."""
         return self.attempts(stage, jobs, score=True)
 
-    def score(self, key: str, attempt: Attempt, example: dspy.Example, g: int = 0) -> Scored:
-        """An answered attempt scored against `example` (the ground truth, or its group's majority answer), the score
-        saved under `key`; a metric call that timed out scores 0 with its message in `timeout`, unsaved. `g`: which of
-        its query's attempts it is."""
+    def score(self, key: str, attempt: Attempt, example: dspy.Example, g: int = 0, *, save: bool = True) -> Scored:
+        """An answered attempt scored against `example` (the ground truth, or its group's majority answer): the score
+        saved under `key`, or made and (with `save`) saved there; a metric call that timed out scores 0 with its
+        message in `timeout`, unsaved. `g`: which of its query's attempts it is."""
         if (saved := self.runner.ckpt.get(key)) is not None:
             return Scored.of(attempt, saved, g)
         scored = self._score(attempt, example, g)
-        if scored.timeout is None:
+        if scored.timeout is None and save:
             self.runner.ckpt.put(key, scored.score_record())
         self._done("reward", None)
         self._say_clipped("feedback", scored.feedback_chars)
@@ -388,18 +438,24 @@ class Scope:
             logger.warning("%s ran to %d characters: the learning calls read it cut to %d (its head and tail; "
                            "further cuts are not said again)", what, chars, limit)
 
-    def call(self, stage: str, name: str, fn: Callable[[], Any]) -> Any:
+    def call(self, stage: str, name: str, fn: Callable[[], Any], *, returns: Any = None) -> Any:
         """One learning call (see `calls`)."""
-        return self.calls(stage, {name: fn})[0]
+        return self.calls(stage, {name: fn}, returns=returns)[0]
 
-    def calls(self, stage: str, units: dict[str, Callable[[], Any]]) -> list[Any]:
+    def calls(self, stage: str, units: dict[str, Callable[[], Any]], *, returns: Any = None) -> list[Any]:
         """Learning calls on the scope's workers, in order (`units`: name -> fn): each the value saved under the
-        scope's `prefix/name`, or `fn()` (charged, metered under `stage`) saved; one that raises is returned as a
-        `Failed` and counted as a failure of its stage. A group whose calls failed waits (`settle`) until the stage's
-        failure check has seen every group's, and stops with `TooManyFailuresError` where it fails."""
+        scope's `prefix/name` (read back as the type `returns`, a pydantic model, dataclass or `list[...]` of them;
+        None: as its JSON), or `fn()` (charged, metered under `stage`) saved as JSON; one that raises is a `Failed`,
+        counted as a failure of its stage. Where one failed and the stage's failure check has not passed yet, `Held`
+        is raised once all have ended: the caller stops there until the step has checked the stage over every group;
+        asked again, the same names give the same values (a failed one its `Failed`), with no new call."""
         def one(name: str) -> Any:
-            key = f"{self.prefix}/{name}"
-            if (value := self.runner.ckpt.get(key)) is None:
+            key = self.key(name)
+            if key in self._values:  # asked again (a held group going on): as it was
+                return self._values[key]
+            if (value := self.runner.ckpt.get(key)) is not None and returns is not None:
+                value = pydantic.TypeAdapter(returns).validate_python(value)
+            elif value is None:
                 try:
                     value = self._unit(stage, units[name])
                 except BudgetExhausted:
@@ -407,60 +463,39 @@ class Scope:
                 except Exception as exc:  # a failed learning call is counted, not fatal
                     value = Failed(_why(exc))
                 else:
-                    self.runner.ckpt.put(key, value)
+                    self.runner.ckpt.put(key, jsonable(value))
+            self._values[key] = value
             self._done(stage, value.error if isinstance(value, Failed) else None)
             return value
         values = self.map(stage, one, list(units))
-        self.settle(stage, any(isinstance(v, Failed) for v in values))
+        if stage not in self.checked and any(isinstance(v, Failed) for v in values):
+            raise Held(stage)
         return values
+
+    def key(self, name: str) -> str:
+        """Where the learning call `name` of this scope is saved."""
+        return f"{self.prefix}/{name}"
 
     def check(self, stage: str) -> None:
         """Stop the scope, unfinished, when more than `max_failure_rate` of the stage's units failed: a resume redoes
         the failed units."""
         counted = self.failures.get(stage, StageFailures())
         if counted.units and len(counted.errors) > self.knobs.max_failure_rate * counted.units:
-            units = "attempts" if stage in POLICY_STAGES else f"{stage} calls"
+            units = "attempts" if role(stage) == "policy" else f"{stage} calls"
             where = str(self.runner.ckpt.root) if self.runner.ckpt.root is not None else None
             raise TooManyFailuresError(f"{self.name}: {len(counted.errors)} of {counted.units} {units} failed (first: "
                                        f"{counted.errors[0]}); finished work is kept in log_dir={where!r}")
+        self.checked.add(stage)
 
 
-class Gate:
-    """Where the groups of a scope wait on each other, and the only place: a group that saw failures at a stage waits
-    until every group has reached that stage (or ended), then the stage's failure check runs, once, on all of its
-    units; its verdict is every waiter's. A group that saw none goes on at once."""
+class Held(BaseException):
+    """A group met failed learning calls at `stage` (`Scope.calls`) before the stage's failure check: it stops there,
+    and the step goes on with it once the check has passed over every group. (A BaseException, as a path's own
+    `except Exception` must not take it for its call's error.)"""
 
-    def __init__(self):
-        self._cond = threading.Condition()
-        self.expect(())
-
-    def expect(self, groups) -> None:
-        """The groups waited for from now on (a step's next round of queries: its first look, then the rest); the
-        stages' checks run again, on every unit so far."""
-        with self._cond:
-            self._groups, self._arrived, self._left, self._verdicts = set(groups), {}, set(), {}
-
-    def reach(self, stage: str, group: int, failed: bool, check: Callable[[str], None]) -> None:
-        with self._cond:
-            self._arrived.setdefault(stage, set()).add(group)
-            self._cond.notify_all()
-            if not failed:
-                return
-            self._cond.wait_for(lambda: self._groups <= self._arrived.get(stage, set()) | self._left)
-            if stage not in self._verdicts:
-                try:
-                    check(stage)
-                    self._verdicts[stage] = None
-                except TooManyFailuresError as exc:
-                    self._verdicts[stage] = exc
-            if self._verdicts[stage] is not None:
-                raise self._verdicts[stage]
-
-    def leave(self, group: int) -> None:
-        """`group` is done, or failed: it counts as arrived at every stage."""
-        with self._cond:
-            self._left.add(group)
-            self._cond.notify_all()
+    def __init__(self, stage: str, keep: dict[str, Any] | None = None):
+        super().__init__(stage)
+        self.stage, self.keep = stage, keep or {}  # keep: what the group saves once the check has passed, by key
 
 
 EMPTY_HINT = ("the reflection LM's reply had nothing in it to read (no choices, or an empty content): a provider that "

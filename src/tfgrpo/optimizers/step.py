@@ -1,23 +1,28 @@
-"""One optimization step of `TrainingFreeGRPO`, stage after stage, over two types: the `Run` (fixed
-while it lasts) and the `State` (what a step changes). `step(run, state, epoch, batch)` reads top to bottom:
+"""One optimization step of `TrainingFreeGRPO`. `step(run, state, epoch, batch)` reads in the order it runs, over the
+run (`Run`: fixed while it lasts) and its `State` (what a step changes), both defined in runner.py:
 
-    with run.runner.scope(...) as scope:                        # the step's workers, meters, failure counts, gate
-        groups, results = each query of the batch a group of its own: G attempts -> rewards -> a Group -> path calls
-        lessons = run.path.finish(run, scope, state.library, results)   # the plan of library operations
-        verdict = judge(run, scope, state, index, groups, lessons)      # no probe, or the probe: kept edits, demos
-    new, report = state.apply(verdict, sources)                         # validated and applied in code, to a copy
+    with run.runner.scope(...) as scope:          # the step's workers, meters and failure counts
+        1. each query of the batch a group of its own, beside the others (`_group`): its G attempts, their rewards,
+           and the path's learning calls for the group
+        2. each stage's failure check over every group, in the stages' order (`_checked`)
+        3. the plan of library operations from every group's lessons (`run.path.finish`)
+        4. the judge: without a probe every operation and the demos by group advantage, with one only what it keeps
+    5. the plan validated and applied in code to a copy of the library (`state.apply`), and the step's record
 
-This file holds the step, its rollout and the paper's learning path (`PaperPath`); the judge, with the demos and the
-probe, is judge.py (without `probe_size` and `max_demos`, as in the paper, it keeps the plan as it is); the path for
-small reflection models is contrast_path.py.
+This file holds the step and the paper's learning path (`PaperPath`); the judge, with the demos and the probe, is
+judge.py (without `probe_size` and `max_demos`, as in the paper, it keeps the plan as it is); the path for small
+reflection models is contrast_path.py.
 
 A group goes through its stages at its own pace: its learning calls start as soon as its own attempts are scored,
-while other groups still roll out. With `probe_min_power` the step looks first: half of each group's attempts, then the
-rest only where their solve rate leaves the probe power; the learning calls wait for the whole groups (where the probe
-is skipped, no lesson could be kept, and none is asked for). Every unit runs through the step's `Scope` (runner.py),
-which checkpoints, meters, charges the budget and counts failures; a group that saw failures at a stage waits at the
-scope's gate for the stage's failure check, the one place where groups wait on each other. An attempt whose LM call
-failed is left out of its group. Each stage makes new values and never writes into what an earlier one made.
+while other groups still roll out. A group that met failed units at a stage stops there, its `Held` (for its
+attempts, returned by `_group`; for its learning calls, raised by `scope.calls`) in its place among the results, and
+spends nothing more on its query until step 2 has run that stage's check over every group: more than
+`max_failure_rate` failed stops the step (a resume redoes the failed units), else the group goes on from where it
+stopped. With `probe_min_power` the step looks first (`_first_look`): half of each group's attempts, then the rest
+only where their solve rate leaves the probe power; the learning calls wait for the whole groups (where the probe is
+skipped, no lesson could be kept, and none is asked for). Every unit runs through the step's `Scope` (runner.py),
+which checkpoints, meters, charges the budget and counts failures. An attempt whose LM call failed is left out of its
+group. Each stage makes new values and never writes into what an earlier one made.
 """
 
 from __future__ import annotations
@@ -25,19 +30,20 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any
 
 import dspy
 
-from tfgrpo.base.util import clip
+from tfgrpo.base.util import clip, jsonable
 from tfgrpo.optimizers.checkpoint import Keys
 from tfgrpo.optimizers.judge import judge, unresolvable
 from tfgrpo.optimizers.knobs import Knobs
-from tfgrpo.optimizers.runner import CONTEXT_REFUSALS, Runner, Scope, TooManyFailuresError
+from tfgrpo.optimizers.runner import (CONTEXT_REFUSALS, Held, LearningPath, Run, Runner, Scope, State,
+                                      TooManyFailuresError)
 from tfgrpo.optimizers.spend import add_usage
 from tfgrpo.optimizers.workers import rollout_id, with_own_lms
-from tfgrpo.optimizers.records import Demo, Failed, Group, LearningPath, Lessons, StepResult, Verdict
+from tfgrpo.optimizers.records import Failed, Group, Lessons, StepResult, Verdict
 from tfgrpo.optimizers.rewards import reference_example
 from tfgrpo.programs.inject import with_learned
 from tfgrpo.programs.learning import AdvantageExtractor, Consolidator, Summarizer
@@ -47,56 +53,13 @@ from tfgrpo.signatures.operations import Operation
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class Run:
-    """What every step of a run shares: the knobs (as the run uses them), the metric, the learning path and its name,
-    the reflection LM, the program and its target predictors, the trainset and the runner."""
-
-    knobs: Knobs
-    metric: Callable
-    path: LearningPath
-    path_name: str
-    reflection_lm: dspy.BaseLM
-    runner: Runner
-    program: dspy.Module | None = None
-    targets: list[str] = field(default_factory=list)
-    trainset: list = field(default_factory=list)
-    instructions: str = ""  # the program's own instructions (what a rule may repeat)
-
-
-@dataclass(frozen=True)
-class State:
-    """What a step changes: the library and demos the program carries, the demo candidates found for the next step
-    (`pending`) and the steps done."""
-
-    library: ExperienceLibrary
-    demos: list[Demo] = field(default_factory=list)
-    pending: list[Demo] = field(default_factory=list)
-    step: int = 0
-
-    def apply(self, verdict: Verdict, sources: list[str], *, quiet: bool = False) -> tuple[State, ApplyReport]:
-        """The state after a step: the verdict's operations validated and applied in code, all or nothing per operation,
-        to a copy of the library (`sources`: the queries they came from; `quiet`: a probe said its refusals already)."""
-        library = self.library.copy()
-        report = library.apply(verdict.plan, step=self.step, sources=sources, quiet=quiet)
-        return State(library=library, demos=verdict.demos, pending=verdict.found, step=self.step + 1), report
-
-    def to_record(self) -> dict:
-        return {"library": self.library.dump_state(), "demos": [d.to_record() for d in self.demos],
-                "found": [d.to_record() for d in self.pending]}
-
-    @classmethod
-    def from_record(cls, rec: dict, step: int) -> State:
-        return cls(library=ExperienceLibrary.from_state(rec["library"]),
-                   demos=[Demo.from_record(d) for d in rec.get("demos", [])],
-                   pending=[Demo.from_record(d) for d in rec.get("found", [])], step=step)
+__all__ = ["LearningPath", "PaperPath", "Run", "State", "learn_from_groups", "step"]
 
 
 def step(run: Run, state: State, epoch: int, batch: list[int]) -> tuple[State, StepResult]:
     """Step `state.step` of the run on `batch`: the new state and the step's record. A step finished in the checkpoint
     is reused."""
-    index, runner = state.step, run.runner
+    index, runner, knobs = state.step, run.runner, run.knobs
     if (done := runner.record(Keys.done(index))) is not None:
         logger.info("Step %d: complete in the checkpoint, reused", index)
         stats = StepResult.from_dict(done["stats"])
@@ -105,79 +68,104 @@ def step(run: Run, state: State, epoch: int, batch: list[int]) -> tuple[State, S
     t0, before = time.time(), runner.record(Keys.usage(index), reused=False) or {}  # what a stopped run had spent in it
     runner.budget.add(_summed(before))
     logger.info("Step %d: %d queries x %d attempts on %d thread(s), %s path", index, len(batch),
-                run.knobs.num_generations, run.knobs.num_threads, run.path_name)
+                knobs.num_generations, knobs.num_threads, run.path_name)
     with runner.scope(f"step {index}", prefix=Keys.step(index), usage_key=Keys.usage(index), before=before) as scope:
-        groups, results, timeouts = _groups(run, scope, state, batch)
-        lessons = run.path.finish(run, scope, state.library,
-                                  [(g, r) for g, r in zip(groups, results) if r is not None])
+        programs = _rollout_programs(run, state)
+        waits = bool(knobs.probe_size and knobs.probe_min_power)  # the learning calls wait for the step's solve rate
+        first = _first_look(run, scope, state, programs, batch) if waits and knobs.num_generations >= 4 else {}
+        if first and unresolvable(knobs, list(first.values())):
+            logger.info("Step %d: the first %d attempts of each group leave the probe no power: the step ends there",
+                        index, knobs.num_generations // 2)
+            results = [(group, None) for group in first.values()]
+        else:  # 1. each query's group, straight through its stages
+            results = scope.each(lambda qi: _group(run, scope, state, programs, qi, knobs.num_generations,
+                                                   first.get(qi), learn=not waits), batch)
+        for stage in ("rollout", *run.path.stages):  # 2. every unit of the stage has run: its failure check
+            results = _checked(run, scope, state.library, stage, results, learn=not waits)
+            if stage == "rollout":
+                groups = [group for group, _ in results]
+                _check_attempts(run, scope, index, groups)
+                if waits and not unresolvable(knobs, groups):  # the whole groups leave the probe its power
+                    results = scope.each(lambda r: (r[0], _learned(run, scope, state.library, r[0])), results)
+        # 3. the plan
+        lessons = run.path.finish(run, scope, state.library, [(g, r) for g, r in results if r is not None])
         seconds = {**{s: t - t0 for s, t in scope.finished.items()}, "learning": time.time() - t0}
-        verdict = judge(run, scope, state, index, groups, lessons)
+        verdict = judge(run, scope, state, index, groups, lessons)  # 4. what the step keeps
         judged = "reward" in scope.meters and scope.meter("reward").totals()["calls"]  # a metric that calls an LM
         stages = ("rollout", *(("reward",) if judged else ()), *run.path.stages,
                   *(("probe",) if verdict.record else ()))
         usage = {s: scope.meter(s).totals() for s in stages}
     sources = sorted({q for q, _ in lessons.proposals})
-    new, report = state.apply(verdict, sources, quiet=bool(run.knobs.probe_size))
+    new, report = state.apply(verdict, sources, quiet=bool(knobs.probe_size))  # 5. applied, and recorded
     stats = _record(run, new, epoch, groups=groups, lessons=lessons, verdict=verdict, report=report, usage=usage,
-                    before=before, timeouts=timeouts, seconds=seconds, t0=t0)
+                    before=before, seconds=seconds, t0=t0)
     logger.info("Step %d: %d operations proposed, applied %s, %d refused by the library; library has %d experiences",
                 index, stats.operations_proposed, report.applied, len(report.rejected), len(new.library))
     runner.keep(Keys.done(index), {**new.to_record(), "stats": stats.to_dict()})
     return new, stats
 
 
-def _groups(run: Run, scope: Scope, state: State, batch: list[int]) -> tuple[list[Group], list, list[str]]:
-    """Every query's group, each straight through its stages beside the others; then the checks over all of them.
-
-    With the probe gate (`probe_min_power`, num_generations of 4 or more) the batch's groups are made in two halves:
-    where the first half's solve rate already leaves the probe no power, the step ends with those half groups (the
-    probe would be skipped on the whole groups too, bar a draw's luck), at half the attempts; and the learning calls
-    wait for the whole step's solve rate (where the probe is skipped, no lesson could be kept)."""
-    programs, G = _rollout_programs(run, state), run.knobs.num_generations
-    waits = bool(run.knobs.probe_size and run.knobs.probe_min_power)
-    done, queries = [], batch
-    if waits and G >= 4:  # the first look
-        done = scope.each(lambda qi: _group(run, scope, state, programs, qi, G // 2, learn=False), batch)
-        if unresolvable(run.knobs, [g for g, _, _ in done]):
-            queries = []
-            logger.info("Step %d: the first %d attempts of each group leave the probe no power: the step ends there",
-                        state.step, G // 2)
-    if queries:
-        halves = {g.index: (g, ts) for g, _, ts in done}  # (the first look's)
-        done = scope.each(lambda qi: _group(run, scope, state, programs, qi, G, halves.get(qi), learn=not waits),
-                          queries)
-    groups, results, timeouts = [g for g, _, _ in done], [r for _, r, _ in done], [t for _, _, ts in done for t in ts]
-    scope.check("rollout")
-    _check_attempts(run, scope, state.step, groups, timeouts)
-    if waits and not unresolvable(run.knobs, groups):
-        results = scope.each(lambda g: run.path.learn(run, scope, state.library, g) if g.informative else None, groups)
-    for stage in run.path.stages:  # every unit of every stage has run
-        scope.check(stage)
-    return groups, results, timeouts
-
-
-def _group(run: Run, scope: Scope, state: State, programs: list, qi: int, size: int,
-           before: tuple[Group, list[str]] | None = None, *, learn: bool) -> tuple[Group, Any, list[str]]:
-    """One query, straight through: its attempts up to `size` (after those of `before`, its group so far, and the metric
-    calls of it that timed out), the rewards of those that answered, and, with `learn`, what the path learns from the
-    group (None without contrast); and the metric calls that timed out."""
+def _group(run: Run, scope: Scope, state: State, programs: list, qi: int, size: int, first: Group | None = None, *,
+           learn: bool) -> tuple[Group, Any]:
+    """One query straight through: its attempts up to `size` (after those of `first`, its group of the first look), the
+    rewards of those that answered, and with `learn` what the path learns from the group (None without contrast, a
+    `Held` where a stage's failure check stopped it). A group that met failed attempts stops before it learns: its
+    `Held` keeps what it saves once the rollout's check has passed (its failed attempts, so that a resume replays the
+    same group, and its new rewards, which rest on them where the reference is the group's majority)."""
     knobs, index, example = run.knobs, state.step, run.trainset[qi]
-    first, timeouts = before or (None, [])
     gens = list(range(first.size if first else 0, size))
     attempts = dict(zip(gens, scope.attempts("rollout", [(Keys.rollout(index, qi, g), programs[g], example)
                                                          for g in gens])))
     failed = [g for g, a in attempts.items() if a.error]
-    scope.settle("rollout", bool(failed))
-    for g in failed:  # the stage's failure check passed: they stand, and a resume replays the same group (had it
-        run.runner.keep(Keys.rollout(index, qi, g), attempts[g].to_record(), once=True)  # failed, a resume retries)
     answered = [g for g, a in attempts.items() if not a.failed]  # a failed LM call is no answer
     # (a group made in halves has a probe, so the ground truth: the first half's rewards stand)
     reference = reference_example(example, [attempts[g] for g in answered], knobs.use_ground_truth)
-    scores = scope.map("reward", lambda g: scope.score(Keys.reward(index, qi, g), attempts[g], reference, g), answered)
+    scores = scope.map("reward", lambda g: scope.score(Keys.reward(index, qi, g), attempts[g], reference, g,
+                                                       save=not failed), answered)
     group = Group(index=qi, key=query_key(example, qi), example=example, size=size,
                   attempts=(*(first.attempts if first else ()), *scores))
-    result = run.path.learn(run, scope, state.library, group) if group.informative and learn else None
-    return group, result, [*timeouts, *(s.timeout for s in scores if s.timeout)]
+    if failed:
+        keep = {**{Keys.rollout(index, qi, g): attempts[g].to_record() for g in failed},
+                **{Keys.reward(index, qi, s.g): s.score_record() for s in scores if s.timeout is None}}
+        return group, Held("rollout", keep)
+    return group, _learned(run, scope, state.library, group) if learn else None
+
+
+def _learned(run: Run, scope: Scope, library: ExperienceLibrary, group: Group) -> Any:
+    """What the path learns from `group`: None without reward contrast, or its `Held` where it stopped at a stage."""
+    if not group.informative:
+        return None
+    try:
+        return run.path.learn(run, scope, library, group)
+    except Held as held:
+        return held
+
+
+def _checked(run: Run, scope: Scope, library: ExperienceLibrary, stage: str, results: list[tuple[Group, Any]], *,
+             learn: bool) -> list[tuple[Group, Any]]:
+    """The step's groups after the failure check of `stage` over every one (`TooManyFailuresError` where it fails):
+    each group held at the stage goes on from there (one held at its attempts saves what its `Held` keeps, then, with
+    `learn`, learns), beside the others."""
+    scope.check(stage)
+
+    def go_on(group: Group, held: Any) -> tuple[Group, Any]:
+        if not isinstance(held, Held) or held.stage != stage:
+            return group, held
+        for key, record in held.keep.items():  # (a reused failed attempt is saved already)
+            run.runner.keep(key, record, once=True)
+        return group, _learned(run, scope, library, group) if learn or stage != "rollout" else None
+
+    if not any(isinstance(held, Held) and held.stage == stage for _, held in results):
+        return results
+    return scope.each(lambda result: go_on(*result), results)
+
+
+def _first_look(run: Run, scope: Scope, state: State, programs: list, batch: list[int]) -> dict[int, Group]:
+    """The first look (`probe_min_power`): the first half of each query's attempts, checked as the rollout is; the
+    groups by query."""
+    half = run.knobs.num_generations // 2
+    results = scope.each(lambda qi: _group(run, scope, state, programs, qi, half, learn=False), batch)
+    return {group.index: group for group, _ in _checked(run, scope, state.library, "rollout", results, learn=False)}
 
 
 def _rollout_programs(run: Run, state: State) -> list[dspy.Module]:
@@ -190,11 +178,11 @@ def _rollout_programs(run: Run, state: State) -> list[dspy.Module]:
     return programs
 
 
-def _check_attempts(run: Run, scope: Scope, index: int, groups: list[Group], timeouts: list[str]) -> None:
+def _check_attempts(run: Run, scope: Scope, index: int, groups: list[Group]) -> None:
     """Say what the step's attempts met: metric calls that timed out (each scored 0; more than `max_failure_rate` of
     them stop the step, as an outage does), attempts that raised (scored 0), LM calls that failed (left out) and
     prompts refused for their length."""
-    scored = sum(len(g.attempts) for g in groups)
+    scored, timeouts = sum(len(g.attempts) for g in groups), [a.timeout for g in groups for a in g.attempts if a.timeout]
     if timeouts and len(timeouts) > run.knobs.max_failure_rate * scored:
         raise TooManyFailuresError(f"step {index}: the metric timed out on {len(timeouts)} of {scored} attempts (first: "
                                    f"{timeouts[0]}); finished work is kept in log_dir={run.knobs.log_dir!r}")
@@ -224,11 +212,12 @@ def _summed(usage: dict[str, dict]) -> dict[str, float]:
 
 
 def _record(run: Run, new: State, epoch: int, *, groups: list[Group], lessons: Lessons, verdict: Verdict,
-            report: ApplyReport, usage: dict, before: dict, timeouts: list[str], seconds: dict, t0: float) -> StepResult:
+            report: ApplyReport, usage: dict, before: dict, seconds: dict, t0: float) -> StepResult:
     """The record of the step that made `new`: what it made (its groups, lessons, verdict and the library's report of
-    the edits) and spent (`usage` by stage, `before`: what a stopped run had spent in it, the metric calls that timed
-    out, when each stage ended, `t0`: when the step began)."""
+    the edits) and spent (`usage` by stage, `before`: what a stopped run had spent in it, when each stage ended, `t0`:
+    when the step began)."""
     attempts, informative = [a for g in groups for a in g.attempts], [g for g in groups if g.informative]
+    timeouts = [a for a in attempts if a.timeout]
     made_attempts = sum(g.size for g in groups)
     return StepResult(
         step=new.step - 1, epoch=epoch, batch_size=len(groups), learning_path=run.path_name,
@@ -256,12 +245,11 @@ def learn_from_groups(path: LearningPath, groups: list[Group], *, settings: Knob
     program's (what a rule may repeat)."""
     run = Run(knobs=settings, metric=lambda *_: 0.0, path=path, path_name=type(path).__name__,
               reflection_lm=reflection_lm, runner=Runner(settings, lambda *_: 0.0), instructions=instructions)
-    informative = [g for g in groups if g.informative]
     with run.runner.scope("learning") as scope:
-        results = scope.each(lambda group: path.learn(run, scope, library, group), informative)
+        results = scope.each(lambda group: (group, _learned(run, scope, library, group)), groups)
         for stage in path.stages:
-            scope.check(stage)
-        lessons = path.finish(run, scope, library, list(zip(informative, results)))
+            results = _checked(run, scope, library, stage, results, learn=True)
+        lessons = path.finish(run, scope, library, [(g, r) for g, r in results if r is not None])
         return lessons, {stage: scope.meter(stage).totals() for stage in path.stages}
 
 
@@ -286,22 +274,30 @@ def learn_from_groups(path: LearningPath, groups: list[Group], *, settings: Knob
 # instructions; `scope` is the step's (`runner.Scope`). `library` is the library as the step started: read it, never
 # edit it. `scope.call(stage, name, fn)` (or `calls` for several at once) makes a learning call on the step's
 # workers: checkpointed under the step as `name`, charged to the budget, metered under `stage`; one that raises
-# comes back as a `Failed` and is counted, and when more than `max_failure_rate` of a stage's calls failed the step
-# stops (a group whose calls failed is held in `calls` until the stage's check has seen every group's: a path never
-# waits on other groups itself). The paper's path is `PaperPath`; `ContrastPath` (contrast_path.py) is the path for
-# small reflection models. Pass an instance as `learning_path=` to plug in your own; `learn_from_groups` (above) runs a
-# path on groups scored elsewhere (saved rollouts, say).
+# comes back as a `Failed` and is counted; where one failed, `calls` raises `Held` (let it pass), the step checks the
+# stage over every group (more than `max_failure_rate` failed: the step stops) and runs `learn` again, whose calls then
+# give the same values with no new call (a path never waits on other groups itself). The paper's path is `PaperPath`;
+# `ContrastPath` (contrast_path.py) is the path for small reflection models. Pass an instance as `learning_path=` to
+# plug in your own; `learn_from_groups` (above) runs a path on groups scored elsewhere (saved rollouts, say).
 
 EMPTY_LIBRARY = "(no experiences yet: only 'add' is possible)"
 
 
 @dataclass(frozen=True)
 class Advantage:
-    """What `PaperPath.learn` makes of one group: the group advantage's operations (as saved: one dict each), or the
-    `Failed` call, and how many of its summaries failed (the raw attempt stood in for each)."""
+    """What `PaperPath.learn` makes of one group: the group advantage's operations, or the `Failed` call, and how
+    many of its summaries failed (the raw attempt stood in for each)."""
 
-    ops: list[dict] | Failed
+    ops: list[Operation] | Failed
     failed_summaries: int
+
+
+@dataclass(frozen=True)
+class Consolidation:
+    """The consolidation call's plan for the batch, and how it was made ("ok", or the fallback that stood in)."""
+
+    plan: list[Operation]
+    status: str
 
 
 class PaperPath(LearningPath):
@@ -338,11 +334,11 @@ class PaperPath(LearningPath):
             shown.append(f"Attempt {a.g + 1} (reward {a.reward:.2f}):\n{summary}")
 
         def extract():  # 2. the group's advantage, as operations
-            return [o.model_dump() for o in extractor(
-                task_input=task, reference_answer=answer_key, attempts="\n\n".join(shown), experiences=rendered,
-                max_operations=knobs.max_operations_per_group, max_words=knobs.max_words_per_experience)]
+            return extractor(task_input=task, reference_answer=answer_key, attempts="\n\n".join(shown),
+                             experiences=rendered, max_operations=knobs.max_operations_per_group,
+                             max_words=knobs.max_words_per_experience)
 
-        return Advantage(ops=scope.call("advantage", f"advantages/{group.index}", extract),
+        return Advantage(ops=scope.call("advantage", f"advantages/{group.index}", extract, returns=list[Operation]),
                          failed_summaries=len(failed))
 
     def finish(self, run: Run, scope: Scope, library: ExperienceLibrary, results: list[tuple[Group, Advantage]]
@@ -355,7 +351,7 @@ class PaperPath(LearningPath):
                 logger.warning("Group advantage of query %s failed (%s); the group proposes nothing", group.index,
                                res.ops.error)
                 continue
-            proposals += [(group.key, Operation.model_validate(o)) for o in res.ops]
+            proposals += [(group.key, op) for op in res.ops]
         plan, status = self._consolidate(run, scope, library, proposals)  # 3. one call for the batch
         return Lessons(plan=plan, proposals=proposals, consolidation=status, learning_failures=failures)
 
@@ -369,15 +365,14 @@ class PaperPath(LearningPath):
         consolidator.set_lm(run.reflection_lm)
 
         def consolidate():
-            plan = consolidator(experiences=library.render() or EMPTY_LIBRARY, proposals=proposals,
-                                max_words=run.knobs.max_words_per_experience)
-            return {"plan": [o.model_dump() for o in plan], "status": "ok"}
+            return Consolidation(plan=consolidator(experiences=library.render() or EMPTY_LIBRARY, proposals=proposals,
+                                                   max_words=run.knobs.max_words_per_experience), status="ok")
 
-        saved = scope.call("consolidation", "plan", consolidate)
-        if isinstance(saved, Failed):  # the proposals were validated one by one already: apply them as they are
-            logger.warning("Consolidation failed (%s); applying the %d proposals directly", saved.error, len(proposals))
-            saved = {"plan": [op.model_dump() for _, op in proposals], "status": "fallback: proposals applied directly"}
-            run.runner.keep(f"{scope.prefix}/plan", saved)
-        return [Operation.model_validate(o) for o in saved["plan"]], saved["status"]
+        made = scope.call("consolidation", "plan", consolidate, returns=Consolidation)
+        if isinstance(made, Failed):  # the proposals were validated one by one already: apply them as they are
+            logger.warning("Consolidation failed (%s); applying the %d proposals directly", made.error, len(proposals))
+            made = Consolidation(plan=[op for _, op in proposals], status="fallback: proposals applied directly")
+            run.runner.keep(scope.key("plan"), jsonable(made))
+        return made.plan, made.status
 
 

@@ -28,7 +28,7 @@ from dspy.teleprompt.teleprompt import Teleprompter
 
 from tfgrpo.base import hooks
 from tfgrpo.optimizers.checkpoint import Checkpoint, Keys
-from tfgrpo.optimizers.runner import ROLE, Runner
+from tfgrpo.optimizers.runner import Run, Runner, State, role
 from tfgrpo.optimizers.spend import BudgetExhausted, add_usage
 from tfgrpo.optimizers.workers import StageBars, guard_cache, with_own_lms
 from tfgrpo.optimizers.knobs import KNOBS, Knobs, args_doc, check_knob
@@ -37,7 +37,7 @@ from tfgrpo.optimizers.step import PaperPath
 from tfgrpo.optimizers.plan import Plan, make_plan
 from tfgrpo.optimizers.records import EpochResult, StepResult, TrainingFreeGRPOResult, WorthResult
 from tfgrpo.optimizers.rewards import metric_takes_trace
-from tfgrpo.optimizers.step import Run, State, step
+from tfgrpo.optimizers.step import step
 from tfgrpo.optimizers.worth import Attribution, Learned, log_worth
 from tfgrpo.programs.inject import with_learned
 
@@ -238,7 +238,7 @@ class TrainingFreeGRPO(Teleprompter):
         by_stage = [*((stage, used) for stats in steps for stage, used in stats.usage.items()),  # included) and the
                     *run.runner.unrecorded.items()]  # validations, the attribution, a step stopped part way
         for stage, used in by_stage:
-            add_usage(run_usage.setdefault(ROLE.get(stage, "reflection"), {}), used)
+            add_usage(run_usage.setdefault(role(stage), {}), used)
         compiled = with_learned(run.program, run.targets, *learned)
         compiled.detailed_results = TrainingFreeGRPOResult(
             steps=steps, epochs=epochs, best_val_score=best[0].val_score if best else None,

@@ -222,7 +222,7 @@ class Knobs:
         "threads of this process; \"async\", as coroutines on one event loop of this process, num_threads of them "
         "in flight, each through the program's `acall` and DSPy's async path to the LM (a program with only "
         "`forward` runs on a thread, and so do the learning calls and the metric, up to num_threads of them), for "
-        "hundreds of calls waiting on a provider; \"ray\", each attempt (the program run) as a task on a Ray cluster (`pip install \"tfgrpo[ray]\"`; the cluster named by "
+        "hundreds of calls waiting on a provider; \"ray\", each attempt (the program run) as a task on a Ray cluster (`pip install -e \".[ray]\"`; the cluster named by "
         "RAY_ADDRESS, or the one `ray.init()` finds or starts), for programs whose own work (tools, sandboxed code, "
         "page fetching) outgrows one machine, num_threads of them in flight. The budget, the checkpoint, the failure "
         "rule, the metric (on outputs rebuilt to their types) and the learning calls stay in this process. See docs/long-runs.md and "

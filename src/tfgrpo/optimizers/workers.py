@@ -498,7 +498,7 @@ class RayAttempts:
         try:
             import ray
         except ImportError:
-            raise ImportError('backend="ray" needs Ray on this machine and the nodes: pip install "tfgrpo[ray]"') from None
+            raise ImportError('backend="ray" needs Ray on this machine and the nodes: pip install -e ".[ray]" in a clone of tfgrpo') from None
         if not ray.is_initialized():
             _check_address()
             _token_auth_if_any()

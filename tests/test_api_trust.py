@@ -7,6 +7,7 @@ import json
 import logging
 import re
 import threading
+import uuid
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -392,6 +393,47 @@ def test_a_paced_lm_keeps_within_the_providers_requests_a_minute(paced):
     assert server.refused == 0 and pacer.waited_s > 0
     starts = sorted(server.accepted)
     assert all(b - a >= server.window_s for a, b in zip(starts, starts[6:]))  # 7 starts never share a window
+
+
+class SometimesRefusing(Biller):
+    """The Biller answering every other request 429 (Retry-After 0: a limit of another kind, tokens a minute say),
+    with the time each request arrived, refused or not."""
+
+    def __init__(self):
+        super().__init__()
+        self.arrived = []
+
+    def admit(self) -> float | None:
+        with self.lock:
+            self.arrived.append(time.monotonic())
+            return 0.0 if len(self.arrived) % 2 else None
+
+
+def test_each_try_is_paced_where_it_is_sent_and_a_cached_call_takes_no_start():
+    """Every try of a call takes a start from the pacer, so a retry after a 429 is paced as a request of its own: the
+    requests that reach the provider, refused ones included, never pass 3 in a window; a call DSPy answers from its
+    cache sends nothing and takes no start."""
+    from tfgrpo.optimizers.spend import RequestPacer
+
+    server = SometimesRefusing()
+    server.RequestHandlerClass = RateLimitedHandler
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    pacer = RequestPacer(3)
+    pacer.window_s, pacer.margin_s = 1.0, 0.05
+    try:
+        lm = dspy.LM("openai/biller", api_base=f"http://127.0.0.1:{server.server_port}/v1", api_key="x",
+                     num_retries=4, callbacks=[pacer])
+        with dspy.context(lm=lm):
+            predict, fresh = dspy.Predict("question -> answer"), uuid.uuid4().hex  # (no earlier test's cached reply)
+            for i in range(3):
+                predict(question=f"What is {i} + 1? ({fresh})")
+            sent, starts = len(server.arrived), list(pacer._starts)
+            predict(question=f"What is 0 + 1? ({fresh})")  # the same request again: from DSPy's cache
+    finally:
+        server.shutdown()
+    assert sent == 6 and len(server.arrived) == sent, "3 calls refused once each, then answered; the cached one: none"
+    assert list(pacer._starts) == starts and pacer.waited_s > 0
+    assert all(b - a >= 1.0 for a, b in zip(server.arrived, server.arrived[3:])), server.arrived
 
 
 def test_a_config_sections_max_requests_per_minute_paces_its_lm(tmp_path):

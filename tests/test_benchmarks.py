@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 X = r"[+-]?\d+\.\d+"  # a figure as the benchmarks print them
 COVERED = {"api_run.py", "faults.py", "learning_paths.py", "local_learning.py", "local_math.py", "local_throughput.py",
            "local_web.py", "peers.py", "replay.py", "rule_ceiling.py", "step_latency.py", "worth.py", "ceiling.py",
-           "resume_saved.py", "same_run.py", "carry.py", "ray_backend.py", "async_backend.py", "judge_billing.py"}  # each has a test below
+           "resume_saved.py", "same_run.py", "carry.py", "ray_backend.py", "async_backend.py", "judge_billing.py",
+           "rate_limit.py"}  # each has a test below
 NOT_BENCHMARKS = {"__init__.py", "common.py", "fault_child.py", "log_dir_checks.py", "stop_rows.py",
                   "trust_rows.py"}  # helpers of the benchmarks
 
@@ -63,6 +64,17 @@ def test_judge_billing():
     for row in rows:
         assert abs(float(row.group(2)) - 1) <= 0.05 and row.group(3) == row.group(4) != "0"
     assert rows[1].group(5) == "yes" and float(rows[1].group(6)) <= 1.15
+
+
+def test_rate_limit():
+    """At its smallest size: one compile, then two at once, against a provider whose limit (6000 a minute) is not
+    reached; each line says what the provider saw."""
+    lines = run("rate_limit.py", "--rpm", "6000", "--processes", "1,2", "--train", "1")
+    pattern = re.compile(rf"rate_limit: rpm=6000 processes=([12]) pacer=(6000|3000) requests=(\d+) answered=(\d+) "
+                         rf"refused=(\d+) share_429=({X}) minutes=({X}) floor=({X})")
+    rows = [pattern.fullmatch(line) for line in lines if line.startswith("rate_limit:")]
+    assert len(rows) == 2 and all(rows), lines
+    assert all(int(r.group(3)) == int(r.group(4)) > 0 and r.group(5) == "0" for r in rows)
 
 
 def test_every_benchmark_has_a_test_here():

@@ -37,3 +37,28 @@ def test_a_dead_address_fails_at_once_naming_it(monkeypatch):
     with pytest.raises(ConnectionError, match=f"no Ray cluster answers at {address} \\(from RAY_ADDRESS\\)"):
         RayAttempts()
     assert time.time() - started < 10 and not ray.is_initialized()
+
+
+def test_a_node_with_another_tfgrpo_is_refused_before_any_task_unless_asked(tmp_path, caplog):
+    """A one-node cluster whose task processes find another tfgrpo first on their path (a dist-info of version 9.9.9,
+    as a node with an older install would): the driver refuses it, naming the node's versions and the flag, before
+    any attempt runs; with `ray_other_versions=True` the run goes on and says so."""
+    from tfgrpo.optimizers.knobs import Knobs
+    from tfgrpo.optimizers.runner import Runner
+    from tfgrpo.testing.ray_cluster import LocalRayCluster
+
+    other = tmp_path / "other" / "tfgrpo-9.9.9.dist-info"
+    other.mkdir(parents=True)
+    (other / "METADATA").write_text("Metadata-Version: 2.1\nName: tfgrpo\nVersion: 9.9.9\n")
+    if ray.is_initialized():
+        ray.shutdown()
+    with LocalRayCluster(nodes=1, env={"PYTHONPATH": str(other.parent)}) as cluster:
+        ray.init(address=cluster.address, logging_level="ERROR")
+        try:
+            with pytest.raises(RuntimeError, match=r"'tfgrpo': '9\.9\.9'.*ray_other_versions=True"):
+                Runner(Knobs(backend="ray"), lambda *_: 0.0)
+            with caplog.at_level("WARNING"):
+                Runner(Knobs(backend="ray", ray_other_versions=True), lambda *_: 0.0)
+            assert "9.9.9" in caplog.text and "ray_other_versions=True" in caplog.text
+        finally:
+            ray.shutdown()

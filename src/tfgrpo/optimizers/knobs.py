@@ -268,6 +268,10 @@ class Knobs:
         "Resume a log_dir whose saved units were made under other versions of tfgrpo, DSPy, LiteLLM or the adapter "
         "(run.json records them). Refused by default, naming both: their prompts may differ from today's, and the "
         "reused attempts would sit beside new ones made with another prompt. True reuses them and says so."))
+    ray_other_versions: bool = knob(False, FLAG, doc=(
+        "With backend=\"ray\", run on nodes whose tfgrpo, DSPy or Python version differs from this process's. Refused "
+        "by default before any task runs, naming each such node and its versions: the attempts would be made by "
+        "other prompts and adapters than the learning calls assume. True runs there and says so."))
     progress: Callable[[str, int, int], None] | None = knob(
         None, optional(Check(callable, "a callable progress(stage, done, total)")), doc=(
             "`progress(stage, done, total)`, called as units finish, for UIs; stage \"step\" is the whole run (steps "

@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import contextvars
-import dataclasses
 import statistics
 import threading
 import time
@@ -115,19 +113,18 @@ def add_usage(total: dict[str, float], more: dict[str, float]) -> dict[str, floa
 
 
 class RequestPacer(BaseCallback):
-    """Holds an LM's calls to `per_minute` starts in any sliding minute, as a provider's requests-per-minute limit
-    counts them: a call that would be one too many waits for the oldest start to leave the window instead of drawing a
-    429 and a Retry-After wait. Add it to the LM (`dspy.LM(..., callbacks=[RequestPacer(500)])`, or
+    """Holds an LM's requests to `per_minute` in any sliding minute, as a provider's requests-per-minute limit counts
+    them: a request that would be one too many waits for the oldest one to leave the window instead of drawing a 429
+    and a Retry-After wait. Add it to the LM (`dspy.LM(..., callbacks=[RequestPacer(500)])`, or
     `max_requests_per_minute` in a config's LM section); `lm.copy()` shares it, so every copy the optimizer makes is
     paced together, on every thread and every coroutine of the process.
 
-    It paces the calls of one process: two compiles on one key each need a pacer at their share of the key's limit
-    (two at 250 for a limit of 500). A call DSPy answers from its cache takes a start too. A provider's other limits
-    (tokens a minute) are still met by its 429 and DSPy's retries (`num_retries`). With backend="async" an attempt
-    reserves its start before it runs (`astart`), waiting on the event loop; the start is dated when the call is sent
-    (`on_lm_start`), since a busy loop can hold a coroutine for seconds between the two, and a reservation the attempt
-    did not use is given back (`unreserve`). A second call of the same attempt (a multi-turn program) that finds the
-    window full waits on the loop's thread, holding the loop until it may start."""
+    Each try of a call is paced where DSPy sends it, once its request is built (the first RequestPacer made installs
+    the wait there, in `dspy.clients.execution`): a retry after a 429 or a timeout is paced as a request of its own,
+    a call DSPy answers from its cache takes no start, and a coroutine (backend="async") waits on the event loop
+    without holding it. It paces the calls of one process: two compiles on one key each need a pacer at their share
+    of the key's limit (two at 250 for a limit of 500). A provider's other limits (tokens a minute) are still met by
+    its 429 and DSPy's retries (`num_retries`)."""
 
     window_s = 60.0
     margin_s = 0.25  # a start waits this much past the window: the provider's clock sees the request a little later
@@ -137,55 +134,32 @@ class RequestPacer(BaseCallback):
             raise ValueError(f"RequestPacer needs a whole number of requests a minute, at least 1 (got {per_minute!r})")
         self.per_minute = per_minute
         self._starts: collections.deque[float] = collections.deque()
-        self._reserved = 0  # starts taken by astart whose call is not sent yet: they count until it is
         self._lock = threading.Lock()
-        self.waited_s = 0.0  # the time calls spent waiting for a start, all threads together
+        self.waited_s = 0.0  # the time requests spent waiting for a start, all threads together
+        _pace_tries()
 
-    def _take(self, reserve: bool = False) -> float:
-        """Take a start now (or, with `reserve`, hold one for a call about to be sent) and return 0, or return how long
-        to wait before trying again."""
+    def _take(self) -> float:
+        """Take a start now and return 0, or return how long to wait before trying again."""
         with self._lock:
             now = time.monotonic()
             while self._starts and now - self._starts[0] >= self.window_s + self.margin_s:
                 self._starts.popleft()
-            if len(self._starts) + self._reserved < self.per_minute:
-                if reserve:
-                    self._reserved += 1
-                else:
-                    self._starts.append(now)
+            if len(self._starts) < self.per_minute:
+                self._starts.append(now)
                 return 0.0
-            # every start in the window held by a call about to be sent: look again once it is dated
-            wait = self.window_s + self.margin_s - (now - self._starts[0]) if self._starts else 0.05
+            wait = self.window_s + self.margin_s - (now - self._starts[0])
             self.waited_s += wait
             return wait
 
-    def on_lm_start(self, call_id, instance, inputs) -> None:
-        held = PREPAID.get().get(id(self))
-        if held is not None:
-            with self._lock:
-                if not held.used:  # the attempt reserved this call's start (astart): it starts now
-                    held.used = True
-                    self._reserved -= 1
-                    self._starts.append(time.monotonic())
-                    return
+    def start(self) -> None:
+        """Wait (on this thread) until a request may be sent, and take its start."""
         while wait := self._take():
             time.sleep(wait)
 
-    async def astart(self) -> Reservation:
-        """Reserve a start for the next call of the calling coroutine, waiting without holding the event loop; give it
-        to `unreserve` when the attempt ends."""
-        while wait := self._take(reserve=True):
+    async def astart(self) -> None:
+        """`start` for a coroutine: the wait leaves the event loop free."""
+        while wait := self._take():
             await asyncio.sleep(wait)
-        held = Reservation()
-        PREPAID.set({**PREPAID.get(), id(self): held})
-        return held
-
-    def unreserve(self, held: Reservation) -> None:
-        """Give back a reserved start that no call used (an attempt that ended before sending one)."""
-        with self._lock:
-            if not held.used:
-                held.used = True
-                self._reserved -= 1
 
     def __deepcopy__(self, memo) -> RequestPacer:
         return self  # a deep copy of a program's LM still shares the provider's limit
@@ -194,25 +168,34 @@ class RequestPacer(BaseCallback):
         return RequestPacer, (self.per_minute,)  # the lock cannot travel; a copy in another process paces apart
 
 
-@dataclasses.dataclass
-class Reservation:
-    """A start `RequestPacer.astart` holds for a coroutine's next call; `used` once the call is sent or it is given
-    back (an object, so that a call in a copied context marks the same one)."""
-    used: bool = False
+def _pace_tries() -> None:
+    """Make every try of an LM call (DSPy's `_attempt`, once per retry) first take a start from each RequestPacer
+    among its LM's callbacks; installed once per process."""
+    from dspy.clients import execution
+
+    attempt, aattempt = getattr(execution, "_attempt", None), getattr(execution, "_aattempt", None)
+    if attempt is None or aattempt is None:
+        raise RuntimeError(f"RequestPacer paces each try where DSPy sends it, in dspy.clients.execution, which this "
+                           f"DSPy ({dspy.__version__}) does not have: install the DSPy tfgrpo pins (requirements.lock)")
+    if getattr(attempt, "paced", False):
+        return
+
+    def paced_attempt(lm, *args, **kwargs):
+        for pacer in _pacers_of(lm):
+            pacer.start()
+        return attempt(lm, *args, **kwargs)
+
+    async def paced_aattempt(lm, *args, **kwargs):
+        for pacer in _pacers_of(lm):
+            await pacer.astart()
+        return await aattempt(lm, *args, **kwargs)
+
+    paced_attempt.paced = paced_aattempt.paced = True
+    execution._attempt, execution._aattempt = paced_attempt, paced_aattempt
 
 
-# the starts the current coroutine reserved before its first call (RequestPacer.astart), by the pacer's id
-PREPAID: contextvars.ContextVar[dict[int, Reservation]] = contextvars.ContextVar("tfgrpo_prepaid", default={})
-
-
-def pacers(program: dspy.Module) -> list[RequestPacer]:
-    """The RequestPacers of the LMs `program`'s predictors call (their own, else `dspy.settings.lm`), each once."""
-    found = {}
-    for predictor in program.predictors():
-        for callback in getattr(predictor.lm or dspy.settings.lm, "callbacks", None) or []:
-            if isinstance(callback, RequestPacer):
-                found[id(callback)] = callback
-    return list(found.values())
+def _pacers_of(lm: Any) -> list[RequestPacer]:
+    return [c for c in getattr(lm, "callbacks", None) or [] if isinstance(c, RequestPacer)]
 
 
 def paced(lm) -> bool:

@@ -12,8 +12,10 @@ import asyncio
 import contextvars
 import dataclasses
 import functools
+import importlib.metadata
 import logging
 import os
+import platform
 import queue
 import re
 import socket
@@ -30,7 +32,7 @@ from dspy.utils.exceptions import AdapterParseError, LMError
 
 from tfgrpo.base.util import USER_MODULE_PREFIX, clip, digest, jsonable
 from tfgrpo.optimizers.records import Attempt
-from tfgrpo.optimizers.spend import UsageMeter, paced, pacers
+from tfgrpo.optimizers.spend import UsageMeter, paced
 from tfgrpo.programs.render import MAX_ATTEMPT_CHARS, count_tool_calls, format_attempt
 
 logger = logging.getLogger(__name__)
@@ -188,14 +190,8 @@ def rebuilt(types: dict[str, Any], outputs: dict) -> dict:
 
 
 async def arun_attempt(program: dspy.Module, example: dspy.Example, workers: AsyncWorkers) -> Attempt:
-    """`run_program`'s attempt as a coroutine (`arun_program`), its first call's start reserved from each RequestPacer
-    of the program's LMs before it runs (given back if no call used it)."""
-    held = {pacer: await pacer.astart() for pacer in pacers(program)}
-    try:
-        return (await arun_program(program, example, workers))[1]
-    finally:
-        for pacer, reservation in held.items():
-            pacer.unreserve(reservation)
+    """`run_program`'s attempt as a coroutine (`arun_program`)."""
+    return (await arun_program(program, example, workers))[1]
 
 
 def _no_answer(example: dspy.Example, error: str) -> Attempt:
@@ -490,11 +486,12 @@ class RayAttempts:
     sent again by Ray (`max_retries`); lost for good, it is an attempt with no answer (`failed`, never scored), as a
     failed LM call is. The program's classes must import on the nodes: tfgrpo's do wherever it is installed; a class
     of the caller's own module needs that module there (installed, or Ray's `runtime_env`), except a file the CLI
-    imported by its path, whose code travels by value."""
+    imported by its path, whose code travels by value. Before the first task, each node's tfgrpo, DSPy and Python
+    versions are compared with this process's: a node with others is refused unless `other_versions`."""
 
     max_retries = 3  # sends of one task whose worker or node died, after the first
 
-    def __init__(self, prices: dict | None = None):
+    def __init__(self, prices: dict | None = None, *, other_versions: bool = False):
         try:
             import ray
         except ImportError:
@@ -509,6 +506,7 @@ class RayAttempts:
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         logger.info("backend ray: attempts run as tasks on %d node(s), %g CPU(s) (%s)", len(nodes),
                     ray.cluster_resources().get("CPU", 0), ray.get_runtime_context().gcs_address)
+        _check_versions(ray, nodes, other_versions)
         self._ray, self.prices = ray, prices
         self._task = ray.remote(_remote_attempt).options(max_retries=self.max_retries, retry_exceptions=False)
         self._lock, self._running = threading.Lock(), set()
@@ -552,6 +550,41 @@ class RayAttempts:
                 self._ray.cancel(ref, force=True)
             except Exception as exc:  # noqa: BLE001 - a task that ended meanwhile; Ctrl-C goes on stopping the run
                 logger.debug("ray.cancel: %s", exc)
+
+
+def versions() -> dict[str, str]:
+    """What a Ray node must share with the driver: tfgrpo's version (as installed), DSPy's and Python's."""
+    try:
+        ours = importlib.metadata.version("tfgrpo")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        ours = "unknown"
+    return {"tfgrpo": ours, "dspy": dspy.__version__, "python": platform.python_version()}
+
+
+def _check_versions(ray: Any, nodes: list[dict], other_versions: bool) -> None:
+    """Each node's `versions()`, from a task pinned to it (on the job's runtime_env), against the driver's: a node
+    with others is refused (RuntimeError naming it), or with `other_versions` said once."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here, probe = versions(), ray.remote(num_cpus=0)(versions)
+    refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()
+            for n in nodes]
+    differ = []
+    for node, ref in zip(nodes, refs):
+        try:
+            found = ray.get(ref, timeout=60)
+        except ray.exceptions.TaskUnschedulableError:  # a node the cluster still lists that has left it
+            continue
+        if found != here:
+            differ.append(f"{node.get('NodeManagerAddress', node['NodeID'])} has {found}")
+    if not differ:
+        return
+    said = f"this process has {here}, but " + "; ".join(differ)
+    if not other_versions:
+        raise RuntimeError(f'backend="ray": {said}. Install the same tfgrpo, DSPy and Python on every node (or give '
+                           "them through ray.init(runtime_env=...)), or pass ray_other_versions=True to run there all "
+                           "the same")
+    logger.warning('backend="ray": %s; running there as ray_other_versions=True asks', said)
 
 
 def _check_address() -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import dspy
 import pytest
+import yaml
 
 import tfgrpo.lms
 from tfgrpo.optimizers.knobs import KNOBS
@@ -211,3 +212,49 @@ def test_the_presets_table_is_the_code_s():
         declared = KNOBS[name].default
         expected = [repr(PRESETS[p].get(name, declared)) for p in PRESETS] + [repr(declared)]
         assert cells == expected, f"{name}: the page says {cells}, the code {expected}"
+
+
+def user_pages() -> list[Path]:
+    """The site's pages a user reads (every page of the navigation but the measurement record) and the README."""
+    def walk(items):
+        for item in items:
+            for value in item.values():
+                yield from walk(value) if isinstance(value, list) else [value]
+
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
+    record = {"measurements.md", "measurement-log.md"}
+    return [ROOT / "docs" / page for page in walk(nav) if page not in record] + [ROOT / "README.md"]
+
+
+MAIN_JOB = ROOT / "benchmarks" / "results" / "main-job.md"  # what the main job gives: its one statement
+
+
+def test_what_the_main_job_gives_is_stated_in_one_place():
+    """The paragraph of benchmarks/results/main-job.md is what the README says of the main job's runs, and what the
+    home, tutorial and Game of 24 pages include; no other sentence of a user page gives the main job's minutes or
+    held-out scores."""
+    said = MAIN_JOB.read_text(encoding="utf-8").rstrip("\n")
+    include = f'--8<-- "{MAIN_JOB.relative_to(ROOT).as_posix()}"'
+    assert said in (ROOT / "README.md").read_text(encoding="utf-8"), "the README's paragraph is the file's, as it is"
+    for page in ("index.md", "tutorial.md", "tasks/game24.md"):
+        assert include in (ROOT / "docs" / page).read_text(encoding="utf-8"), page
+    elsewhere = []
+    for path in user_pages():
+        text = path.read_text(encoding="utf-8").replace(said, "").replace(include, "")
+        blocks = re.split(r"\n\s*\n|\n(?=[|#])", text)  # paragraphs, table rows and headings apart
+        for sentence in (s for block in blocks for s in re.split(r"(?<=[.!?])\s+", re.sub(r"\s+", " ", block))):
+            if re.search(r"main job|configs/local\.toml|\bruns of it\b", sentence) and re.search(
+                    r"\d\s*min|\d+ of 24|\d+/24", sentence):
+                elsewhere.append(f"{path.relative_to(ROOT)}: {sentence[:200]}")
+    assert not elsewhere, "a figure of the main job stated outside main-job.md:\n" + "\n".join(elsewhere)
+
+
+def test_no_user_page_says_how_the_project_was_made():
+    """No issue number, commit hash, session or superseded arm on a page a user reads: the pages say what the
+    software does and what was measured, by which command."""
+    words = re.compile(r"\bissues? \d+|\(issue\b|\bsessions?\b|\bsuperseded\b|\bleft off\b", re.I)
+    commit = re.compile(r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b")
+    found = [f"{path.relative_to(ROOT)}:{i}: {m.group(0)}" for path in user_pages()
+             for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+             for m in [*words.finditer(line), *commit.finditer(line)]]
+    assert not found, "\n".join(found)

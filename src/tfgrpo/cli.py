@@ -376,7 +376,7 @@ def _run_dir(cfg: Config):
 @app.command(cls=HelpCommand)
 def compile(config: Path = CONFIG, verbose: bool = VERBOSE,
             dry_run: bool = typer.Option(False, "--dry-run", help=DRY_RUN),
-            pilot: int = typer.Option(0, "--pilot", min=0, help="with --dry-run: run the program on this many training "
+            pilot: int = typer.Option(0, "--pilot", min=0, metavar="N", help="with --dry-run: run the program on this many training "
                                       "queries first (real LM calls) and size the plan from them"),
             debug: bool = DEBUG) -> None:
     """Run Training-Free GRPO; writes program.json, library.json, steps.jsonl and learning_curve.png."""

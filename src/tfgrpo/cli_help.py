@@ -73,3 +73,32 @@ def _print_version(value: bool) -> None:
 
 
 VERSION = typer.Option(False, "--version", callback=_print_version, is_eager=True, help="print the version and exit")
+
+
+def options_reference(group) -> str:
+    """Every command of the `tfgrpo` app (`group`, as typer builds it) with its arguments and options, as Markdown
+    (docs/cli.md holds it between its `options` markers)."""
+    lines = []
+
+    def walk(command, path: list[str]) -> None:
+        if getattr(command, "commands", None):
+            for name, sub in command.commands.items():
+                walk(sub, [*path, name])
+            return
+        ctx = command.context_class(command, info_name=" ".join(path))
+        params = [p for p in command.get_params(ctx) if p.name != "help"]
+        usage = " ".join([*path, *(p.metavar or p.name.upper() for p in params if isinstance(p, TyperArgument))])
+        summary = (command.help or "").strip().split("\n\n")[0].replace("\n", " ")
+        lines.extend([f"**`{usage}`**: {summary}", ""])
+        for p in params:
+            if isinstance(p, TyperArgument):
+                lines.append(f"- `{p.metavar or p.name.upper()}`: {p.help or ''}".rstrip())
+                continue
+            flags = ", ".join(f"`{o}{' ' + p.metavar if p.metavar else ''}`" for o in [*p.opts, *p.secondary_opts])
+            default = "" if getattr(p, "is_flag", False) or p.default in (None, "") else f" (default {p.default})"
+            lines.append(f"- {flags}: {p.help or ''}{default}")
+        if params:
+            lines.append("")
+
+    walk(group, ["tfgrpo"])
+    return "\n".join(lines)

@@ -9,8 +9,9 @@ retried (DSPy's `num_retries`) reaches the provider again: every request the pro
     python -m benchmarks.rate_limit --rpm 30 --processes 1,2 --train 2
     python -m benchmarks.rate_limit --rpm 300 --processes 1,2 --train 12
 
-One line per process count: `rate_limit: rpm=R processes=N pacer=P requests=Q answered=A refused=F share_429=S
-minutes=M floor=L`, where `floor` is the least such a run takes (the first minute's R at once, then R a minute).
+One line per process count: `rate_limit: rpm=R processes=N pacer=P engine=E requests=Q answered=A refused=F
+share_429=S minutes=M floor=L`, where `floor` is the least such a run takes (the first minute's R at once, then R a
+minute).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from tfgrpo.testing import FakeLMServer, dspy_prices
 def child(args) -> None:
     """One compile against the server at `--api-base`, paced at `--pacer` requests a minute."""
     lm = dspy.LM(MODEL, api_base=args.api_base, api_key="x", cache=False, num_retries=8, max_tokens=512,
-                 callbacks=[RequestPacer(args.pacer)])
+                 callbacks=[RequestPacer(args.pacer)], engine=args.engine)
     with dspy.context(lm=lm):
         TrainingFreeGRPO(metric, num_threads=args.threads, log_dir=args.log_dir, progress=lambda *_: None).compile(
             dspy.Predict("question -> answer"), trainset=trainset(args.train, start=args.start))
@@ -49,7 +50,8 @@ def measure(rpm: int, processes: int, args, root: Path) -> str:
         names = [root / f"rpm{rpm}-n{processes}-{i}" for i in range(processes)]
         runs = [subprocess.Popen([sys.executable, "-m", "benchmarks.rate_limit", "--child", "--api-base",
                                   server.api_base, "--pacer", str(pacer), "--train", str(args.train), "--start",
-                                  str(i * args.train), "--threads", str(args.threads), "--log-dir", str(name)],
+                                  str(i * args.train), "--threads", str(args.threads), "--engine", args.engine,
+                                  "--log-dir", str(name)],
                                  cwd=Path(__file__).parent.parent, stdout=subprocess.DEVNULL,
                                  stderr=open(f"{name}.log", "w"))
                 for i, name in enumerate(names)]
@@ -59,7 +61,7 @@ def measure(rpm: int, processes: int, args, root: Path) -> str:
         if code:
             raise SystemExit(f"a compile exited {code}:\n{Path(f'{name}.log').read_text()[-3000:]}")
     answered, refused = stats["statuses"].get("200", 0), stats["statuses"].get("429", 0)
-    return (f"rate_limit: rpm={rpm} processes={processes} pacer={pacer} requests={stats['calls']} "
+    return (f"rate_limit: rpm={rpm} processes={processes} pacer={pacer} engine={args.engine} requests={stats['calls']} "
             f"answered={answered} refused={refused} share_429={refused / max(stats['calls'], 1):.3f} "
             f"minutes={minutes:.2f} floor={max(answered - rpm, 0) / rpm:.2f}")
 
@@ -70,6 +72,8 @@ def main() -> None:
     ap.add_argument("--processes", default="1,2", help="process counts, each run on a fresh server")
     ap.add_argument("--train", type=int, default=2, help="training sums per compile")
     ap.add_argument("--threads", type=int, default=16)
+    ap.add_argument("--engine", default="auto", choices=["auto", "litellm"], help="DSPy's way to the provider: its "
+                    "own client where it can (auto), or LiteLLM's, whose first call sets itself up first")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--api-base", help=argparse.SUPPRESS)
     ap.add_argument("--pacer", type=int, help=argparse.SUPPRESS)

@@ -70,8 +70,8 @@ def test_rate_limit():
     """At its smallest size: one compile, then two at once, against a provider whose limit (6000 a minute) is not
     reached; each line says what the provider saw."""
     lines = run("rate_limit.py", "--rpm", "6000", "--processes", "1,2", "--train", "1")
-    pattern = re.compile(rf"rate_limit: rpm=6000 processes=([12]) pacer=(6000|3000) requests=(\d+) answered=(\d+) "
-                         rf"refused=(\d+) share_429=({X}) minutes=({X}) floor=({X})")
+    pattern = re.compile(rf"rate_limit: rpm=6000 processes=([12]) pacer=(6000|3000) engine=auto requests=(\d+) "
+                         rf"answered=(\d+) refused=(\d+) share_429=({X}) minutes=({X}) floor=({X})")
     rows = [pattern.fullmatch(line) for line in lines if line.startswith("rate_limit:")]
     assert len(rows) == 2 and all(rows), lines
     assert all(int(r.group(3)) == int(r.group(4)) > 0 and r.group(5) == "0" for r in rows)

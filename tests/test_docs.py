@@ -146,8 +146,9 @@ def section(page: str, identifier: str, end: str) -> str:
 
 
 def table_rows(fragment: str) -> dict[str, str]:
-    """name -> description of each row of the Parameters or Attributes tables in `fragment`."""
-    rows = re.findall(r'<tr class="doc-section-item">\s*<td>(.*?)</td>.*?<div class="doc-md-description">(.*?)</div>',
+    """name -> description of each entry of the Parameters or Attributes lists in `fragment` (mkdocstrings'
+    `docstring_section_style: list`)."""
+    rows = re.findall(r'<li class="doc-section-item[^"]*">\s*<b>(.*?)</b>.*?<div class="doc-md-description">(.*?)</div>',
                       fragment, flags=re.DOTALL)
     return {text(name): text(description) for name, description in rows}
 

@@ -209,4 +209,5 @@ def test_a_group_whose_learning_calls_failed_spends_nothing_more_until_the_stage
         compile_with(lm, dspy.Predict("question -> answer"), max_failure_rate=0.3)
     advantages = [c for c in lm.calls if kind_of(c["messages"]) == "advantage"]
     assert len(advantages) == 2
-    assert not any(q in c["messages"][-1]["content"] for c in advantages for q in ("What is 0 + 10?", "What is 1 + 11?"))
+    held = ("What is 0 + 10?", "What is 1 + 11?")
+    assert not any(q in c["messages"][-1]["content"] for c in advantages for q in held)

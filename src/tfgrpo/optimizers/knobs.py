@@ -370,8 +370,10 @@ def args_doc() -> str:
 
 
 def knob_table() -> str:
-    """The knobs as a Markdown table (docs/usage.md holds it between its `knobs` markers)."""
-    rows = [f"| `{name}` | `{default_text(name)}` | {'yes' if f.metadata['fingerprinted'] else ''} | "
-            f"{f.metadata['doc']} |" for name, f in KNOBS.items()]
-    return "\n".join(["| knob | default | a resume keeps it | what it does |", "|---|---|---|---|", *rows]) + "\n"
+    """The knobs as a Markdown list, one entry each: its name, its default, whether a resume must keep it, what it
+    does (docs/usage.md holds it between its `knobs` markers; a list reads on a phone where a table of long cells
+    does not)."""
+    rows = [f"- **`{name}`** = `{default_text(name)}`{' (a resume keeps it)' if f.metadata['fingerprinted'] else ''}: "
+            f"{f.metadata['doc']}" for name, f in KNOBS.items()]
+    return "\n" + "\n".join(rows) + "\n\n"
 

@@ -160,7 +160,8 @@ class Runner:
         self.direct_calls = 0  # LM calls of the program outside its predictors (they get no library)
         self.clipped: set[str] = set()  # what was cut for the learning calls: "feedback", "attempt" (each said once)
         self.lock = threading.Lock()
-        self.ray = RayAttempts(knobs.prices, other_versions=knobs.ray_other_versions) if knobs.backend == "ray" else None
+        self.ray = (RayAttempts(knobs.prices, other_versions=knobs.ray_other_versions) if knobs.backend == "ray"
+                    else None)
 
     @contextlib.contextmanager
     def scope(self, name: str, *, prefix: str = "", usage_key: str | None = None,

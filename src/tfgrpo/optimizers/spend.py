@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import contextvars
 import statistics
 import threading
 import time
@@ -122,9 +123,11 @@ class RequestPacer(BaseCallback):
     Each try of a call is paced where DSPy sends it, once its request is built (the first RequestPacer made installs
     the wait there, in `dspy.clients.execution`): a retry after a 429 or a timeout is paced as a request of its own,
     a call DSPy answers from its cache takes no start, and a coroutine (backend="async") waits on the event loop
-    without holding it. It paces the calls of one process: two compiles on one key each need a pacer at their share
-    of the key's limit (two at 250 for a limit of 500). A provider's other limits (tokens a minute) are still met by
-    its 429 and DSPy's retries (`num_retries`)."""
+    without holding it. A try sent through LiteLLM has its start dated again when LiteLLM sends it (its pre-call
+    hook), since LiteLLM's first call sets itself up for a second or more after the start was taken. It paces the
+    calls of one process: two compiles on one key each need a pacer at their share of the key's limit (two at 250 for
+    a limit of 500). A provider's other limits (tokens a minute) are still met by its 429 and DSPy's retries
+    (`num_retries`)."""
 
     window_s = 60.0
     margin_s = 0.25  # a start waits this much past the window: the provider's clock sees the request a little later
@@ -133,33 +136,36 @@ class RequestPacer(BaseCallback):
         if not isinstance(per_minute, int) or per_minute < 1:
             raise ValueError(f"RequestPacer needs a whole number of requests a minute, at least 1 (got {per_minute!r})")
         self.per_minute = per_minute
-        self._starts: collections.deque[float] = collections.deque()
+        self._starts: collections.deque[list[float]] = collections.deque()  # each start's time, in a list of its own
+        # (LiteLLM's pre-call hook dates it again: `_pace_tries`)
         self._lock = threading.Lock()
         self.waited_s = 0.0  # the time requests spent waiting for a start, all threads together
         _pace_tries()
 
-    def _take(self) -> float:
-        """Take a start now and return 0, or return how long to wait before trying again."""
+    def _take(self) -> tuple[float, list[float] | None]:
+        """Take a start now: (0, the start); or (how long to wait before trying again, None)."""
         with self._lock:
             now = time.monotonic()
-            while self._starts and now - self._starts[0] >= self.window_s + self.margin_s:
+            while self._starts and now - self._starts[0][0] >= self.window_s + self.margin_s:
                 self._starts.popleft()
             if len(self._starts) < self.per_minute:
-                self._starts.append(now)
-                return 0.0
-            wait = self.window_s + self.margin_s - (now - self._starts[0])
+                self._starts.append(taken := [now])
+                return 0.0, taken
+            wait = self.window_s + self.margin_s - (now - self._starts[0][0])
             self.waited_s += wait
-            return wait
+            return wait, None
 
-    def start(self) -> None:
+    def start(self) -> list[float]:
         """Wait (on this thread) until a request may be sent, and take its start."""
-        while wait := self._take():
-            time.sleep(wait)
+        while (taken := self._take())[1] is None:
+            time.sleep(taken[0])
+        return taken[1]
 
-    async def astart(self) -> None:
+    async def astart(self) -> list[float]:
         """`start` for a coroutine: the wait leaves the event loop free."""
-        while wait := self._take():
-            await asyncio.sleep(wait)
+        while (taken := self._take())[1] is None:
+            await asyncio.sleep(taken[0])
+        return taken[1]
 
     def __deepcopy__(self, memo) -> RequestPacer:
         return self  # a deep copy of a program's LM still shares the provider's limit
@@ -168,10 +174,17 @@ class RequestPacer(BaseCallback):
         return RequestPacer, (self.per_minute,)  # the lock cannot travel; a copy in another process paces apart
 
 
+# the starts the current try took, one per RequestPacer of its LM: LiteLLM's pre-call hook dates them again
+TRY_STARTS: contextvars.ContextVar[list[list[float]]] = contextvars.ContextVar("tfgrpo_try_starts", default=[])
+
+
 def _pace_tries() -> None:
     """Make every try of an LM call (DSPy's `_attempt`, once per retry) first take a start from each RequestPacer
-    among its LM's callbacks; installed once per process."""
+    among its LM's callbacks, and LiteLLM date those starts again when it sends the request; installed once per
+    process."""
+    import litellm  # (here: only a paced run pays for importing LiteLLM before its first call)
     from dspy.clients import execution
+    from litellm.integrations.custom_logger import CustomLogger
 
     attempt, aattempt = getattr(execution, "_attempt", None), getattr(execution, "_aattempt", None)
     if attempt is None or aattempt is None:
@@ -181,17 +194,31 @@ def _pace_tries() -> None:
         return
 
     def paced_attempt(lm, *args, **kwargs):
-        for pacer in _pacers_of(lm):
-            pacer.start()
-        return attempt(lm, *args, **kwargs)
+        token = TRY_STARTS.set([pacer.start() for pacer in _pacers_of(lm)])
+        try:
+            return attempt(lm, *args, **kwargs)
+        finally:
+            TRY_STARTS.reset(token)
 
     async def paced_aattempt(lm, *args, **kwargs):
-        for pacer in _pacers_of(lm):
-            await pacer.astart()
-        return await aattempt(lm, *args, **kwargs)
+        token = TRY_STARTS.set([await pacer.astart() for pacer in _pacers_of(lm)])
+        try:
+            return await aattempt(lm, *args, **kwargs)
+        finally:
+            TRY_STARTS.reset(token)
+
+    class Sent(CustomLogger):
+        """LiteLLM's hook right before it sends a request: the current try's starts are dated now, when that is later
+        (a start stays in its pacer's window until a minute after the request left)."""
+
+        def log_pre_api_call(self, model, messages, kwargs) -> None:
+            now = time.monotonic()
+            for taken in TRY_STARTS.get():
+                taken[0] = max(taken[0], now)
 
     paced_attempt.paced = paced_aattempt.paced = True
     execution._attempt, execution._aattempt = paced_attempt, paced_aattempt
+    litellm.input_callback.append(Sent())
 
 
 def _pacers_of(lm: Any) -> list[RequestPacer]:

@@ -182,7 +182,8 @@ def _check_attempts(run: Run, scope: Scope, index: int, groups: list[Group]) -> 
     """Say what the step's attempts met: metric calls that timed out (each scored 0; more than `max_failure_rate` of
     them stop the step, as an outage does), attempts that raised (scored 0), LM calls that failed (left out) and
     prompts refused for their length."""
-    scored, timeouts = sum(len(g.attempts) for g in groups), [a.timeout for g in groups for a in g.attempts if a.timeout]
+    scored = sum(len(g.attempts) for g in groups)
+    timeouts = [a.timeout for g in groups for a in g.attempts if a.timeout]
     if timeouts and len(timeouts) > run.knobs.max_failure_rate * scored:
         raise TooManyFailuresError(f"step {index}: the metric timed out on {len(timeouts)} of {scored} attempts (first: "
                                    f"{timeouts[0]}); finished work is kept in log_dir={run.knobs.log_dir!r}")

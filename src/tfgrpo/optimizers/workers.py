@@ -495,7 +495,8 @@ class RayAttempts:
         try:
             import ray
         except ImportError:
-            raise ImportError('backend="ray" needs Ray on this machine and the nodes: pip install -e ".[ray]" in a clone of tfgrpo') from None
+            raise ImportError('backend="ray" needs Ray on this machine and the nodes: pip install -e ".[ray]" in a '
+                              "clone of tfgrpo") from None
         if not ray.is_initialized():
             _check_address()
             _token_auth_if_any()

@@ -74,6 +74,11 @@ def imports(module: str, *, annotations: bool = False) -> list[tuple[str, int, b
 EDGES = sorted({(m, target, line, deferred) for m in MODULES for target, line, deferred in imports(m)})
 
 
+def reaches(graph: dict, a: str, b: str, seen: frozenset = frozenset()) -> bool:
+    """Whether `graph` (module or folder -> what it imports) leads from `a` to `b`."""
+    return a == b or any(n not in seen and reaches(graph, n, b, seen | {n}) for n in graph[a])
+
+
 def test_every_import_names_a_module_that_exists():
     missing = [f"{m}:{line} imports {t}" for m, t, line, _ in EDGES if t not in MODULES]
     assert not missing, "\n".join(missing)
@@ -86,10 +91,7 @@ def test_no_cycle_between_folders():
             graph[floor(m)].add(floor(t))
             examples[floor(m), floor(t)].append(f"{m}:{line} -> {t}")
 
-    def reaches(a: str, b: str, seen: frozenset = frozenset()) -> bool:
-        return a == b or any(n not in seen and reaches(n, b, seen | {n}) for n in graph[a])
-
-    cycle = sorted(pair for pair in examples if reaches(pair[1], pair[0]))  # both ways: a cycle
+    cycle = sorted(pair for pair in examples if reaches(graph, pair[1], pair[0]))  # both ways: a cycle
     assert not cycle, "the folders import each other in a cycle:\n" + "\n".join(
         f"{a} -> {b}: " + ", ".join(examples[a, b][:3]) + (" ..." if len(examples[a, b]) > 3 else "") for a, b in cycle)
 
@@ -128,10 +130,7 @@ def test_the_optimizer_modules_import_one_way():
     folder = [m for m in MODULES if m.startswith("tfgrpo.optimizers.")]
     graph = {m: {t for t, _, _ in imports(m, annotations=True) if t in folder and t != m} for m in folder}
 
-    def reaches(a: str, b: str, seen: frozenset = frozenset()) -> bool:
-        return a == b or any(n not in seen and reaches(n, b, seen | {n}) for n in graph[a])
-
-    both = sorted(f"{m} <-> {t}" for m in folder for t in graph[m] if reaches(t, m))
+    both = sorted(f"{m} <-> {t}" for m in folder for t in graph[m] if reaches(graph, t, m))
     assert not both, "modules of optimizers/ in an import circle:\n" + "\n".join(both)
 
 

@@ -239,11 +239,13 @@ def prompt_versions() -> dict[str, str]:
 
     adapter = type(dspy.settings.adapter) if dspy.settings.adapter is not None else ChatAdapter
     name, source = _code(adapter)
-    return {"tfgrpo": _version("tfgrpo"), "dspy": dspy.__version__, "litellm": _version("litellm"), "adapter": name,
+    return {"tfgrpo": installed_version("tfgrpo"), "dspy": dspy.__version__, "litellm": installed_version("litellm"),
+            "adapter": name,
             "adapter_code": digest(source)}
 
 
-def _version(package: str) -> str:
+def installed_version(package: str) -> str:
+    """`package`'s version as installed, or "unknown" (run from a source tree that is not installed)."""
     try:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:

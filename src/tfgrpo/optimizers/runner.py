@@ -450,12 +450,14 @@ class Scope:
         counted as a failure of its stage. Where one failed and the stage's failure check has not passed yet, `Held`
         is raised once all have ended: the caller stops there until the step has checked the stage over every group;
         asked again, the same names give the same values (a failed one its `Failed`), with no new call."""
+        adapter = pydantic.TypeAdapter(returns) if returns is not None else None
+
         def one(name: str) -> Any:
             key = self.key(name)
             if key in self._values:  # asked again (a held group going on): as it was
                 return self._values[key]
-            if (value := self.runner.ckpt.get(key)) is not None and returns is not None:
-                value = pydantic.TypeAdapter(returns).validate_python(value)
+            if (value := self.runner.ckpt.get(key)) is not None and adapter is not None:
+                value = adapter.validate_python(value)
             elif value is None:
                 try:
                     value = self._unit(stage, units[name])

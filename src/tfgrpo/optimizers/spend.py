@@ -227,7 +227,7 @@ def _pacers_of(lm: Any) -> list[RequestPacer]:
 
 def paced(lm) -> bool:
     """Whether `lm` carries a RequestPacer."""
-    return any(isinstance(c, RequestPacer) for c in getattr(lm, "callbacks", None) or [])
+    return bool(_pacers_of(lm))
 
 
 # -- the budget -------------------------------------------------------------------------------------------------------

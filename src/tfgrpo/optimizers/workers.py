@@ -12,7 +12,6 @@ import asyncio
 import contextvars
 import dataclasses
 import functools
-import importlib.metadata
 import logging
 import os
 import platform
@@ -31,6 +30,7 @@ import tqdm
 from dspy.utils.exceptions import AdapterParseError, LMError
 
 from tfgrpo.base.util import USER_MODULE_PREFIX, clip, digest, jsonable
+from tfgrpo.optimizers.checkpoint import installed_version
 from tfgrpo.optimizers.records import Attempt
 from tfgrpo.optimizers.spend import UsageMeter, paced
 from tfgrpo.programs.render import MAX_ATTEMPT_CHARS, count_tool_calls, format_attempt
@@ -555,11 +555,7 @@ class RayAttempts:
 
 def versions() -> dict[str, str]:
     """What a Ray node must share with the driver: tfgrpo's version (as installed), DSPy's and Python's."""
-    try:
-        ours = importlib.metadata.version("tfgrpo")
-    except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
-        ours = "unknown"
-    return {"tfgrpo": ours, "dspy": dspy.__version__, "python": platform.python_version()}
+    return {"tfgrpo": installed_version("tfgrpo"), "dspy": dspy.__version__, "python": platform.python_version()}
 
 
 def _check_versions(ray: Any, nodes: list[dict], other_versions: bool) -> None:

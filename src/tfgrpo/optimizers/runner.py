@@ -252,6 +252,37 @@ def _by_predictor(calls: list[dict]) -> dict[str, list]:
     return grouped
 
 
+def _as_record(value: Any) -> Any:
+    """What a unit saves by default: its value as JSON; a failed learning call nothing (a resume makes it again)."""
+    return None if isinstance(value, Failed) else jsonable(value)
+
+
+def _as_failure(value: Any) -> str | None:
+    """What makes a unit a failure by default: a failed learning call (its error)."""
+    return value.error if isinstance(value, Failed) else None
+
+
+def _attempt_record(attempt: Attempt) -> dict | None:
+    """What an attempt's unit saves: the attempt, unless it raised or its metric call timed out (it runs again)."""
+    return None if attempt.error or getattr(attempt, "timeout", None) else attempt.to_record()
+
+
+def _attempt_failure(attempt: Attempt) -> str | None:
+    """What makes an attempt's unit a failure: its error, unless the reply came back and did not parse (the program's
+    own 0, no outage), or its metric call's timeout."""
+    return None if attempt.unparsed else attempt.error or getattr(attempt, "timeout", None)
+
+
+def _or_failed(fn: Callable[[], Any]) -> Any:
+    """`fn()`, a learning call, or the `Failed` it raised (a failed learning call is counted, not fatal)."""
+    try:
+        return fn()
+    except BudgetExhausted:
+        raise
+    except Exception as exc:
+        return Failed(_why(exc))
+
+
 class Scope:
     """One step, validation or attribution of a run (`Runner.scope`): the verbs that run its units, `attempt` (a
     program on an example, scored in the same unit or later by `score`), `scored` (attempts scored: the probe,
@@ -294,26 +325,46 @@ class Scope:
         return self.work.each(fn, items)
 
     # -- units ----------------------------------------------------------------------------------------------------
-    def _unit(self, stage: str, fn: Callable[[], Any], metric_calls: int = 0) -> Any:
-        """Run `fn` as one unit of `stage`: charged before it starts, under a meter of its own, then counted."""
-        share, own = self.runner.budget.reserve(stage, metric_calls), self._own_meter()
-        value = None
-        try:
-            with dspy.context(usage_tracker=own):
-                value = fn()
-        finally:
-            self._spent(stage, share, own, value, metric_calls)
+    def unit(self, stage: str, key: str | None, make: Callable[[], Any], *, read: Callable[[Any], Any] | None = None,
+             record: Callable[[Any], Any] = _as_record, failure: Callable[[Any], str | None] = _as_failure,
+             metric_calls: int = 0) -> Any:
+        """One unit of work of `stage`, done the same way for every stage (the metric's included): the value saved
+        under `key` read back (`read`), counting its `metric_calls` in the budget all the same; else `make()`, charged
+        to the budget before it starts, run under a meter of its own that then goes to the stage's, and saved under
+        `key` as `record(value)` (None: not saved, a resume makes it again; by default its JSON, a `Failed` none).
+        Then counted, as a failure of the stage where `failure(value)` gives its error (by default a `Failed`'s)."""
+        if key is not None and (saved := self.runner.ckpt.get(key)) is not None:
+            value = read(saved) if read is not None else saved
+            self.runner.budget.add({}, metric_calls=metric_calls)
+        else:
+            share, own, value = self.runner.budget.reserve(stage, metric_calls), self._own_meter(), None
+            try:
+                with dspy.context(usage_tracker=own):
+                    value = make()
+            finally:
+                self._spent(stage, share, own, value, metric_calls)
+            if key is not None and (kept := record(value)) is not None:
+                self.runner.ckpt.put(key, kept)
+        self._done(stage, failure(value))
         return value
 
-    async def _aunit(self, stage: str, fn: Callable[[], Any], metric_calls: int = 0) -> Any:
-        """`_unit` for a coroutine function `fn` (backend="async")."""
-        share, own = self.runner.budget.reserve(stage, metric_calls), self._own_meter()
-        value = None
-        try:
-            with dspy.context(usage_tracker=own):
-                value = await fn()
-        finally:
-            self._spent(stage, share, own, value, metric_calls)
+    async def aunit(self, stage: str, key: str | None, make: Callable[[], Any], *,
+                    read: Callable[[Any], Any] | None = None, record: Callable[[Any], Any] = _as_record,
+                    failure: Callable[[Any], str | None] = _as_failure, metric_calls: int = 0) -> Any:
+        """`unit` for a coroutine function `make`, on the async workers' loop (backend="async")."""
+        if key is not None and (saved := self.runner.ckpt.get(key)) is not None:
+            value = read(saved) if read is not None else saved
+            self.runner.budget.add({}, metric_calls=metric_calls)
+        else:
+            share, own, value = self.runner.budget.reserve(stage, metric_calls), self._own_meter(), None
+            try:
+                with dspy.context(usage_tracker=own):
+                    value = await make()
+            finally:
+                self._spent(stage, share, own, value, metric_calls)
+            if key is not None and (kept := record(value)) is not None:
+                self.runner.ckpt.put(key, kept)
+        self._done(stage, failure(value))
         return value
 
     def _own_meter(self) -> UsageMeter:
@@ -321,11 +372,14 @@ class Scope:
 
     def _spent(self, stage: str, share: dict, own: UsageMeter, value: Any, metric_calls: int) -> None:
         """A unit has ended: what its own meter saw goes to the stage's meter and to the budget (no metric call for an
-        attempt that got no answer); the first call made outside the predictors is said."""
+        attempt that got no answer), and a step's usage so far is saved, so that a resume knows what it had spent; the
+        first call made outside the predictors is said."""
         runner = self.runner
         self.meter(stage).absorb(own.usage_data)
         failed = isinstance(value, Attempt) and value.failed
         runner.budget.release(stage, share, own.totals(), 0 if failed else metric_calls)
+        if own.usage_data and self.usage_key is not None and runner.ckpt.root is not None:
+            runner.keep(self.usage_key, self.usage())
         direct = sum(e["direct"] for entries in list(own.usage_data.values()) for e in entries
                      ) if role(stage) == "policy" else 0  # (a metric may call its judge LM as it likes)
         with runner.lock:  # said once per run, whichever unit's thread sees it first
@@ -336,67 +390,41 @@ class Scope:
                            "so those calls get none of it. Make them through a dspy.Predict to have them learn too.")
 
     def _done(self, stage: str, error: str | None) -> None:
-        """A unit of `stage` has ended (`error`: it failed): counted and timed; a step's usage so far is saved, so
-        that a resume knows what it had spent."""
+        """A unit of `stage` has ended (`error`: it failed): counted and timed."""
         self.finished[stage] = time.time()
         with self._lock:
             counted = self.failures.setdefault(stage, StageFailures())
             counted.units += 1
             counted.errors += [error] if error else []
-        if self.usage_key is not None and self.runner.ckpt.root is not None:
-            self.runner.keep(self.usage_key, self.usage())
 
     def attempt(self, stage: str, key: str | None, program: dspy.Module, example: dspy.Example, *,
                 score: bool = False) -> Attempt:
-        """One attempt of `program` (with its own LM copies) on `example`; with `score`, then scored (`_score`): a
-        `Scored` (its reward None where it got no answer, `timeout` where the metric call timed out). Saved under `key`
-        unless it raised or timed out (a resume runs it again); counted as a failure when it did."""
+        """One attempt of `program` (with its own LM copies) on `example`, a unit of `stage`; with `score`, then scored
+        (`score`) in the same unit: a `Scored` (its reward None where it got no answer, `timeout` where the metric call
+        timed out). Saved under `key` unless it raised or timed out (a resume runs it again); counted as a failure when
+        it did (a reply that came back and did not parse is the program's own 0: no failure)."""
         runner = self.runner
-        if (attempt := self._reused(key, score, program)) is None:
-            attempt = self._unit(stage, lambda: runner.ray.attempt(program, example) if runner.ray is not None
-                                 else run_program(program, example)[1], metric_calls=1)
-            attempt = self._score(attempt, example) if score else attempt
-            self._save_attempt(key, attempt)
-        return self._attempted(stage, attempt)
+
+        def make() -> Attempt:
+            attempt = runner.ray.attempt(program, example) if runner.ray is not None else run_program(program,
+                                                                                                      example)[1]
+            return self.score(None, attempt, example) if score else attempt
+        attempt = self.unit(stage, key, make, read=lambda saved: typed(program, (Scored if score else Attempt
+                                                                                 ).from_record(saved)),
+                            record=_attempt_record, failure=_attempt_failure, metric_calls=1)
+        self._say_clipped("attempt", attempt.text_chars)
+        return attempt
 
     async def aattempt(self, stage: str, key: str | None, program: dspy.Module, example: dspy.Example, *,
                        score: bool = False) -> Attempt:
         """`attempt` as a coroutine on the async workers' loop (backend="async")."""
-        if (attempt := self._reused(key, score, program)) is None:
-            attempt = await self._aunit(stage, lambda: arun_attempt(program, example, self.work), metric_calls=1)
-            attempt = await self.work.offload(self._score, attempt, example) if score else attempt
-            self._save_attempt(key, attempt)
-        return self._attempted(stage, attempt)
-
-    def _reused(self, key: str | None, score: bool, program: dspy.Module) -> Attempt | None:
-        """The attempt saved under `key` (`Scored` with `score`), its prediction rebuilt to the program's types, which
-        counts in the run's metric calls all the same; None to run it."""
-        if key is not None and (record := self.runner.ckpt.get(key)) is not None:
-            self.runner.budget.add({}, metric_calls=1)
-            return typed(program, Scored.from_record(record) if score else Attempt.from_record(record))
-        return None
-
-    def _score(self, attempt: Attempt, example: dspy.Example, g: int = 0) -> Scored:
-        """The metric on an attempt, as one unit of the "reward" stage: charged before it starts and metered, so that
-        the calls of a metric that calls an LM (an LLM judge) count in the budget and in the run's usage. An attempt
-        that got no answer is never scored."""
-        if attempt.failed:
-            return Scored.of(attempt, {}, g)
-        return self._unit("reward", lambda: score_attempt(self.runner.metric, example, attempt,
-                                                          self.knobs.metric_timeout_s, g))
-
-    def _save_attempt(self, key: str | None, attempt: Attempt) -> None:
-        timed_out = isinstance(attempt, Scored) and attempt.timeout
-        if key is not None and not attempt.error and not timed_out:  # (one that raised runs again)
-            self.runner.ckpt.put(key, attempt.to_record())
-
-    def _attempted(self, stage: str, attempt: Attempt) -> Attempt:
-        # a reply that came back and did not parse is the program's own 0, no outage: it does not count as a failure
-        timeout = attempt.timeout if isinstance(attempt, Scored) else None
-        self._done(stage, None if attempt.unparsed else attempt.error or timeout)
+        async def make() -> Attempt:
+            attempt = await arun_attempt(program, example, self.work)
+            return await self.work.offload(self.score, None, attempt, example) if score else attempt
+        attempt = await self.aunit(stage, key, make, read=lambda saved: typed(program, (Scored if score else Attempt
+                                                                                        ).from_record(saved)),
+                                   record=_attempt_record, failure=_attempt_failure, metric_calls=1)
         self._say_clipped("attempt", attempt.text_chars)
-        if isinstance(attempt, Scored):
-            self._say_clipped("feedback", attempt.feedback_chars)
         return attempt
 
     def attempts(self, stage: str, jobs: list[tuple[str | None, dspy.Module, dspy.Example]], *,
@@ -413,16 +441,19 @@ class Scope:
         attribution)."""
         return self.attempts(stage, jobs, score=True)
 
-    def score(self, key: str, attempt: Attempt, example: dspy.Example, g: int = 0, *, save: bool = True) -> Scored:
-        """An answered attempt scored against `example` (the ground truth, or its group's majority answer): the score
-        saved under `key`, or made and (with `save`) saved there; a metric call that timed out scores 0 with its
-        message in `timeout`, unsaved. `g`: which of its query's attempts it is."""
-        if (saved := self.runner.ckpt.get(key)) is not None:
-            return Scored.of(attempt, saved, g)
-        scored = self._score(attempt, example, g)
-        if scored.timeout is None and save:
-            self.runner.ckpt.put(key, scored.score_record())
-        self._done("reward", None)
+    def score(self, key: str | None, attempt: Attempt, example: dspy.Example, g: int = 0, *,
+              save: bool = True) -> Scored:
+        """The metric on an attempt against `example` (the ground truth, or its group's majority answer), as one unit of
+        the "reward" stage, so that the calls of a metric that calls an LM (an LLM judge) count in the budget and in the
+        run's usage: the score saved under `key`, or made and (with `save`) saved there; a metric call that timed out
+        scores 0 with its message in `timeout`, unsaved. `g`: which of its query's attempts it is. An attempt that got
+        no answer is never scored."""
+        if attempt.failed:
+            return Scored.of(attempt, {}, g)
+        scored = self.unit("reward", key, lambda: score_attempt(self.runner.metric, example, attempt,
+                                                                self.knobs.metric_timeout_s, g),
+                           read=lambda saved: Scored.of(attempt, saved, g),
+                           record=lambda s: s.score_record() if save and s.timeout is None else None)
         self._say_clipped("feedback", scored.feedback_chars)
         return scored
 
@@ -450,26 +481,13 @@ class Scope:
         counted as a failure of its stage. Where one failed and the stage's failure check has not passed yet, `Held`
         is raised once all have ended: the caller stops there until the step has checked the stage over every group;
         asked again, the same names give the same values (a failed one its `Failed`), with no new call."""
-        adapter = pydantic.TypeAdapter(returns) if returns is not None else None
+        read = pydantic.TypeAdapter(returns).validate_python if returns is not None else None
 
         def one(name: str) -> Any:
             key = self.key(name)
-            if key in self._values:  # asked again (a held group going on): as it was
-                return self._values[key]
-            if (value := self.runner.ckpt.get(key)) is not None and adapter is not None:
-                value = adapter.validate_python(value)
-            elif value is None:
-                try:
-                    value = self._unit(stage, units[name])
-                except BudgetExhausted:
-                    raise
-                except Exception as exc:  # a failed learning call is counted, not fatal
-                    value = Failed(_why(exc))
-                else:
-                    self.runner.ckpt.put(key, jsonable(value))
-            self._values[key] = value
-            self._done(stage, value.error if isinstance(value, Failed) else None)
-            return value
+            if key not in self._values:  # (asked again, as a held group goes on: as it was, not counted again)
+                self._values[key] = self.unit(stage, key, functools.partial(_or_failed, units[name]), read=read)
+            return self._values[key]
         values = self.map(stage, one, list(units))
         if stage not in self.checked and any(isinstance(v, Failed) for v in values):
             raise Held(stage)

@@ -1,16 +1,16 @@
 """The verbs a step calls: every unit of work of a run goes through one `Runner`, inside a `Scope`.
 
 A unit is one attempt of a program on a query (a rollout, a probe attempt, a validation or attribution run), its score,
-or one learning call. For each unit the scope
+or one learning call. Every unit goes through one verb, `Scope.unit`, which
 
   1. reuses it from the checkpoint, when a run before this one finished it;
   2. charges the budget before it starts (`spend.Budget`): its expected tokens, dollars and metric call must fit in
      what is left beside the units in flight, else the run stops with `BudgetExhausted`, nothing half-written;
   3. runs it on the scope's workers (`workers.py`: threads, or Ray), metered by stage, priced by the models' prices,
      and saves it;
-  4. counts it as a failure when it raised (save a reply with content that did not parse: the program's own 0), and
-     stops the scope with `TooManyFailuresError` when more than `max_failure_rate` of a stage's units failed: an
-     outage must not pass for "nothing to learn".
+  4. counts it as a failure when it raised (save a reply with content that did not parse: the program's own 0);
+     `Scope.check` then stops the scope with `TooManyFailuresError` when more than `max_failure_rate` of a stage's
+     units failed: an outage must not pass for "nothing to learn".
 
 An attempt the provider did not answer has no answer: an LM call that failed (an `LMError`: a rate limit, a timeout,
 a lost connection, a prompt refused for its length or content), or a reply with nothing in it (no choices, or a

@@ -115,3 +115,26 @@ def test_a_file_of_another_program_is_refused_naming_what_each_holds(tmp_path):
     with pytest.raises(ValueError, match=r"no saved state for predictors \['draft', 'check'\]; the file holds "
                                          r"\['solve'\] and this program has \['draft', 'check'\]"):
         load_program(Two(), tmp_path / "other.json")
+
+
+def test_a_file_whose_field_changed_type_is_refused_naming_both_types(tmp_path):
+    class Worded(dspy.Signature):
+        """Answer the question."""
+        question: str = dspy.InputField()
+        answer: str = dspy.OutputField()
+
+    class Counted(dspy.Signature):
+        """Answer the question."""
+        question: str = dspy.InputField()
+        answer: int = dspy.OutputField()
+
+    saved = dspy.ChainOfThought(Worded)
+    saved.predict.demos = [dspy.Example(question="How many legs has a cat?", reasoning="Cats walk on four.",
+                                        answer="four")]
+    save_program(saved, tmp_path / "worded.json")
+    with pytest.raises(ValueError, match=r"predictor 'predict': field 'answer' was saved as str and is int in this "
+                                         r"program"):
+        load_program(dspy.ChainOfThought(Counted), tmp_path / "worded.json")
+    assert load_program(dspy.ChainOfThought(Worded), tmp_path / "worded.json").predict.demos[0]["answer"] == "four"
+    saved.save(str(tmp_path / "stock.json"))  # stock DSPy's file records no types: nothing to compare, it loads
+    assert load_program(dspy.ChainOfThought(Counted), tmp_path / "stock.json").predict.demos[0]["answer"] == "four"

@@ -160,7 +160,7 @@ def save_program(program: dspy.Module, path: str | Path) -> Path:
     for value in state.values():
         if isinstance(value, dict) and "lm" in value:
             value["lm"] = None
-    state["metadata"] = {"dependency_versions": _versions(), "saved_by": "tfgrpo"}
+    state["metadata"] = {"dependency_versions": _versions(), "saved_by": "tfgrpo", "field_types": field_types(program)}
     if isinstance(provenance := getattr(program, PROVENANCE_KEY, None), dict):  # stock DSPy reads past it
         state["metadata"][PROVENANCE_KEY] = provenance
     return write_atomic(path, json.dumps(state, indent=2, ensure_ascii=False))
@@ -186,7 +186,8 @@ def load_program(program: dspy.Module, path: str | Path, target_predictors: list
             library = ExperienceLibrary.from_state(state[LIBRARY_KEY])
         except ValueError as exc:
             raise ValueError(f"{path}: {exc}") from exc
-    provenance = (state.get("metadata") or {}).get(PROVENANCE_KEY) if isinstance(state.get("metadata"), dict) else None
+    metadata = state.get("metadata") if isinstance(state.get("metadata"), dict) else {}
+    provenance, saved_types = metadata.get(PROVENANCE_KEY), metadata.get("field_types")
     if isinstance(program, dspy.Predict):  # a bare predictor was saved as one flat state
         state = {"self": {k: v for k, v in state.items() if k not in (LIBRARY_KEY, "metadata")}}
     names = [name for name, _ in program.named_predictors()]
@@ -195,9 +196,15 @@ def load_program(program: dspy.Module, path: str | Path, target_predictors: list
         held = [k for k, v in state.items() if isinstance(v, dict) and "signature" in v]
         raise ValueError(f"{path}: no saved state for predictors {missing}; the file holds {held} and this program "
                          f"has {names}: was it saved from this program?")
+    own_types = field_types(program)
     for name, predictor in program.named_predictors():
         if problem := _saved_disagrees(state[name], predictor, library):
             raise ValueError(f"{path}: predictor {name!r}: {problem}")
+        saved, own = saved_types.get(name) if isinstance(saved_types, dict) else None, own_types[name]
+        if isinstance(saved, dict) and (changed := [f for f in own if f in saved and saved[f] != own[f]]):
+            raise ValueError(f"{path}: predictor {name!r}: field {changed[0]!r} was saved as {saved[changed[0]]} and "
+                             f"is {own[changed[0]]} in this program: its demos hold values of the type it had. Load it "
+                             "into the program as it was saved, or compile the program again")
     def load_into(target: dspy.Module) -> None:
         for name, predictor in target.named_predictors():
             predictor.load_state(state[name])
@@ -248,6 +255,14 @@ def _saved_disagrees(saved: dict, predictor: dspy.Predict, library: ExperienceLi
     return (f"the experience block in its instructions and the stored experience_library disagree ({what}). Neither "
             f"is taken over the other: edit both alike, or delete the {LIBRARY_KEY!r} key to keep the block as "
             "written (the experiences' history is then lost)")
+
+
+def field_types(program: dspy.Module) -> dict[str, dict[str, str]]:
+    """Each predictor's fields with their types by name (`list[Answer]`, module paths left out: a class keeps its
+    name when the file that defines it is run as a script), which a saved program records and a load compares."""
+    return {name: {field: re.sub(r"\b(?:\w+\.)+(\w)", r"\1", t.__name__ if isinstance(t := info.annotation, type)
+                                 else str(t)) for field, info in predictor.signature.fields.items()}
+            for name, predictor in program.named_predictors()}
 
 
 def _targets_with_block(program: dspy.Module) -> list[str] | None:

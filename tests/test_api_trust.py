@@ -216,20 +216,38 @@ def test_the_plan_is_the_run_the_budget_lets_go(caplog):
     assert rollouts == total["steps"] * plan.expected["per_step"]["rollout"]["calls"] == 2000
 
 
-def test_a_reflection_lm_that_answers_only_in_its_reasoning_gets_a_hint(caplog):
-    """A reflection model whose replies carry nothing in their content (all of it in reasoning_content) fails each
-    learning call; the failure says why, first, not only DSPy's parse error."""
+def _reply(choices: list[dict]) -> dict:
+    return {"id": "r", "object": "chat.completion", "created": 0, "model": "reflector", "choices": choices,
+            "usage": {"prompt_tokens": 9, "completion_tokens": 0, "total_tokens": 9}}
+
+
+def _choice(finish: str, **message) -> list[dict]:
+    return [{"index": 0, "message": {"role": "assistant", "content": "", **message}, "finish_reason": finish}]
+
+
+@pytest.mark.parametrize("kind, reply", [
+    ("no choices", _reply([])),
+    ("empty", _reply(_choice("stop"))),
+    ("filtered", _reply(_choice("content_filter"))),
+    ("cut", _reply(_choice("length"))),
+    ("reasoning", _reply(_choice("stop", reasoning_content="First I weigh the attempts."))),
+    ("reasoning, cut", _reply(_choice("length", reasoning_content="First I weigh the attempts and then"))),
+])
+def test_a_reflection_reply_with_nothing_in_it_says_what_came_back_and_the_fix(caplog, kind, reply):
+    """A reflection LM whose replies have nothing to read fails each learning call; the failure names what came back
+    (no choices, an empty content, a filter, a cut, only reasoning) and the fix that fits it, first."""
     from test_optimizer import compile_with
 
-    from tfgrpo.optimizers.runner import EMPTY_HINT
+    from tfgrpo.optimizers.workers import EMPTY_REPLIES
+    from tfgrpo.testing.billing import BillingServer
 
-    student = ScriptedLM(learner())
-    silent = ScriptedLM(lambda messages, kwargs: "")  # an empty content: the answer went into the reasoning
-    with caplog.at_level(logging.WARNING, logger="tfgrpo"):
-        compiled = compile_with(student, dspy.Predict("question -> answer"), reflection_lm=silent,
-                                learning_path="paper", max_failure_rate=1.0)
+    with BillingServer(lambda body: reply) as server, caplog.at_level(logging.WARNING, logger="tfgrpo"):
+        compiled = compile_with(ScriptedLM(learner()), dspy.Predict("question -> answer"),
+                                reflection_lm=server.lm("reflector", cache=False), learning_path="paper",
+                                max_failure_rate=1.0)
     assert compiled.detailed_results.steps[0].learning_failures > 0
-    assert EMPTY_HINT[:60] in caplog.text
+    failures = [r.getMessage() for r in caplog.records if " of query " in r.getMessage()]
+    assert failures and all(f"failed ({EMPTY_REPLIES[kind]} (" in m for m in failures), failures[:1]
 
 
 class Biller(ThreadingHTTPServer):

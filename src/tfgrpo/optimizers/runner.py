@@ -49,8 +49,8 @@ from tfgrpo.optimizers.knobs import Knobs
 from tfgrpo.optimizers.records import Attempt, Demo, Failed, Group, Lessons, Scored, Verdict
 from tfgrpo.optimizers.rewards import score_attempt
 from tfgrpo.optimizers.spend import Budget, BudgetExhausted, UsageMeter, add_usage
-from tfgrpo.optimizers.workers import (EMPTY_REPLY, AsyncWorkers, RayAttempts, StageBars, Workers, arun_attempt,
-                                       rebuilt, rollout_id, run_program, typed, with_own_lms)
+from tfgrpo.optimizers.workers import (EMPTY_REPLIES, EMPTY_REPLY, AsyncWorkers, RayAttempts, StageBars, Workers,
+                                       arun_attempt, empty_reply, rebuilt, rollout_id, run_program, typed, with_own_lms)
 from tfgrpo.programs.library import ApplyReport, ExperienceLibrary
 from tfgrpo.programs.render import MAX_ATTEMPT_CHARS, MAX_FEEDBACK_CHARS
 
@@ -274,13 +274,17 @@ def _attempt_failure(attempt: Attempt) -> str | None:
 
 
 def _or_failed(fn: Callable[[], Any]) -> Any:
-    """`fn()`, a learning call, or the `Failed` it raised (a failed learning call is counted, not fatal)."""
+    """`fn()`, a learning call, or the `Failed` it raised (a failed learning call is counted, not fatal). The call's
+    LM replies are recorded on a module of its own in DSPy's caller list, so that a reply with nothing in it can be
+    named."""
+    replies = dspy.Module()
     try:
-        return fn()
+        with dspy.context(caller_modules=[*(dspy.settings.caller_modules or []), replies]):
+            return fn()
     except BudgetExhausted:
         raise
     except Exception as exc:
-        return Failed(_why(exc))
+        return Failed(_why(exc, replies.history))
 
 
 class Scope:
@@ -519,14 +523,14 @@ class Held(BaseException):
         self.stage, self.keep = stage, keep or {}  # keep: what the group saves once the check has passed, by key
 
 
-EMPTY_HINT = ("the reflection LM's reply had nothing in it to read (no choices, or an empty content): a provider that "
-              "sent nothing (an outage, a content filter: a resume asks again), a reply cut at max_tokens, or a "
-              "reasoning model that put all of it in its reasoning (reasoning_content): check the provider, give the "
-              "model more max_tokens, or use one that answers in its content")
-
-
-def _why(exc: BaseException) -> str:
-    """A failed learning call's error as text, its hint first where the reply had nothing in it (`EMPTY_HINT`), since
-    the error's own text is long and its end gets cut in logs."""
+def _why(exc: BaseException, history: list[dict]) -> str:
+    """A failed learning call's error as text; where its reply had nothing in it, what came back (no choices, a filter,
+    a cut, only reasoning: `empty_reply` over the call's `history`) and the fix that fits, first, since the error's
+    own text is long and its end gets cut in logs."""
     text = f"{type(exc).__name__}: {exc}"
-    return f"{EMPTY_HINT} ({text})" if EMPTY_REPLY in text else text
+    if EMPTY_REPLY not in text:
+        return text
+    kind = empty_reply(history)
+    said = EMPTY_REPLIES[kind] if kind else ("the reflection LM's reply had nothing in it (no choices, or an empty "
+                                             "content); its history was off, so what came back is not known")
+    return f"{said} ({text})"

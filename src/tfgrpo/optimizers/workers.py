@@ -209,6 +209,50 @@ def no_answer(exc: BaseException) -> bool:
     return isinstance(exc, LMError) or (isinstance(exc, AdapterParseError) and EMPTY_REPLY in str(exc))
 
 
+# what a reply with nothing to read held (`empty_reply`), and the fix that fits it
+EMPTY_REPLIES = {
+    "no choices": "the provider sent no choices at all (a fault on its side, an outage or a refusal): a resume asks "
+                  "again; check the provider's status",
+    "filtered": "the provider's content filter emptied the reply (finish_reason content_filter): asked again, the same "
+                "prompt is likely filtered again; see what the learning prompts quote (the task inputs and attempts)",
+    "reasoning, cut": "the model put all of its reply in its reasoning (reasoning_content) and was cut at max_tokens "
+                      "before any content: give the reflection LM more max_tokens, or lower its reasoning effort",
+    "reasoning": "the model put all of its reply in its reasoning (reasoning_content), none in its content: use a "
+                 "reflection model that answers in its content, or lower its reasoning effort",
+    "cut": "the reply was cut at max_tokens before any content (finish_reason length): give the reflection LM more "
+           "max_tokens",
+    "empty": "the provider sent an empty content (finish_reason stop): a fault on its side; a resume asks again",
+}
+
+
+def empty_reply(history: list[dict]) -> str | None:
+    """Which of `EMPTY_REPLIES` the last reply with nothing to read in `history` (DSPy's records of LM calls, a
+    response each: DSPy's own or LiteLLM's) was, or None where none was empty or none was recorded."""
+    def get(obj: Any, name: str) -> Any:
+        return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
+
+    for entry in reversed(history):
+        if any(isinstance(o, str) and o.strip() or isinstance(o, dict) and ((o.get("text") or "").strip() or
+                                                                            o.get("tool_calls"))
+               for o in entry.get("outputs") or []):
+            continue  # a reply with something in it
+        response = entry.get("response")
+        raw = get(response, "provider_data") if isinstance(get(response, "provider_data"), dict) else response
+        choices = get(raw, "choices")
+        if isinstance(choices, list) and not choices:
+            return "no choices"
+        choice = choices[0] if choices else None
+        finish = get(choice, "finish_reason") if choice is not None else get(response, "finish_reason")
+        parts = get(get(response, "message"), "parts") or ()
+        thought = get(get(choice, "message"), "reasoning_content") or any(get(p, "type") == "thinking" for p in parts)
+        if finish == "content_filter":
+            return "filtered"
+        if thought:
+            return "reasoning, cut" if finish == "length" else "reasoning"
+        return "cut" if finish == "length" else "empty"
+    return None
+
+
 def answered(record: Any) -> bool:
     """Whether a reply DSPy caches (`dspy.cache`: its own record of a call, or a provider's raw response) holds
     anything: a text or a tool call in some choice. A record of another kind (an embedding) counts as answered."""

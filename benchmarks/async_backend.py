@@ -93,13 +93,13 @@ def main(argv=None) -> int:
         rows.append(one(backend, int(in_flight), args))
         r = rows[-1]
         print(f"{backend}:{in_flight}: wall_s={r['wall_s']:.2f} floor_s={r['floor_s']:.2f} "
-              f"ratio={r['wall_s'] / r['floor_s']:.2f} answered={r['answered']} share_429={r['share_429']:.2f} "
+              f"ratio={r['wall_s'] / r['floor_s']:.2f} answered={r['answered']} share_429={r['share_429']:.3f} "
               f"rss_mib={r['rss_mib']:.0f} lost={r['lost']} server_max_in_flight={r['max_in_flight']}", flush=True)
     equal = all(r["answered"] == rows[0]["answered"] and r["library"] == rows[0]["library"] for r in rows)
     last = next(r for r in reversed(rows) if r["backend"] == "async")
     threads = ",".join(f"{r['in_flight']}:{r['wall_s']:.2f}" for r in rows if r["backend"] == "threads")
     print(f"async: in_flight={last['in_flight']} wall_s={last['wall_s']:.2f} threads_wall_s={threads or '-'} "
-          f"floor_s={last['floor_s']:.2f} share_429={last['share_429']:.2f} "
+          f"floor_s={last['floor_s']:.2f} share_429={last['share_429']:.3f} "
           f"calls_equal={'true' if equal else 'false'}")
     return 0
 

@@ -12,7 +12,7 @@ the pool and a demo-led attempt as the demo's program, and reports what the kept
 training puzzles. No held-out puzzle is read: settings are chosen here, on training puzzles, and confirmed on
 held-out ones by `benchmarks.peers`. Its figures are leads, not results: its probe runs every candidate on every query
 and its student is a draw from a fixed pool (a probe of 4 that tied the default here lost on held-out puzzles:
-docs/measurements.md).
+benchmarks/measurements.md).
 
     .venv/bin/python -m benchmarks.replay --collect 120            # sample the pool (~25 min on 2 cores)
     .venv/bin/python -m benchmarks.replay                          # replay every mechanism, with and without

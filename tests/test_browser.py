@@ -3,8 +3,9 @@ into a SQLite store in tmp_path, `mlflow server` serves it on 127.0.0.1 only, an
 overview, its library.md and its learning_curve.png. Each page's screenshot is saved (under tmp_path, or the folder
 $TFGRPO_BROWSER_SHOTS names) and its rendered text (--dump-dom) is checked, beside MLflow's REST API.
 
-The documentation site too: built as CI builds it (mkdocs build --strict), served on 127.0.0.1, its home page loaded
-at a laptop's width (1280 px) and a phone's (390 px), and measured in the page by a script the test adds to it.
+The documentation site too: built as CI builds it (mkdocs build --strict), served on 127.0.0.1, its home page and
+then every page loaded at a laptop's width (1280 px) and a phone's (390 px), and measured in the page by a script the
+test adds to it.
 
 Chromium comes from Debian's packages (`apt-get install -y chromium`); without it the test is skipped, unless
 TFGRPO_REQUIRE_BROWSER is set (CI, where a skip would hide that the check never ran)."""
@@ -250,3 +251,40 @@ def test_the_docs_home_page_reads_on_a_laptop_and_a_phone(tmp_path):
     assert not laptop["scrolled"], f"at 1280 px the home page's code and tables fit: {laptop['scrolled']}"
     assert phone["overflow"] <= 0 and not phone["cut"], phone["cut"]  # at 390 px code scrolls in its box: not cut
     assert phone["tables"] > 0 and not phone["split"] and not phone["breaking"], (phone["split"], phone["breaking"])
+
+
+def test_every_docs_page_reads_on_a_laptop_and_a_phone(tmp_path):
+    """Every page of the built site at 1280 px and at 390 px (in a frame of that width): the page never scrolls
+    sideways and nothing in it is cut off; at 1280 no code block needs scrolling; at 390 no word of a table cell is
+    split across lines (no column narrower than its longest word). A screenshot of each page at each width is kept
+    (under $TFGRPO_BROWSER_SHOTS, which CI keeps)."""
+    require_chromium()
+    pytest.importorskip("mkdocstrings_handlers.python", reason="the docs extra is not installed")
+    site = tmp_path / "site"
+    build = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert build.returncode == 0, build.stderr[-3000:]
+    shots = Path(os.environ.get("TFGRPO_BROWSER_SHOTS") or tmp_path / "screenshots") / "pages"
+    shots.mkdir(parents=True, exist_ok=True)
+    pages = sorted(p.parent for p in site.rglob("index.html")
+                   if not {"assets", "search", "404"} & set(p.relative_to(site).parts))
+    problems = []
+    with served(site) as base:
+        for folder in pages:
+            name = folder.relative_to(site).as_posix()
+            page = folder / "index.html"
+            page.write_text(page.read_text(encoding="utf-8").replace("</body>", MEASURE + "</body>"), encoding="utf-8")
+            (folder / "phone.html").write_text(PHONE, encoding="utf-8")
+            url, shot = f"{base}/{name}/".replace("/./", "/"), name.replace("/", "-").strip(".") or "home"
+            laptop, _ = measured(url, 1280, shots / f"{shot}-1280.png")
+            phone, _ = measured(url + "phone.html", 500, shots / f"{shot}-390.png")
+            problems += [f"{shot} at 1280: {p}" for p in [*(["the page scrolls sideways"] if laptop["overflow"] > 0
+                                                             else []), *laptop["cut"],
+                                                           *(s for s in laptop["scrolled"] if s.startswith(
+                                                               ("overflows: pre", "overflows: code")))]]
+            problems += [f"{shot} at 390: {p}" for p in [*(["the page scrolls sideways"] if phone["overflow"] > 0
+                                                            else []), *phone["cut"],
+                                                          *(f"a word split in a table: {w}" for w in phone["split"]),
+                                                          *(f"a cell that breaks words: {c}" for c in phone["breaking"])]]
+    assert len(pages) > 20, pages
+    assert not problems, f"{len(problems)} problems:\n" + "\n".join(problems[:80])

@@ -188,7 +188,7 @@ def test_the_dry_run_is_described_one_way():
     """Issue 77: the --dry-run help, the reference config and the CLI page say the same words."""
     assert DRY_RUN in " ".join(invoke("compile", "-h").output.split())
     assert f"--dry-run: {DRY_RUN}" in invoke("config", "--reference").output
-    assert f"--dry-run          # {DRY_RUN}" in (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
+    assert f"`tfgrpo compile CONFIG --dry-run`: {DRY_RUN}" in (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
     for text in ("call nothing", "nothing is called", "upper bounds of calls and tokens"):
         assert text not in invoke("compile", "-h").output + invoke("config", "--reference").output
 

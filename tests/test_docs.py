@@ -216,15 +216,14 @@ def test_the_presets_table_is_the_code_s():
 
 
 def user_pages() -> list[Path]:
-    """The site's pages a user reads (every page of the navigation but the measurement record) and the README."""
+    """The site's pages a user reads (every page of the navigation) and the README."""
     def walk(items):
         for item in items:
             for value in item.values():
                 yield from walk(value) if isinstance(value, list) else [value]
 
     nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
-    record = {"measurements.md", "measurement-log.md"}
-    return [ROOT / "docs" / page for page in walk(nav) if page not in record] + [ROOT / "README.md"]
+    return [ROOT / "docs" / page for page in walk(nav)] + [ROOT / "README.md"]
 
 
 MAIN_JOB = ROOT / "benchmarks" / "results" / "main-job.md"  # what the main job gives: its one statement
@@ -251,11 +250,28 @@ def test_what_the_main_job_gives_is_stated_in_one_place():
 
 
 def test_no_user_page_says_how_the_project_was_made():
-    """No issue number, commit hash, session or superseded arm on a page a user reads: the pages say what the
-    software does and what was measured, by which command."""
-    words = re.compile(r"\bissues? \d+|\(issue\b|\bsessions?\b|\bsuperseded\b|\bleft off\b", re.I)
+    """No issue number, commit hash, session or superseded arm on a page a user reads, nor in what a page includes
+    (`--8<--`: the results tables, the main job's paragraph): the pages say what the software does and what was
+    measured, by which command."""
+    words = re.compile(r"\bissues? \d+|\(issue\b|\bsessions?\b|\bsuperseded\b|\bleft off\b|\bsince removed\b",
+                       re.I)
     commit = re.compile(r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b")
-    found = [f"{path.relative_to(ROOT)}:{i}: {m.group(0)}" for path in user_pages()
+    pages = user_pages()
+    pages += sorted({ROOT / m for page in pages for m in re.findall(r'^--8<-- "([^"]+)"', page.read_text(
+        encoding="utf-8"), re.M)})
+    found = [f"{path.relative_to(ROOT)}:{i}: {m.group(0)}" for path in pages
              for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
              for m in [*words.finditer(line), *commit.finditer(line)]]
     assert not found, "\n".join(found)
+
+
+def test_every_result_line_the_benchmarks_page_quotes_is_in_the_record():
+    """docs/benchmarks.md quotes benchmarks' last lines (`faults: injected=...`); each is in the full record
+    (benchmarks/measurements.md, benchmarks/README.md or a file under benchmarks/results/), word for word."""
+    record = [ROOT / "benchmarks" / "measurements.md", ROOT / "benchmarks" / "README.md",
+              *(p for p in (ROOT / "benchmarks" / "results").rglob("*") if p.suffix in (".md", ".txt", ".json"))]
+    held = " ".join(" ".join(p.read_text(encoding="utf-8").split()) for p in record)
+    quoted = re.findall(r"`([a-z_]+: [a-z_0-9]+=[^`]+)`", (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8"))
+    assert quoted, "the page quotes no benchmark's line"
+    missing = [line for line in quoted if " ".join(line.split()) not in held]
+    assert not missing, f"docs/benchmarks.md quotes lines the record does not hold: {missing}"

@@ -88,7 +88,7 @@ def knob(default: Any, check: Check, doc: str, *, fingerprinted: bool = False) -
 # up to 2 of the model's own winning attempts as demos, every edit probed on 8 other training queries, and the run
 # ending where a probe could not tell edits apart or nothing is left to learn. "medium" and "heavy" are the same settings
 # with larger budgets. "paper" is the paper's setting for capable models, its budget the paper's run (3 epochs of 100
-# queries x 5 attempts). The figures behind each are in docs/measurements.md.
+# queries x 5 attempts). The figures behind each are in benchmarks/measurements.md.
 SMALL_MODEL = dict(num_generations=4, batch_size=4, max_operations_per_group=1, max_demos=2, probe_size=8,
                    probe_min_power=0.4, stop_when_nothing_to_learn=True)
 PRESETS = {

@@ -331,7 +331,7 @@ class WorthResult(_Record):
     program_runs: int
 
     def line(self, task: str, seed: int) -> str:
-        """The one-line summary docs/measurements.md keeps per run."""
+        """The one-line summary benchmarks/measurements.md keeps per run."""
         return (f"worth: task={task} seed={seed} items={len(self.items)} library={self.library:+.3f} "
                 f"ci_low={self.library_ci95[0]:+.3f} control={self.control:+.3f} "
                 f"ci_low_vs_control={self.control_ci95[0]:+.3f} pruned={len(self.pruned)}")

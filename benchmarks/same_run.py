@@ -4,7 +4,7 @@ Made to check that a change of the code changes nothing it does not mean to: com
 after, on one DSPy cache (the second compile then sends no LM call: its `policy: 0 new calls` line says so), and
 compare the two run directories. A step record's timings and usage (calls that reached the provider: none from the
 cache) are left out, and so is any field named with `--ignore` (a removed mechanism's own record); a program is
-compared without its provenance (where it learned).
+compared without its metadata (where it learned, the versions and types it was saved with).
 
     DSPY_CACHEDIR=/tmp/cache tfgrpo compile configs/local.toml      # at each commit, each into its own run_dir
     python -m benchmarks.same_run BEFORE_RUN_DIR AFTER_RUN_DIR [--ignore evidence,details.excerpts]
@@ -23,11 +23,11 @@ TIMINGS = ("usage", "seconds", "wall_s", "usage_before_resume")
 
 
 def saved(path: Path) -> dict:
-    """A saved file's data; of a program, without its provenance (where it learned: the models, the knobs, the steps),
-    which says where it was made, not what it computes."""
+    """A saved file's data; of a program, without its metadata (where it learned, the versions and field types it was
+    saved with), which says how it was made and saved, not what it computes (its predictors' state holds that)."""
     data = json.loads(path.read_text())
     if isinstance(data.get("metadata"), dict):
-        data["metadata"].pop("provenance", None)
+        data.pop("metadata")
     return data
 
 

@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 import tfgrpo.lms
+from tfgrpo.config import tomllib
 from tfgrpo.optimizers.knobs import KNOBS
 from tfgrpo.optimizers.records import EpochResult, StepResult, TrainingFreeGRPOResult
 from tfgrpo.optimizers.training_free_grpo import TrainingFreeGRPO
@@ -275,3 +276,22 @@ def test_every_result_line_the_benchmarks_page_quotes_is_in_the_record():
     assert quoted, "the page quotes no benchmark's line"
     missing = [line for line in quoted if " ".join(line.split()) not in held]
     assert not missing, f"docs/benchmarks.md quotes lines the record does not hold: {missing}"
+
+
+FIGURES = ROOT / "benchmarks" / "results" / "figures.toml"  # what setup and the tests take: their one statement
+
+
+def test_setup_and_the_tests_are_given_one_figure_each():
+    """The time setup takes and the size and time of the test suite are benchmarks/results/figures.toml's, wherever
+    a user page or the README states them."""
+    figures = tomllib.loads(FIGURES.read_text(encoding="utf-8"))
+    said = {"setup": r"\b\d+(?:-\d+)? s on (?:this |a )?2-core", "tests": r"~?\b\d[\d,]* tests\b",
+            "tests_time": r"\b\d+(?:-\d+)? minutes on 2 CPU cores, as CI"}
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    for name, figure in figures.items():
+        assert figure in readme, f"the README does not give {name} as {figure!r}"
+    found = [(path.relative_to(ROOT), name, m.group(0)) for path in user_pages()
+             for name, pattern in said.items()
+             for m in re.finditer(pattern, " ".join(path.read_text(encoding="utf-8").split()))
+             if not m.group(0).startswith(figures[name])]
+    assert not found, f"pages that give another figure than {FIGURES.relative_to(ROOT)}: {found}"

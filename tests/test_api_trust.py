@@ -3,6 +3,7 @@ choices, or a filtered empty content) is left out of its group and counted as a 
 wrong answer (checked against an OpenAI-compatible server of this test's own, the standard library's http.server, not
 tfgrpo.testing). A metric's long feedback reaches the learning calls cut, and said once."""
 
+import asyncio
 import json
 import logging
 import re
@@ -467,3 +468,50 @@ def test_a_config_sections_max_requests_per_minute_paces_its_lm(tmp_path):
         assert isinstance(pacer, RequestPacer) and pacer.per_minute == 500 and reflection is policy
     with pytest.raises(ValueError, match="at least 1"):
         RequestPacer(0)
+
+
+class SlowSums(ThreadingHTTPServer):
+    """Answers each sum after 0.3 s, noting when each request arrived (this process's monotonic clock)."""
+
+    def __init__(self):
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.daemon_threads, self.arrived = True, []
+
+    def reply(self, body: dict) -> dict:
+        self.arrived.append(time.monotonic())
+        time.sleep(0.3)
+        a, b = re.findall(r"What is (\d+) \+ (\d+)\?", body["messages"][-1]["content"])[-1]
+        content = f"[[ ## answer ## ]]\n{int(a) + int(b)}\n\n[[ ## completed ## ]]"
+        return {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}}
+
+
+def test_a_start_is_dated_when_dspys_own_client_sends_the_request(monkeypatch):
+    """DSPy's own client sends a request once one of its connections is free: a try that waited for one (here a
+    pool of one connection, three calls at once on the event loop, as backend="async" has hundreds) keeps its pacer
+    start in the window from when it was sent, not from when it was taken."""
+    from dspy._vendor.lm15.transports import _async
+
+    from tfgrpo.optimizers.spend import RequestPacer
+
+    one = _async._AsyncConnectionPool.__init__
+    monkeypatch.setattr(_async._AsyncConnectionPool, "__init__", lambda pool, _: one(pool, 1))
+    server = SlowSums()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    pacer = RequestPacer(100)
+    try:
+        lm = dspy.LM("openai/sums", api_base=f"http://127.0.0.1:{server.server_port}/v1", api_key="x", cache=False,
+                     num_retries=0, callbacks=[pacer])
+
+        async def three():
+            with dspy.context(lm=lm):
+                predict = dspy.Predict("question -> answer")
+                return await asyncio.gather(*(predict.acall(question=f"What is {i} + 1?") for i in range(3)))
+        answers = asyncio.run(three())
+    finally:
+        server.shutdown()
+    assert [a.answer for a in answers] == ["1", "2", "3"]
+    starts, arrived = sorted(s[0] for s in pacer._starts), sorted(server.arrived)
+    assert arrived[2] - arrived[0] >= 0.6, "one connection: each request waited for the one before"
+    assert all(abs(s - a) < 0.1 for s, a in zip(starts, arrived)), (starts, arrived)

@@ -123,8 +123,9 @@ class RequestPacer(BaseCallback):
     Each try of a call is paced where DSPy sends it, once its request is built (the first RequestPacer made installs
     the wait there, in `dspy.clients.execution`): a retry after a 429 or a timeout is paced as a request of its own,
     a call DSPy answers from its cache takes no start, and a coroutine (backend="async") waits on the event loop
-    without holding it. A try sent through LiteLLM has its start dated again when LiteLLM sends it (its pre-call
-    hook), since LiteLLM's first call sets itself up for a second or more after the start was taken. It paces the
+    without holding it. A start is dated again when its request is sent (LiteLLM's pre-call hook; DSPy's own client's
+    transports, where a request may first wait for a free connection), since that can be a second or more after the
+    start was taken (LiteLLM's first call sets itself up; a busy event loop). It paces the
     calls of one process: two compiles on one key each need a pacer at their share of the key's limit (two at 250 for
     a limit of 500). A provider's other limits (tokens a minute) are still met by its 429 and DSPy's retries
     (`num_retries`)."""
@@ -180,9 +181,10 @@ TRY_STARTS: contextvars.ContextVar[list[list[float]]] = contextvars.ContextVar("
 
 def _pace_tries() -> None:
     """Make every try of an LM call (DSPy's `_attempt`, once per retry) first take a start from each RequestPacer
-    among its LM's callbacks, and LiteLLM date those starts again when it sends the request; installed once per
-    process."""
+    among its LM's callbacks, dated again where its request is sent (LiteLLM's pre-call hook, or DSPy's own client's
+    transports); installed once per process."""
     import litellm  # (here: only a paced run pays for importing LiteLLM before its first call)
+    from dspy._vendor.lm15.transports import _async as lm15_async, _sync as lm15_sync
     from dspy.clients import execution
     from litellm.integrations.custom_logger import CustomLogger
 
@@ -208,17 +210,34 @@ def _pace_tries() -> None:
             TRY_STARTS.reset(token)
 
     class Sent(CustomLogger):
-        """LiteLLM's hook right before it sends a request: the current try's starts are dated now, when that is later
-        (a start stays in its pacer's window until a minute after the request left)."""
+        """LiteLLM's hook right before it sends a request."""
 
         def log_pre_api_call(self, model, messages, kwargs) -> None:
-            now = time.monotonic()
-            for taken in TRY_STARTS.get():
-                taken[0] = max(taken[0], now)
+            _sent()
+
+    def dated_send(transport, *args, **kwargs):
+        _sent()
+        return send(transport, *args, **kwargs)
+
+    async def dated_asend(transport, *args, **kwargs):
+        _sent()
+        return await asend(transport, *args, **kwargs)
 
     paced_attempt.paced = paced_aattempt.paced = True
     execution._attempt, execution._aattempt = paced_attempt, paced_aattempt
     litellm.input_callback.append(Sent())
+    # DSPy's own client writes each request in its transports' `_send_request`, after waiting for a free connection
+    # (on a busy event loop, seconds after the start was taken)
+    send, asend = lm15_sync.StdlibTransport._send_request, lm15_async.StdlibAsyncTransport._send_request
+    lm15_sync.StdlibTransport._send_request, lm15_async.StdlibAsyncTransport._send_request = dated_send, dated_asend
+
+
+def _sent() -> None:
+    """The current try's request leaves now: its starts are dated now, when that is later (a start stays in its
+    pacer's window until a minute after its request left)."""
+    now = time.monotonic()
+    for taken in TRY_STARTS.get():
+        taken[0] = max(taken[0], now)
 
 
 def _pacers_of(lm: Any) -> list[RequestPacer]:

@@ -232,9 +232,7 @@ def empty_reply(history: list[dict]) -> str | None:
         return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
 
     for entry in reversed(history):
-        if any(isinstance(o, str) and o.strip() or isinstance(o, dict) and ((o.get("text") or "").strip() or
-                                                                            o.get("tool_calls"))
-               for o in entry.get("outputs") or []):
+        if _holds_text(entry.get("outputs") or []):
             continue  # a reply with something in it
         response = entry.get("response")
         raw = get(response, "provider_data") if isinstance(get(response, "provider_data"), dict) else response
@@ -269,6 +267,12 @@ def answered(record: Any) -> bool:
                 message = {"content": getattr(message, "content", None), "tool_calls": getattr(message, "tool_calls",
                                                                                               None)}
             outputs.append({"text": message.get("content"), "tool_calls": message.get("tool_calls")})
+    return _holds_text(outputs)
+
+
+def _holds_text(outputs: list) -> bool:
+    """Whether some output of an LM call (DSPy's outputs: a text, or a dict with "text" and "tool_calls") has a text or
+    a tool call in it."""
     return any(bool(o.strip()) if isinstance(o, str) else
                isinstance(o, dict) and bool((o.get("text") or "").strip() or o.get("tool_calls")) for o in outputs)
 

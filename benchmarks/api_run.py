@@ -53,7 +53,7 @@ from pathlib import Path
 # isort: off
 import benchmarks  # noqa: F401  (before dspy: LiteLLM's bundled price map, no fetch)
 import dspy
-from benchmarks.log_dir_checks import unit_files
+from benchmarks.log_dir_checks import record_keys, resent, unit_files
 from tfgrpo.optimizers import TrainingFreeGRPO
 from tfgrpo.optimizers.spend import RequestPacer
 from tfgrpo.programs import load_program, save_program
@@ -212,15 +212,16 @@ def main() -> None:
           f"{full['cached_tokens']:,} of {full['prompt_tokens']:,} prompt tokens cached, "
           f"{full['statuses'].get('429', 0)} answers 429, {sum(s.failed_calls for s in steps)} attempts failed")
     budget = round(cost * args.budget_share, 6)
-    with simulator(args.rate429) as server:  # 2. a cost budget, charged before each unit
+    with simulator(args.rate429) as server:  # 2. a cost budget, charged before each call
         _, _, stopped = compile_on(server, root / "budgeted", args, max_cost=budget)
         cut = server.stats()
-    saved = unit_files(root / "budgeted")
+    saved, keys = unit_files(root / "budgeted"), record_keys(root / "budgeted")
     with simulator(args.rate429) as server:  # 3. resumed with a larger budget
         _, _, resumed = compile_on(server, root / "budgeted", args)
         rest = server.stats()
     after = unit_files(root / "budgeted")
-    redone = sum(after.get(path) != sig for path, sig in saved.items())
+    redone = sum(after.get(path) != sig for path, sig in saved.items() if path != "run.json") + \
+        len(resent(root / "budgeted", keys))
     print(f"run 2: stopped early: {stopped.detailed_results.stopped_early}; ${cut['billed_usd']:.4f} billed")
     print(f"run 3: {len(billed_calls(rest))} calls, library equal to run 1's: "
           f"{resumed.experience_library.texts() == compiled.experience_library.texts()}, redone={redone}")

@@ -16,7 +16,8 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.log_dir_checks import library_problems, signature, torn_files, unit_files, units_per_kind
+from benchmarks.log_dir_checks import (library_problems, record_keys, resent, signature, torn_files, unit_files,
+                                       units_per_kind)
 from tfgrpo.testing import FAULTS, KINDS, FakeLMServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -162,22 +163,24 @@ def run_child(server: FakeLMServer, log_dir: Path, opts: dict, kill_after: int |
 def kill_and_resume(make_server, root: Path, opts: dict, kill_after: int, kill_kind: str | None = None,
                     between=None) -> dict:
     """Kill a compile at its `kill_after`-th call (of `kill_kind`), resume it in a new process, and account for
-    the calls: per kind, those of the killed run, those of the resumed run, and the units finished at the kill.
+    the calls: per kind, those of the killed run, those of the resumed run, and those the record held at the kill;
+    and what the resume did again (`rewritten`: a saved file written again, or a recorded call sent again).
     `between(server, log_dir)` runs after the kill, before the resume (its result is under "between")."""
     log_dir = root / f"run_kill{kill_after}{kill_kind or ''}"
     with make_server() as server:
         code, _, text, killed = run_child(server, log_dir, opts, kill_after=kill_after, kill_kind=kill_kind)
         time.sleep(0.05)  # requests the dead process had already sent still arrive and count as its calls
         at_kill = server.stats()
-        files = unit_files(log_dir)
+        files, keys, done = unit_files(log_dir), record_keys(log_dir), units_per_kind(log_dir)
         meanwhile = between(server, log_dir) if between else None
         code2, result, text2, _ = run_child(server, log_dir, opts)
         after = server.stats()
     resumed = {k: after["kinds"][k]["calls"] - at_kill["kinds"][k]["calls"] for k in KINDS}
     rewritten = [f for f, sig in files.items()
                  if f != "run.json" and (log_dir / f).exists() and signature(log_dir / f) != sig]
+    rewritten += [f"calls.jsonl: {key}" for key in resent(log_dir, keys)]
     return {"between": meanwhile, "log_dir": log_dir, "killed": killed, "kill_exit": code, "exit": code2, "result": result, "output": text + text2,
-            "killed_calls": calls(at_kill), "resumed_calls": resumed, "done_units": units_per_kind(files),
+            "killed_calls": calls(at_kill), "resumed_calls": resumed, "done_units": done,
             "rewritten": rewritten, "faults": {k: after["faults"][k] for k in FAULTS}}
 
 
@@ -187,7 +190,7 @@ def server(latency: float = 0.005, **faults_kw) -> FakeLMServer:
 
 def corrupted(opts: dict, results: list, log_dirs: list[Path]) -> int:
     states = [r["library"] for r in results if r and r.get("library")]
-    states += [json.loads(p.read_text())["library"] for d in log_dirs for p in d.glob("steps/*/done.json")]
+    states += [json.loads(p.read_text())["library"] for d in log_dirs for p in d.glob("steps/*.json")]
     return sum(bool(library_problems(s, max_experiences=opts["max_experiences"])) for s in states) + \
         sum(len(torn_files(d)) for d in log_dirs if d.exists())
 

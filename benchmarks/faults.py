@@ -4,7 +4,7 @@ For each fault type (at `--rate`) this runs an uninterrupted compile, then the s
 SIGKILL after a share of its LM calls and resumed from its log_dir, all in child processes against one fake
 LM server per run. It reports faults injected, crashes (a child dying of anything but the kill or the
 documented failure-rate stop), corrupted libraries (a saved state that fails the library's invariants),
-finished units redone after the resume (checkpoint files present at the kill and written again), and
+work redone after the resume (a finished step's file written again, or an LM call the record held sent again), and
 whether the resumed library equals the uninterrupted one, ending with the line
 `faults: injected=<n> crashes=<n> corrupted=<n> redone=<n> resumed_equal=<true|false>`.
 
@@ -44,7 +44,7 @@ from pathlib import Path
 
 from benchmarks.fault_child import (DEFAULTS, LEARNING, STOPPED, calls, corrupted, kill_and_resume, run_child, server,
                                     size)
-from benchmarks.log_dir_checks import signature, unit_files
+from benchmarks.log_dir_checks import record_keys, resent, signature, unit_files
 from benchmarks.stop_rows import stop_rows
 from benchmarks.trust_rows import trust_rows
 from tfgrpo.testing import FAULTS
@@ -112,12 +112,13 @@ def outage_row(root: Path, opts: dict) -> dict:
     with server(faults={"http500": 1.0}, fault_kinds=LEARNING) as srv:
         code_out, out, text_out, _ = run_child(srv, log, opts)
         out_stats = srv.stats()
-    not_done = code_out == STOPPED and (out or {}).get("status") == "stopped" and not list(log.glob("steps/*/done.json"))
-    files = unit_files(log)
+    not_done = code_out == STOPPED and (out or {}).get("status") == "stopped" and not list(log.glob("steps/*.json"))
+    files, keys = unit_files(log), record_keys(log)
     with server() as srv:
         code_res, res, text_res, _ = run_child(srv, log, opts)
         res_calls = sum(calls(srv.stats()).values())
     rewritten = [f for f, sig in files.items() if (log / f).exists() and signature(log / f) != sig]
+    rewritten += resent(log, keys)
     equal = bool(ref and res) and ref["status"] == res["status"] == "ok" and ref["library"] == res["library"]
     return dict(name="reflection_outage", injected=sum(out_stats["faults"].values()),
                 crashes=sum(c not in (0, STOPPED) for c in (code_ref, code_out, code_res)),
@@ -137,8 +138,8 @@ def calls_per_bad_reply(root: Path, opts: dict) -> str:
 
 
 def budget_without_history(root: Path, opts: dict) -> str:
-    """max_total_tokens=1 under dspy.configure(disable_history=True): the run must stop inside its first step (each unit
-    is charged before it starts)."""
+    """max_total_tokens=1 under dspy.configure(disable_history=True): the run must stop inside its first step (each call
+    is charged before it is sent)."""
     with server() as srv:
         _, result, _, _ = run_child(srv, root / "log", {**opts, "disable_history": True, "max_total_tokens": 1})
     result = result or {}
@@ -179,7 +180,8 @@ def bench(rate: float, names: list[str], share: float) -> int:
         budget = budget_without_history(folder("no_history"), opts)
     print("extra calls: LM calls of the killed + resumed runs beyond the uninterrupted run's (calls in flight at "
           "the kill and, with transient faults, different retries; for reflection_outage, the outage run's calls; "
-          "for metric_error, learning calls made); redone: finished units written again; library: experiences "
+          "for metric_error, learning calls made); redone: finished steps written again and recorded calls sent "
+          "again; library: experiences "
           "learned by the uninterrupted run")
     total = {k: sum(r[k] for r in rows) for k in ("injected", "crashes", "corrupted", "redone")}
     all_equal = all(r["equal"] for r in rows if r["equal"] is not None)

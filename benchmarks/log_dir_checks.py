@@ -1,15 +1,17 @@
-"""Checks of a run's log_dir for benchmarks/faults.py and its tests: a saved library's invariants, checkpoint files
-that do not parse, and which files a resume wrote again."""
+"""Checks of a run's log_dir for benchmarks/faults.py and its tests: a saved library's invariants, saved files and
+record lines that do not parse, which files a resume wrote again and which recorded calls it sent again."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from tfgrpo.optimizers.checkpoint import TALLY
+from tfgrpo.optimizers.record import FILE
 from tfgrpo.testing import KINDS
 
-UNIT_KIND = {"rollouts": "student", "summaries": "summary", "advantages": "advantage", "plan": "consolidation"}
+# the fake server's kind of call (tfgrpo.testing.prompts) of each stage the record holds; a learning path's stage is
+# its kind (a contrast call's rewrite is recorded as a contrast call)
+KIND_OF_STAGE = {"rollout": "student", "probe": "student", "validation": "student", "attribution": "student"}
 
 
 def library_problems(state: dict, max_words: int = 32, max_experiences: int | None = None) -> list[str]:
@@ -38,27 +40,57 @@ def signature(path: Path) -> tuple[int, int]:
 
 
 def unit_files(log_dir: Path) -> dict[str, tuple[int, int]]:
-    """Finished units on disk: relative path -> signature (a step's running tally of what it spent is not a unit)."""
-    return {str(p.relative_to(log_dir)): signature(p) for p in log_dir.rglob("*.json") if p.stem != TALLY}
+    """The files a run saves whole (run.json, a finished step, a validation, the attribution): relative path ->
+    signature. The record of calls (calls.jsonl) is only ever appended to: see `record_keys`."""
+    return {str(p.relative_to(log_dir)): signature(p) for p in log_dir.rglob("*.json")}
+
+
+def record_entries(log_dir: Path) -> list[dict]:
+    """The record's entries that parse, in order (a line torn by a kill does not)."""
+    path, entries = Path(log_dir) / FILE, []
+    for line in path.read_bytes().splitlines() if path.exists() else []:
+        try:
+            entries.append(json.loads(line))
+        except ValueError:
+            continue
+    return entries
+
+
+def record_keys(log_dir: Path) -> list[str]:
+    """The keys of the LM calls the record holds, in order."""
+    return [e["key"] for e in record_entries(log_dir) if "key" in e]
+
+
+def resent(log_dir: Path, before: list[str]) -> list[str]:
+    """The recorded calls (of `before`: the keys at a kill) that were sent again since (each request of the fault
+    benchmarks is distinct, so a key recorded twice was asked twice)."""
+    known = set(before)
+    return [key for key in record_keys(log_dir)[len(before):] if key in known]
 
 
 def torn_files(log_dir: Path) -> list[str]:
-    """Checkpoint files that do not parse (a write cut by the kill would show here)."""
+    """Saved files that do not parse, and lines of the record that do not, but for its last line (a write cut by a kill
+    would show here; the next start drops a torn last line)."""
     torn = []
     for p in log_dir.rglob("*.json"):
         try:
             json.loads(p.read_text())
         except ValueError:
             torn.append(str(p))
+    path = Path(log_dir) / FILE
+    lines = path.read_bytes().splitlines() if path.exists() else []
+    for number, line in enumerate(lines[:-1], start=1):
+        try:
+            json.loads(line)
+        except ValueError:
+            torn.append(f"{path}:{number}")
     return torn
 
 
-def units_per_kind(files) -> dict[str, int]:
+def units_per_kind(log_dir: Path) -> dict[str, int]:
+    """The LM calls the record holds, by the fake server's kind of call."""
     counts = {k: 0 for k in KINDS}
-    for rel in files:
-        parts = Path(rel).parts
-        if len(parts) >= 3 and parts[0] == "steps":
-            kind = UNIT_KIND.get(parts[2] if len(parts) > 3 else Path(parts[2]).stem)
-            if kind:
-                counts[kind] += 1
+    for entry in record_entries(log_dir):
+        if "key" in entry and not entry.get("free"):
+            counts[KIND_OF_STAGE.get(entry["stage"], entry["stage"])] += 1
     return counts

@@ -102,21 +102,21 @@ def work_program(loops: int):
 
 
 def _attempts(srv, program, units: int, threads: int, backend: str) -> float:
-    """Seconds for `units` scored attempts of `program` through a runner on `backend`."""
+    """Seconds for `units` scored attempts of `program` within a run on `backend`."""
     import dspy
 
     from benchmarks.fault_child import make_trainset, metric
     from tfgrpo.optimizers.knobs import Knobs
-    from tfgrpo.optimizers.runner import Runner
+    from tfgrpo.optimizers.runner import Run, Scope
     from tfgrpo.optimizers.workers import with_own_lms
 
-    runner = Runner(Knobs(num_threads=threads, backend=backend, progress=lambda *_: None), metric)
     examples = make_trainset(units)
-    with dspy.context(lm=srv.lm()):
+    with dspy.context(lm=srv.lm()), Run(knobs=Knobs(num_threads=threads, backend=backend, progress=lambda *_: None),
+                                        metric=metric) as run:
         programs = [with_own_lms(program, rollout_id=i) for i in range(units)]
         t0 = time.perf_counter()
-        with runner.scope("overhead") as scope:
-            scope.scored("validation", [(None, p, e) for p, e in zip(programs, examples)])
+        with Scope(run, "overhead") as scope:
+            scope.scored("validation", list(zip(programs, examples)))
         return time.perf_counter() - t0
 
 

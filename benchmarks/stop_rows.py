@@ -5,7 +5,7 @@ must be refused at once, naming the holder, with no LM call sent; the holder is 
 resume takes its lock over and ends with the library of an uninterrupted run (nothing lost).
 
 Row `hung_metric`: a compile whose metric hangs on one query is stopped with Ctrl-C (SIGINT): it must end at once,
-keeping its finished units; a resume ends as the uninterrupted run; and the same compile with
+keeping the LM calls it made; a resume ends as the uninterrupted run; and the same compile with
 `metric_timeout_s=0.5` finishes by itself, the hung calls counted as failures.
 
     python -m benchmarks.stop_rows child ...   (one compile whose metric may hang: see fault_child.py)
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from benchmarks import fault_child as F
-from benchmarks.log_dir_checks import signature, unit_files
+from benchmarks.log_dir_checks import record_keys, resent, signature, unit_files
 
 HANG = "TFGRPO_HANG_MARKER"  # the environment variable naming the file the hanging metric touches
 
@@ -85,12 +85,12 @@ def _hanging(srv, log_dir: Path, opts: dict) -> subprocess.Popen:
 
 
 def _resumed(srv, log_dir: Path, opts: dict, ref: dict) -> tuple[int, dict, str, int, bool]:
-    """Resume `log_dir` with the same metric, no longer hanging: exit code, result, output, units written again,
-    library equal?"""
-    files = unit_files(log_dir)
+    """Resume `log_dir` with the same metric, no longer hanging: exit code, result, output, work done again (a saved
+    file written again, a recorded call sent again), library equal?"""
+    files, keys = unit_files(log_dir), record_keys(log_dir)
     code, result, text = _result(*_spawn(srv.api_base, log_dir, {**opts, "metric": "hang_once"}, None))
     redone = sum(1 for f, sig in files.items() if f != "run.json" and (log_dir / f).exists()
-                 and signature(log_dir / f) != sig)
+                 and signature(log_dir / f) != sig) + len(resent(log_dir, keys))
     return code, result or {}, text, redone, bool(result) and result.get("library") == ref.get("library")
 
 
@@ -129,7 +129,7 @@ def stop_rows(root: Path, opts: dict) -> list[dict]:
             proc.kill()
             text4, _ = proc.communicate()
         stopped_s, code4 = time.time() - started, proc.returncode
-        kept = len(unit_files(log)) - 1  # run.json is no unit
+        kept = len(record_keys(log))
         code5, res5, text5, redone, equal = _resumed(srv, log, opts, ref)
         proc, out = _spawn(srv.api_base, root / "timeout", {**opts, "metric": "hang_once", "metric_timeout_s": 0.5},
                            root / "timeout.hanging")
@@ -139,7 +139,7 @@ def stop_rows(root: Path, opts: dict) -> list[dict]:
                     crashes=int(code4 not in (-signal.SIGINT, 130, 1)) + int(code5 != 0) + int(code6 != 0),
                     corrupted=F.corrupted(opts, [res5, res6], [log, root / "timeout"]),
                     extra=srv.stats()["calls"] - before - 2 * ref_calls, output=text4 + text5 + text6,
-                    status=(f"Ctrl-C stopped it in {stopped_s:.1f} s, {kept} units kept" if stopped_s < 10 else
+                    status=(f"Ctrl-C stopped it in {stopped_s:.1f} s, {kept} LM calls kept" if stopped_s < 10 else
                             f"Ctrl-C took {stopped_s:.0f} s") + "; resumed; metric_timeout_s=0.5: " +
                     (f"{timeouts} hung calls counted, run finished" if res6.get("status") == "ok" else
                      f"run {res6.get('status', 'did not finish')}"))

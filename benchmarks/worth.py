@@ -30,7 +30,8 @@ from benchmarks.peers import task_parts
 from tfgrpo.lms import local_dspy_lm
 from tfgrpo.optimizers.checkpoint import Checkpoint
 from tfgrpo.optimizers.knobs import Knobs
-from tfgrpo.optimizers.runner import Runner
+from tfgrpo.optimizers.record import Record
+from tfgrpo.optimizers.runner import Run
 from tfgrpo.optimizers.judge import carried_demos
 from tfgrpo.optimizers.worth import Attribution, Learned
 from tfgrpo.programs.inject import library_from_instructions
@@ -54,11 +55,12 @@ def measure(where: Path, args, lm: dspy.LM) -> str:
     start = HELD_OUT[args.task] - (args.queries if args.task == "gsm8k" else 0)
     seed = int(where.name.removeprefix("seed"))
     knobs = Knobs(attribution=True, prune=args.prune, num_threads=args.threads, seed=seed, progress=lambda *_: None)
-    ckpt = Checkpoint(where / "worth-checkpoint")
-    with ckpt.locked(), dspy.context(lm=lm.copy(rollout_id=seed)):
+    store = Checkpoint(where / "worth-checkpoint")  # a measurement stopped part way goes on from its record of calls
+    with store.locked(), dspy.context(lm=lm.copy(rollout_id=seed)), \
+            Run(knobs=knobs, metric=metric, record=Record(store.root), store=store) as run:
         base = make_student()
-        worth, _ = Attribution(Runner(knobs, metric, ckpt)).run(base, [n for n, _ in base.named_predictors()],
-                                                        learned_items(program), load_eval(args.queries, start))
+        worth, _ = Attribution(run).measure(base, [n for n, _ in base.named_predictors()], learned_items(program),
+                                            load_eval(args.queries, start))
     (where / "worth.json").write_text(json.dumps(worth.to_dict(), indent=2, ensure_ascii=False))
     for line in worth_markdown(worth.to_dict()).splitlines():
         print(f"# {line}")

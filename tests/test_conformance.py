@@ -1,12 +1,15 @@
 """A user's program as DSPy runs it: each kind of DSPy module (Predict, ChainOfThought, BestOfN, Refine, ReAct,
-MultiChainComparison, Parallel, a History input, a forward that returns None or a string) with typed outputs (an
-Enum, pydantic models, a tuple, a date), compiled with a scripted LM. For each: the metric receives the types `dspy.Evaluate` gives it, on fresh
-attempts and on attempts read back from log_dir; the library reaches every predictor and the demos their predictors;
-the program saves and loads in stock DSPy in a fresh process with the same prompts; a run stopped part way and
-resumed gives the program of a run that was never stopped."""
+MultiChainComparison, Parallel, a History input, a forward that returns None or a string, `n=3` completions,
+`Prediction.from_completions`, a predictor built inside forward, a prediction holding an open file or a generator)
+with typed outputs (an Enum, pydantic models, a tuple, a date), compiled with a scripted LM. For each: the metric
+receives what `dspy.Evaluate` gives it, in a first compile and in one run again on its log_dir; the library reaches
+every predictor and the demos their predictors; the program saves and loads in stock DSPy in a fresh process with the
+same prompts; a compile stopped part way (by its budget, or killed) and run again gives the program of a run that was
+never stopped, sending only the requests the stopped run had not had answered."""
 
 from __future__ import annotations
 
+import collections
 import json
 import subprocess
 import sys
@@ -32,11 +35,15 @@ def respond(messages, kwargs):
 
 
 def kinds(pred) -> str:
-    """The types a metric receives, as text: a prediction's fields (an element's type for a list or tuple)."""
+    """The types a metric receives, as text: a prediction's fields (an element's type for a list or tuple), and how
+    many completions it holds where it holds several."""
     if not isinstance(pred, dspy.Prediction):
         return type(pred).__name__
-    return json.dumps({k: type(v).__name__ + (f"[{type(v[0]).__name__}]" if isinstance(v, (list, tuple)) and v else "")
-                       for k, v in pred.items()}, sort_keys=True)
+    seen = {k: type(v).__name__ + (f"[{type(v[0]).__name__}]" if isinstance(v, (list, tuple)) and v else "")
+            for k, v in pred.items()}
+    if pred.completions is not None and len(pred.completions) > 1:
+        seen["completions"] = len(pred.completions)
+    return json.dumps(seen, sort_keys=True)
 
 
 class Metric:
@@ -54,6 +61,10 @@ class Metric:
         if "color" in pred:  # (None raises here, as it would under dspy.Evaluate)
             assert isinstance(pred.color, Color) and pred.things[0].name and isinstance(pred.pair, tuple)
             assert pred.day.year > 2000
+        if "log" in pred:  # open, as the program left it
+            assert not pred.log.closed and pred.log.writable()
+        if "words" in pred:  # not consumed before the metric reads it
+            assert list(pred.words) == pred.answer.split()
         return float(right(pred))
 
 
@@ -107,27 +118,77 @@ def test_a_user_program_compiles_as_dspy_runs_it(name, tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert "tfgrpo" not in out.stderr
     assert json.loads(out.stdout) == learned(compiled)
-    # compiled again on its log_dir: every unit reused, the metric again given the types (on rebuilt attempts)
+    # compiled again on its log_dir: every finished step reused whole, nothing sent
     again_lm = ScriptedLM(respond)
     again, metric = compile_program(name, again_lm, log_dir=str(tmp_path / "run"))
     assert again_lm.calls == [] and learned(again) == learned(compiled)
     assert metric.seen <= evaluate_kinds(name, lm)
 
 
-@pytest.mark.parametrize("name", ["predict_typed", "best_of_n"])
-def test_a_resumed_attempt_gives_the_metric_its_types(name, tmp_path):
-    """Rollouts read back from log_dir (their rewards deleted, so the metric scores them again) are rebuilt to the
-    signature's types: a resumed run scores, and learns, as an uninterrupted one."""
-    first, _ = compile_program(name, ScriptedLM(respond), log_dir=str(tmp_path / "run"))
-    for path in (tmp_path / "run").rglob("*"):
-        if path.is_file() and (path.parent.name == "rewards" or path.name == "done.json" or "summary" in path.name
-                               or path.parent.name in ("summaries", "learn")):
-            path.unlink()
+class Crash(BaseException):
+    """Stands for a kill: not an Exception, so nothing on the way catches it."""
+
+
+def crashing(after: int):
+    """`respond`, until the `after`-th call, which dies as a killed process does."""
+    seen, lock = {"n": 0}, threading.Lock()
+
+    def respond_or_die(messages, kwargs):
+        with lock:
+            seen["n"] += 1
+            if seen["n"] == after:
+                raise Crash()
+        return respond(messages, kwargs)
+
+    return respond_or_die
+
+
+def tokens(result) -> int:
+    return sum(u.get("prompt_tokens", 0) + u.get("completion_tokens", 0) for u in result.run_usage.values())
+
+
+def recorded(log_dir) -> collections.Counter:
+    """How often the record of a run holds each request (by its key)."""
+    lines = [json.loads(line) for line in (log_dir / "calls.jsonl").read_text().splitlines()]
+    return collections.Counter(e["key"] for e in lines if "key" in e)
+
+
+def replies(log_dir) -> int:
+    """The LM replies the record holds (a call of `n=3` holds three)."""
+    lines = [json.loads(line) for line in (log_dir / "calls.jsonl").read_text().splitlines()]
+    return sum(len(e["reply"]["responses"]) or 1 for e in lines if "key" in e)
+
+
+@pytest.mark.parametrize("stop", ["budget", "kill"])
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_a_compile_stopped_and_run_again_gives_the_program_of_a_run_never_stopped(name, stop, tmp_path):
+    """Stopped part way (its token budget runs out, or the process dies at a call), then compiled again on its log_dir
+    with the budget lifted: the same program as a run never stopped, the program run again as it is (the metric gets
+    what dspy.Evaluate gives it), and no request the stopped run had answered is sent again."""
+    whole_lm = ScriptedLM(respond)
+    whole, _ = compile_program(name, whole_lm, log_dir=str(tmp_path / "whole"))
+    if stop == "kill":
+        first = ScriptedLM(crashing(len(whole_lm.calls) // 2))
+        with pytest.raises(Crash):
+            compile_program(name, first, log_dir=str(tmp_path / "run"))
+    else:
+        first = ScriptedLM(respond)
+        stopped, _ = compile_program(name, first, log_dir=str(tmp_path / "run"),
+                                     max_total_tokens=tokens(whole.detailed_results) // 2)
+        assert "max_total_tokens" in stopped.detailed_results.stopped_early
+    kept, before = replies(tmp_path / "run"), recorded(tmp_path / "run")
+    assert len(first.calls) - kept <= 2  # the stopped run's replies were kept, but those in flight as it died
     lm = ScriptedLM(respond)
     again, metric = compile_program(name, lm, log_dir=str(tmp_path / "run"))
-    assert not any(kind_of(c["messages"]) == "student" for c in lm.calls)  # the rollouts were reused
+    assert learned(again) == learned(whole)
+    # no request was sent more often than by a run never stopped, for those the stopped run had answered (an attempt's
+    # calls; with dspy.Parallel, whose trace is in the order its threads end, a learning call's prompt may differ)
+    after, once = recorded(tmp_path / "run") - before, recorded(tmp_path / "whole")
+    assert not [key for key in before if before[key] + after[key] > once[key] and ("/" in key or name != "parallel")]
+    if name != "parallel":
+        assert len(lm.calls) == len(whole_lm.calls) - kept  # what the stopped run had not asked, and nothing else
+        assert again.detailed_results.run_usage == whole.detailed_results.run_usage  # the two runs' cost is one run's
     assert metric.seen and metric.seen <= evaluate_kinds(name, lm)
-    assert learned(again) == learned(first)
 
 
 @pytest.mark.parametrize("backend", ["threads", "async"])

@@ -1,5 +1,6 @@
-"""Crash and resume: finished units in log_dir are never sent to an LM again."""
+"""Crash and resume: a call whose reply log_dir's record holds is never sent to an LM again."""
 
+import json
 import re
 
 import dspy
@@ -8,7 +9,7 @@ import pytest
 from scripted_lm import ScriptedLM, kind_of, output_fields
 from test_optimizer import make_trainset, metric
 from tfgrpo.optimizers import TrainingFreeGRPO
-from tfgrpo.optimizers.checkpoint import TALLY, RunMismatchError
+from tfgrpo.optimizers.checkpoint import RunMismatchError
 
 
 class Crash(BaseException):
@@ -59,15 +60,16 @@ def test_resume_after_a_crash_redoes_nothing_and_ends_the_same(tmp_path, at_kind
     first = ScriptedLM(crashing(at_kind, nth))
     with pytest.raises(Crash):
         run(first, tmp_path / "run")
-    steps = sorted((tmp_path / "run" / "steps").iterdir())
-    done = [s for s in steps if (s / "done.json").exists()]
-    units = len(done) + sum(1 for s in steps if s not in done for f in s.rglob("*.json") if f.stem != TALLY)
+    done = {f"step {int(p.stem)}" for p in (tmp_path / "run" / "steps").glob("*.json")}
+    recorded = [json.loads(line) for line in (tmp_path / "run" / "calls.jsonl").read_text().splitlines()]
+    unfinished = sum(1 for e in recorded if "key" in e and e["scope"] not in done)  # what the resume asks again
     resumed_lm = ScriptedLM(learner)
     resumed = run(resumed_lm, tmp_path / "run")
     assert resumed.experience_library.dump_state() == reference.experience_library.dump_state()
     # every call that returned before the crash was kept: together the two runs made the calls of one
     assert len(first.calls) + len(resumed_lm.calls) == len(reference_lm.calls)
-    assert resumed.detailed_results.to_dict()["reused_units"] == units > 0  # a finished step is one unit; a tally is none
+    # the unfinished step ran again, each call it had made answered from the record; a finished step asked nothing
+    assert resumed.detailed_results.to_dict()["reused_units"] == unfinished
     # and the run's cost counts them: a step stopped halfway keeps what its finished units spent
     calls = lambda result: {role: u.get("calls", 0) for role, u in result.detailed_results.to_dict()["run_usage"].items()}  # noqa: E731
     assert calls(resumed) == calls(reference)
@@ -129,7 +131,7 @@ def test_a_different_model_is_refused_but_execution_settings_may_change(tmp_path
 
 
 @pytest.mark.parametrize("damage", ["empty", "missing", "not a fingerprint"])
-def test_saved_units_without_a_readable_run_json_are_never_reused(tmp_path, damage):
+def test_saved_work_without_a_readable_run_json_is_never_reused(tmp_path, damage):
     """Issue 18: an unreadable run.json used to turn the check off, so another configuration's steps were reused."""
     run(ScriptedLM(learner), tmp_path, num_generations=4)
     record = tmp_path / "run.json"
@@ -139,18 +141,49 @@ def test_saved_units_without_a_readable_run_json_are_never_reused(tmp_path, dama
         record.unlink()
     else:
         record.write_text("{}")
-    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*.json")}
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*.json*")}
     lm = ScriptedLM(learner)
     with pytest.raises(RunMismatchError) as info:
         run(lm, tmp_path, num_generations=2, temperature=1.5)
     message = str(info.value)
     assert "run.json" in message and "new log_dir" in message and f"delete {tmp_path}" in message
     assert lm.calls == [], "nothing is sent"
-    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*.json")} == before, "nothing is rewritten"
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*.json*")} == before, "nothing is rewritten"
 
 
-def test_a_log_dir_without_saved_units_starts_a_run(tmp_path):
-    (tmp_path / "steps").mkdir()  # an empty folder, or one left by a run stopped before its first unit
+def test_a_log_dir_without_saved_work_starts_a_run(tmp_path):
+    (tmp_path / "steps").mkdir()  # an empty folder, or one left by a run stopped before its first call
     (tmp_path / "run.json").write_text("")
     assert run(ScriptedLM(learner), tmp_path).experience_library.texts()
     assert (tmp_path / "run.json").read_text().startswith("{")
+
+
+def test_a_log_dir_of_an_earlier_tfgrpo_is_refused_with_the_fix(tmp_path):
+    """An earlier tfgrpo saved one file per unit of work (steps/0000/rollouts/...): this version cannot resume it, and
+    says so rather than starting over inside it or misreading it."""
+    (tmp_path / "steps" / "0000" / "rollouts").mkdir(parents=True)
+    (tmp_path / "steps" / "0000" / "rollouts" / "0_0.json").write_text("{}")
+    (tmp_path / "run.json").write_text("{}")
+    lm = ScriptedLM(learner)
+    with pytest.raises(RunMismatchError, match="earlier tfgrpo.*new log_dir"):
+        run(lm, tmp_path)
+    assert lm.calls == [] and not (tmp_path / "calls.jsonl").exists()
+
+
+def test_a_record_with_a_torn_or_foreign_line_resumes_and_asks_only_those_again(tmp_path, caplog):
+    """A kill mid-write leaves a torn last line of calls.jsonl, and a line of anything else may be in it: the resume
+    drops the first, passes over the second (said once), and asks again only the calls they held."""
+    first = run(ScriptedLM(learner), tmp_path)
+    for p in (tmp_path / "steps").glob("*.json"):
+        p.unlink()  # no finished step: every call is asked again, answered from the record
+    path = tmp_path / "calls.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    calls = [i for i, line in enumerate(lines) if line.startswith('{"key"')]
+    lines[calls[0]] = "not a call\n"
+    path.write_text("".join(lines[:calls[-1]]) + lines[calls[-1]][:40])
+    lm = ScriptedLM(learner)
+    with caplog.at_level("WARNING", logger="tfgrpo"):
+        again = run(lm, tmp_path)
+    assert again.experience_library.texts() == first.experience_library.texts()
+    assert len(lm.calls) == 2  # the line overwritten and the torn one
+    assert "1 line(s) do not read as calls" in caplog.text

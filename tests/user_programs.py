@@ -8,6 +8,7 @@ import datetime
 import enum
 import hashlib
 import json
+import os
 
 import dspy
 import pydantic
@@ -122,6 +123,66 @@ class TwoAtOnce(dspy.Module):
         return second
 
 
+class Several(dspy.Module):
+    """One predictor asked for three completions (`n=3`): the metric gets all three."""
+
+    def __init__(self):
+        super().__init__()
+        self.ask = dspy.Predict("question -> answer", n=3)
+
+    def forward(self, question):
+        return self.ask(question=question)
+
+
+class Voted(dspy.Module):
+    """Two answers of one predictor, returned as `dspy.Prediction.from_completions`."""
+
+    def __init__(self):
+        super().__init__()
+        self.ask = dspy.Predict("question -> answer")
+
+    def forward(self, question):
+        rollout = (self.ask.lm or dspy.settings.lm).kwargs.get("rollout_id")
+        answers = [self.ask(question=question, config={"rollout_id": f"{rollout}-{i}"}) for i in range(2)]
+        return dspy.Prediction.from_completions([{"answer": a.answer} for a in answers])
+
+
+class Dynamic(dspy.Module):
+    """A predictor built inside forward (on the configured LM), beside a static one that answers."""
+
+    def __init__(self):
+        super().__init__()
+        self.answer = dspy.Predict("question, hint -> answer")
+
+    def forward(self, question):
+        hint = dspy.Predict("question -> hint")(question=question).hint
+        return self.answer(question=question, hint=hint)
+
+
+class WithFile(dspy.Module):
+    """A prediction that holds an open file (a log the program writes to): the metric gets it open, unread."""
+
+    def __init__(self):
+        super().__init__()
+        self.ask = dspy.Predict("question -> answer")
+
+    def forward(self, question):
+        pred = self.ask(question=question)
+        return dspy.Prediction(answer=pred.answer, log=open(os.devnull, "w"))  # noqa: SIM115 - the metric closes it
+
+
+class WithGenerator(dspy.Module):
+    """A prediction that holds a generator (the answer's words, lazily): the metric gets it unconsumed."""
+
+    def __init__(self):
+        super().__init__()
+        self.ask = dspy.Predict("question -> answer")
+
+    def forward(self, question):
+        pred = self.ask(question=question)
+        return dspy.Prediction(answer=pred.answer, words=(w for w in pred.answer.split()))
+
+
 def reward(args, pred) -> float:
     return 1.0 if right(pred) else 0.0
 
@@ -137,6 +198,11 @@ PROGRAMS = {
     "parallel": TwoAtOnce,
     "returns_none": AnswerOrNone,
     "returns_text": AnswerText,
+    "several_completions": Several,
+    "from_completions": Voted,
+    "predictor_in_forward": Dynamic,
+    "holds_a_file": WithFile,
+    "holds_a_generator": WithGenerator,
 }
 
 

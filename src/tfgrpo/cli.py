@@ -208,7 +208,7 @@ def _compile(config: Config, parts, policy, reflection, *, start: Path | None = 
     for role, u in (results["usage"] if results is not None else {}).items():
         cached = f" ({u['cached_tokens']:,} from the server's prompt cache)" if u.get("cached_tokens") else ""
         reused = run_usage.get(role, {}).get("calls", 0) - u.get("calls", 0)
-        earlier = f" (steps reused from the checkpoint had made {reused} more)" if reused else ""
+        earlier = f" (the run's record held {reused} more, answered or reused)" if reused else ""
         console.print(f"  {role}: {u.get('calls', 0)} new calls{earlier}, {u.get('prompt_tokens', 0):,} prompt{cached} "
                       f"+ {u.get('completion_tokens', 0):,} completion tokens, {_cost_text(u)}")
     if results is not None and results["stopped_early"]:

@@ -16,7 +16,8 @@ from typing import Callable
 import dspy
 
 from tfgrpo.base.util import bootstrap_ci, read_jsonl_rows, write_atomic
-from tfgrpo.optimizers.runner import Runner
+from tfgrpo.optimizers.record import totals
+from tfgrpo.optimizers.runner import Run, Scope
 from tfgrpo.optimizers.spend import metered
 from tfgrpo.optimizers.workers import with_own_lms
 from tfgrpo.optimizers.knobs import Knobs
@@ -29,24 +30,24 @@ def evaluate_program(program: dspy.Module, examples: list, metric: Callable, *, 
                      extra_metrics: dict[str, Callable] | None = None, backend: str = "threads") -> list[dict]:
     """One row per (problem, run): score, tool calls, the extracted answer, and the program's error if it raised
     (scored 0; `failed` when its LM call failed); `extra_metrics` (name -> metric) are scored too, under `metrics`. A
-    metric that fails stops the evaluation with a `MetricError`. Runs through the optimizer's runner, on its
-    `backend` ("ray": each run a task on a Ray cluster, as a compile's attempts)."""
+    metric that fails stops the evaluation with a `MetricError`. Runs as a compile's attempts run, on its `backend`
+    ("ray": each run a task on a Ray cluster)."""
     program = program.deepcopy()
     program.set_lm(lm)
     candidates = [with_own_lms(program, **({"rollout_id": r} if num_runs > 1 else {})) for r in range(num_runs)]
     jobs = [(i, r) for i in range(len(examples)) for r in range(num_runs)]
-    stage, runner = f"evaluate {name}", Runner(Knobs(num_threads=num_threads, progress=progress, backend=backend), metric)
-    with runner.scope(stage) as scope:
-        attempts = scope.scored(stage, [(None, candidates[r], examples[i]) for i, r in jobs])
-        usage = scope.meter(stage).totals()
+    stage = f"evaluate {name}"
+    with Run(knobs=Knobs(num_threads=num_threads, progress=progress, backend=backend), metric=metric) as run, \
+            Scope(run, stage) as scope:
+        attempts = scope.scored(stage, [(candidates[r], examples[i]) for i, r in jobs])
+    usage = run.record.usage().get(stage, totals([]))
     rows = []
     for (i, r), a in zip(jobs, attempts):
         row = {"program": name, "problem": i, "run": r, "score": a.reward or 0.0, "feedback": a.feedback,
                "answer": str((a.outputs or {}).get("answer", "")), "tool_calls": a.tool_calls, "error": a.error,
                **({"failed": True} if a.failed else {})}
         if extra_metrics:
-            prediction = dspy.Prediction(**a.outputs) if a.outputs is not None else None
-            row["metrics"] = {k: call_metric(m, examples[i], prediction)[0] if prediction is not None else 0.0
+            row["metrics"] = {k: call_metric(m, examples[i], a.prediction)[0] if a.outputs is not None else 0.0
                               for k, m in extra_metrics.items()}
         rows.append(row)
     if rows:

@@ -5,6 +5,7 @@ a JSON-safe copy), and the bootstrap CI of a mean."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import random
@@ -12,6 +13,7 @@ import re
 import statistics
 import uuid
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 from pydantic_core import to_jsonable_python
@@ -82,9 +84,22 @@ def digest(value: Any) -> str:
 
 
 def jsonable(value: Any) -> Any:
-    """`value` made JSON-safe (checkpoints, records) as pydantic dumps it: a model as its fields, an Enum as its
-    value, a date as ISO text, a tuple or set as a list; anything pydantic cannot dump, as text."""
-    return json.loads(json.dumps(to_jsonable_python(value, fallback=str), ensure_ascii=False, default=str))
+    """`value` made JSON-safe (records, demos, the text the learning calls read) as pydantic dumps it: a model as its
+    fields, an Enum as its value, a date as ISO text, a tuple or set as a list; anything pydantic cannot dump, as
+    text. What reading would consume or fail on (an open file, a generator, any other iterator) is shown by its type
+    and never read: the program's own value stays as it was for the metric."""
+    return json.loads(json.dumps(to_jsonable_python(_unread(value), fallback=str), ensure_ascii=False, default=str))
+
+
+def _unread(value: Any) -> Any:
+    """`value` with every file and iterator in it (inside dicts, lists, tuples and sets) replaced by a short text."""
+    if isinstance(value, dict):
+        return {k: _unread(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_unread(v) for v in value]
+    if isinstance(value, (io.IOBase, Iterator)):
+        return f"<{type(value).__name__}, not read>"
+    return value
 
 
 def bootstrap_ci(values: list[float], *, seed: int = 0, resamples: int = 10_000) -> tuple[float, float]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-_WHERE = {"BudgetExhausted": "spend", "DirectExperiences": "direct_experiences", "MetricError": "rewards",
+_WHERE = {"BudgetExhausted": "record", "DirectExperiences": "direct_experiences", "MetricError": "rewards",
           "Plan": "plan", "RequestPacer": "spend", "TooManyFailuresError": "runner",
           "TrainingFreeGRPO": "training_free_grpo"}
 __all__ = sorted(_WHERE)

@@ -1,41 +1,34 @@
-"""Crash-safe record of a run in `log_dir`: every finished unit of work is one small JSON file.
+"""What a run keeps in `log_dir` besides its record of LM calls: what it was started with, and what it finished.
 
-Layout (every key is made by `Keys`, the learning paths' own under their step):
-    run.json                        what the run was started with (a fingerprint; a resume must match it)
-    steps/0003/rollouts/7_2.json    query 7, generation 2 of step 3: outputs, trace, attempt text, error
-    steps/0003/rewards/7_2.json     that rollout's reward and the metric's feedback
-    steps/0003/summaries/7_2.json   the paper's path: the summary of that rollout
-    steps/0003/advantages/7.json    the paper's path: the operations proposed by query 7's group
-    steps/0003/plan.json            the paper's path: the consolidated plan
-    steps/0003/contrasts/7_1_3.json the contrast path: query 7's reply for the pair (attempt 1 better, 3 worse)
-    steps/0003/probes/2_5.json      the probe: candidate 2's attempt on training query 5 (reward, error, trace)
-    steps/0003/spent.json           calls and tokens of the step's finished units (a tally, not a unit)
-    steps/0003/done.json            library after the step and the step's stats: the step is complete
-    probe-base/<program>/5.json     the probe: the current program's attempt on query 5, kept by what the program is
-                                    (its library and demos), so that a later step probing the same program reuses it
-    epochs/0.json                   validation score of the library after epoch 0
-    worth/<variant>/<example>.json  the attribution: a run of the program carrying some of the kept items
-    worth.json                      the attribution's result (`WorthResult`)
+Layout:
+    run.json              what the run was started with (a fingerprint; a resume must match it)
+    calls.jsonl           every LM call of the run, with its reply, usage and price (record.py): what a resume reads
+    steps/0003.json       step 3 is finished: the state after it (library, demos) and its record (`StepResult`)
+    epochs/0.json         the validation after epoch 0
+    worth.json            the attribution's result (`WorthResult`); refit.json, a refit's
+    mlflow_run.json       the MLflow run the compile logs to (tfgrpo.tracking)
 
-Files are written atomically (`tfgrpo.base.util.write_atomic`), so a kill at any moment leaves either the old state or
-the new one, never a torn file (a kill mid-write leaves a hidden `.tmp` file, which the next start removes).
+A finished step is reused whole; an unfinished one runs again, its LM calls answered from the record. Files are written
+atomically (`tfgrpo.base.util.write_atomic`), so a kill at any moment leaves either the old state or the new one, never
+a torn file (a kill mid-write leaves a hidden `.tmp` file, which the next start removes).
 
-One compile at a time writes into a log_dir: two compiles writing into one folder would mix their units, and a later
+One compile at a time writes into a log_dir: two compiles writing into one folder would mix their work, and a later
 resume would reuse that mixture without a word. `locked()` holds an exclusive `flock` on `<log_dir>/.lock` (`RunLock`)
 for the compile's lifetime and writes who holds it (pid, host, command, since) into that file; a second compile is
 refused at once with a `RunLockedError` naming the holder. The kernel drops a flock when its process dies, however it
 dies, so a lock left by a killed run is simply taken over. The lock is re-entrant within one thread (the CLI holds it
 around the whole command, the optimizer again around its compile); where `fcntl` is missing (Windows) nothing is locked.
-A unit file that does not parse (written by something else) is treated as
-absent and computed again. run.json is different: without it nothing says which settings the saved units
-were made with, so a log_dir that holds units but no readable run.json is refused, never reused.
+A saved file that does not parse (written by something else) is treated as absent and made again. run.json is
+different: without it nothing says which settings the saved work was made with, so a log_dir that holds work but no
+readable run.json is refused, never reused; and so is a log_dir an earlier tfgrpo wrote (one file per unit of work,
+under steps/0003/), which this version cannot read.
 
 A resume must match run.json on every fingerprinted setting: the knobs that change what a run computes (see
 `knobs.py`), the data, the program's instructions and code (`code_fingerprint`), the metric (its name and code), the
 target predictors, the starting library and the models of the policy and reflection LMs. Everything else
 (num_threads, max_failure_rate, the budgets, progress, constrained_decoding, LM endpoints and keys) may change
-between a run and its resume. A run.json beside no saved unit protects nothing: a run that stopped before its first
-unit (a refusal, an outage in its first calls) never blocks the corrected run, whose settings replace it.
+between a run and its resume. A run.json beside no saved work protects nothing: a run that stopped before its first
+call (a refusal, an outage in its first calls) never blocks the corrected run, whose settings replace it.
 """
 
 from __future__ import annotations
@@ -73,29 +66,17 @@ class RunMismatchError(ValueError):
         self.changes = changes or []
 
 
-TALLY = "spent"  # the key, inside a step, of its running tally of calls and tokens: saved beside its units, not one
-UNIT_FOLDERS = ("steps", "epochs", "probe-base", "worth")  # where units of work are saved (probe-base: the probe's attempts of
-# the current program, shared by the steps that probe the same program)
-
-
 class Keys:
-    """The key of every unit of work (its path under log_dir, without `.json`): the layout above, in one place."""
+    """Where the run's own files are (paths under log_dir, without `.json`): the layout above, in one place."""
 
-    step = "steps/{:04d}".format  # (step)
-    rollout = "steps/{:04d}/rollouts/{}_{}".format  # (step, query, g)
-    reward = "steps/{:04d}/rewards/{}_{}".format  # (step, query, g)
-    probe = "steps/{:04d}/probes/{}_{}".format  # (step, candidate, query)
-    probe_base = "probe-base/{}/{}".format  # (program, query)
-    usage = ("steps/{:04d}/" + TALLY).format  # (step)
-    done = "steps/{:04d}/done".format  # (step)
-    epoch = "epochs/{}".format  # (epoch)
+    step = "steps/{:04d}".format  # (step): a finished step
+    epoch = "epochs/{}".format  # (epoch): its validation
+    worth, refit = "worth", "refit"
 
 
 class Checkpoint:
     def __init__(self, log_dir: str | Path | None):
         self.root = Path(log_dir) if log_dir is not None else None
-        self._lock = threading.Lock()
-        self.reused = 0  # units found on disk instead of recomputed (for reports and tests)
         self.closed = False  # set when the compile ends: a worker still running (a hung call) writes nothing more
 
     @contextlib.contextmanager
@@ -108,35 +89,42 @@ class Checkpoint:
         finally:
             self.closed = True
 
-    def check(self, fingerprint: dict[str, Any], *, other_versions: bool = False, quiet: bool = False) -> int:
-        """The saved units a run of this fingerprint would reuse, read without writing anything (the plan's check).
+    def check(self, fingerprint: dict[str, Any], *, other_versions: bool = False, quiet: bool = False) -> dict:
+        """What a run of this fingerprint would go on from (`saved`), read without writing anything (the plan's check).
 
-        Raises `RunMismatchError` naming each setting that differs (old -> new), and when the folder holds saved units
-        but its run.json is missing or unreadable (their settings are then unknown). The versions that make the
-        prompts (tfgrpo, DSPy, LiteLLM, the adapter) count as settings unless `other_versions`: then a change of them
-        is said (unless `quiet`: the compile's `start` says it) and the saved units are reused."""
-        if not self.root is not None or not self.root.exists():
-            return 0
-        path, units = self.root / "run.json", self.saved_units()
+        Raises `RunMismatchError` naming each setting that differs (old -> new), when the folder holds work but its
+        run.json is missing or unreadable (its settings are then unknown), and when an earlier tfgrpo wrote it. The
+        versions that make the prompts (tfgrpo, DSPy, LiteLLM, the adapter) count as settings unless `other_versions`:
+        then a change of them is said (unless `quiet`: the compile's `start` says it) and the run goes on, its recorded
+        replies answering the requests that are the same."""
+        saved = self.saved()
+        if self.root is None or not self.root.exists():
+            return saved
+        if any(p.is_dir() for p in (self.root / "steps").glob("[0-9]*")):
+            raise RunMismatchError(
+                f"{self.root} holds a run saved by an earlier tfgrpo (one file per unit of work, under steps/NNNN/), "
+                "which this version cannot resume: it keeps a run's LM replies instead (calls.jsonl). Finish that run "
+                "with the tfgrpo that started it, or use a new log_dir (or delete this one to start over)")
+        path, work = self.root / "run.json", saved["steps"] + saved["calls"]
         old = self._read(path)
         if not isinstance(old, dict) or "knobs" not in old:
-            if units:
+            if work:
                 state = "missing" if not path.exists() else "unreadable"
                 raise RunMismatchError(
-                    f"{self.root} holds {units} saved unit(s) of work but its run.json is {state}, so nothing says "
-                    "which settings they were made with and they cannot be reused safely; use a new log_dir, or "
-                    f"delete {self.root} to start over")
-            return 0
+                    f"{self.root} holds a run's work ({_said(saved)}) but its run.json is {state}, so nothing says "
+                    "which settings it was made with and it cannot be reused safely; use a new log_dir, or delete "
+                    f"{self.root} to start over")
+            return saved
         changes = fingerprint_changes(old, fingerprint)
         versions = [c for c in changes if c.startswith("versions ")]
-        if versions and other_versions and units:
+        if versions and other_versions and work:
             if not quiet:
-                logger.warning("%s: resuming %d saved unit(s) made under other versions (%s): "
-                               "resume_other_versions=True", self.root, units, "; ".join(versions))
+                logger.warning("%s: going on from work made under other versions (%s; %s): resume_other_versions=True",
+                               self.root, _said(saved), "; ".join(versions))
             changes = [c for c in changes if c not in versions]
-        if changes and units:
-            anyway = ("\nthe saved units' prompts were made by those versions; to reuse them anyway, pass "
-                      "resume_other_versions=True (resume_other_versions = true in a config's [optimizer])"
+        if changes and work:
+            anyway = ("\nits recorded replies answered prompts made by those versions; to go on from them anyway, "
+                      "pass resume_other_versions=True (resume_other_versions = true in a config's [optimizer])"
                       if versions and len(versions) == len(changes) else "")
             raise RunMismatchError(
                 f"{self.root} holds a run started with different settings or data:\n  " + "\n  ".join(changes) +
@@ -145,41 +133,38 @@ class Checkpoint:
         if changes:
             logger.info("%s: the run recorded there saved no work; started again with these settings (%s)", self.root,
                         "; ".join(changes))
-        return units
+        return saved
 
-    def start(self, fingerprint: dict[str, Any], *, other_versions: bool = False) -> int:
-        """Check the run's fingerprint against the one already there (`check`), then record it; the saved units."""
-        if not self.root is not None:
-            return 0
+    def start(self, fingerprint: dict[str, Any], *, other_versions: bool = False) -> dict:
+        """Check the run's fingerprint against the one already there (`check`), then record it; what was saved."""
+        if self.root is None:
+            return self.saved()
         self.root.mkdir(parents=True, exist_ok=True)
         remove_stale_tmp(self.root)  # left by a run killed mid-write; safe under the lock, which a start holds
-        units, path = self.check(fingerprint, other_versions=other_versions), self.root / "run.json"
+        saved, path = self.check(fingerprint, other_versions=other_versions), self.root / "run.json"
         old, record = self._read(path), dict(fingerprint)
         earlier = list(old.get("earlier_versions", [])) if isinstance(old, dict) else []
-        if units and isinstance(old, dict) and old.get("versions") not in (None, fingerprint.get("versions")):
-            earlier.append(old["versions"])  # a resume under other versions: those the saved units were made by
+        if saved["steps"] + saved["calls"] and isinstance(old, dict) and old.get("versions") not in (
+                None, fingerprint.get("versions")):
+            earlier.append(old["versions"])  # a resume under other versions: those the saved work was made by
         if earlier:  # (not compared: a key only run.json has)
             record["earlier_versions"] = earlier
         if old != record:  # a new run, or one that had saved nothing (or an older run.json's fields)
             write_atomic(path, json.dumps(record, ensure_ascii=False))
-        return units
+        return saved
 
-    def saved_units(self) -> int:
-        """How many units of work (files under `UNIT_FOLDERS`) the folder holds."""
-        if not self.root is not None:
-            return 0
-        return sum(1 for folder in UNIT_FOLDERS for p in (self.root / folder).rglob("*.json")
-                   if not p.name.startswith(".") and p.stem != TALLY)
+    def saved(self) -> dict[str, int]:
+        """What the folder holds of a run: its finished steps, and the LM calls its record holds."""
+        if self.root is None:
+            return {"steps": 0, "calls": 0}
+        calls = self.root / "calls.jsonl"
+        return {"steps": sum(1 for p in (self.root / "steps").glob("[0-9]*.json")),
+                "calls": sum(line.startswith(b'{"key"') for line in calls.read_bytes().splitlines()) if calls.exists()
+                else 0}
 
-    def get(self, key: str, *, unit: bool = True) -> Any | None:
-        """The value saved under `key`, or None; a found unit counts as reused (`unit=False`: a tally, not work)."""
-        if not self.root is not None:
-            return None
-        value = self._read(self.root / f"{key}.json")
-        if value is not None and unit:
-            with self._lock:
-                self.reused += 1
-        return value
+    def get(self, key: str) -> Any | None:
+        """The value saved under `key`, or None."""
+        return self._read(self.root / f"{key}.json") if self.root is not None else None
 
     def put(self, key: str, value: Any) -> None:
         if self.root is not None and not self.closed:
@@ -191,6 +176,10 @@ class Checkpoint:
             return json.loads(path.read_text())
         except (OSError, ValueError):
             return None
+
+
+def _said(saved: dict[str, int]) -> str:
+    return f"{saved['steps']} finished step(s), {saved['calls']} recorded LM call(s)"
 
 
 # fingerprint entries kept as digests: only that they differ is known

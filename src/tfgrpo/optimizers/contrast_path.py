@@ -106,10 +106,10 @@ class ContrastPath(LearningPath):
                 with dspy.context(lm=run.reflection_lm):
                     return learner(task=task, better_attempt=self._shown(better), worse_attempt=self._shown(worse),
                                    library=library, allowed=run.instructions, seen=seen)
-            return f"contrasts/{group.index}_{better.g}_{worse.g}", call
+            return call
 
         pairs = contrast_pairs(group.rewards, knobs.max_operations_per_group)
-        return scope.calls("contrast", dict(contrast(attempts[b], attempts[w]) for b, w in pairs))
+        return scope.calls("contrast", [contrast(attempts[b], attempts[w]) for b, w in pairs])
 
     def finish(self, run: Run, scope: Scope, library: ExperienceLibrary, results: list[tuple[Group, list]]
                ) -> Lessons:

@@ -30,10 +30,11 @@ import math
 import random
 import statistics
 from dataclasses import dataclass, field
+from typing import Callable
+
 import dspy
 
 from tfgrpo.base.util import digest
-from tfgrpo.optimizers.checkpoint import Keys
 from tfgrpo.optimizers.knobs import Knobs
 from tfgrpo.optimizers.records import Demo, Group, Lessons, Scored, Verdict
 from tfgrpo.optimizers.runner import Run, Scope, State
@@ -179,13 +180,10 @@ class Probe:
     found: dict[tuple[int, int], Scored] = field(default_factory=dict)  # (program, query) -> its scored attempt
     base: tuple[int, float] = (0, 0.0)
 
-    def run(self, scope: Scope, programs: list[dspy.Module], trainset: list,
-            keys: tuple[str, int] | None = None) -> Probe:
-        """Run the probe: `keys` (the current program's digest, the step) name its checkpoint units; None keeps none."""
-        def ask(jobs):  # the current program's attempts are kept by what it is, not by step: a later step whose program
-            # has not changed reuses them on the probe queries it shares with this one
-            units = [(None if keys is None else Keys.probe_base(keys[0], qi) if p == 0 else Keys.probe(keys[1], p, qi),
-                      programs[p], trainset[qi]) for p, qi in jobs]
+    def run(self, scope: Scope, program_of: Callable[[int, int], dspy.Module], trainset: list) -> Probe:
+        """Run the probe: `program_of(p, qi)` is program p as it makes its attempt on training query qi."""
+        def ask(jobs):
+            units = [(program_of(p, qi), trainset[qi]) for p, qi in jobs]
             for (p, qi), attempt in zip(jobs, scope.scored("probe", units)):
                 if attempt.failed and qi in self.queries:  # no answer: the query leaves the probe, for all
                     logger.warning("Probe: an LM call failed on training query %d (%s); it leaves the probe", qi,
@@ -300,8 +298,18 @@ def probe_edits(run: Run, scope: Scope, state: State, step: int, groups: list[Gr
     seed = rollout_id(knobs.seed, step, "probe")
     runnable = [with_own_lms(p, rollout_id=seed, temperature=knobs.temperature) for p in programs]
     queries = probe_queries(len(run.trainset), [g.index for g in groups], knobs.probe_size, seed=knobs.seed, step=step)
+    # the current program's attempt on a probe query keeps the rollout ID of the step that first probed it there, so
+    # that a later step whose program has not changed gets the same attempt back (its calls answered by the record)
     current = digest([[e.model_dump() for e in library.active.values()], [d.to_record() for d in demos]])
-    probe = Probe(candidates, list(queries)).run(scope, runnable, run.trainset, keys=(current, step))
+    first = state.probed.get(current, {})
+    earlier = {s: with_own_lms(programs[0], rollout_id=rollout_id(knobs.seed, s, "probe"), temperature=knobs.temperature)
+               for s in set(first.values())}
+
+    def program_of(p: int, qi: int) -> dspy.Module:
+        return earlier[first[str(qi)]] if p == 0 and str(qi) in first else runnable[p]
+    probe = Probe(candidates, list(queries)).run(scope, program_of, run.trainset)
+    probed = {str(qi): step for (p, qi), a in probe.found.items() if p == 0 and not a.error and not a.timeout
+              and str(qi) not in first}
     kept_ops = [op for c, k in zip(candidates, probe.kept) if k for op in c.operations]
     best = next((i for i, (c, k) in enumerate(zip(candidates, probe.kept))  # a demo is shown solving its query
                  if k and c.demo is not None and (c.demo.reward >= 1 or probe.traces[1 + i])), None)
@@ -314,7 +322,7 @@ def probe_edits(run: Run, scope: Scope, state: State, step: int, groups: list[Gr
     found = [Demo(query=query_key(run.trainset[qi], qi), trace=trace, step=step, reward=1.0, advantage=0.0)
              for p, ok in enumerate(free) if ok and knobs.max_demos for qi, trace in probe.traces[p].items()]
     return Verdict(plan=kept_ops, demos=demos, record={"unprobed": unprobed, **probe.record()},
-                   found=found)
+                   found=found, probed={current: probed})
 
 
 def _candidates(knobs: Knobs, state: State, step: int, groups: list[Group], plan: list[Operation]

@@ -1,5 +1,5 @@
 """The knobs of `TrainingFreeGRPO`, each declared once: its type, default, check, documentation, and whether the
-checkpoint's fingerprint holds it.
+run's fingerprint (run.json) holds it.
 
 `Knobs` is a dataclass; `TrainingFreeGRPO` is one too, built on it, so `TrainingFreeGRPO(metric, num_generations=5)`
 takes every knob as a keyword argument (an editor completes them) and checks it here. The config file's
@@ -224,13 +224,13 @@ class Knobs:
         "`forward` runs on a thread, and so do the learning calls and the metric, up to num_threads of them), for "
         "hundreds of calls waiting on a provider; \"ray\", each attempt (the program run) as a task on a Ray cluster (`pip install -e \".[ray]\"`; the cluster named by "
         "RAY_ADDRESS, or the one `ray.init()` finds or starts), for programs whose own work (tools, sandboxed code, "
-        "page fetching) outgrows one machine, num_threads of them in flight. The budget, the checkpoint, the failure "
-        "rule, the metric (on outputs rebuilt to their types) and the learning calls stay in this process. See docs/long-runs.md and "
-        "docs/ray.md."))
+        "page fetching) outgrows one machine, num_threads of them in flight. The budget, the record of the calls, the "
+        "failure rule, the metric (on what the program returned) and the learning calls stay in this process. See "
+        "docs/long-runs.md and docs/ray.md."))
     max_failure_rate: float = knob(0.5, number(0, 1), doc=(
         "When more than this share of a step's attempts, summaries or group advantages, or of an epoch's "
         "validation runs, fail, the run stops with `TooManyFailuresError` and the step is not done; a resume "
-        "redoes the failed units. A failure is an LM call that failed, a program or tool that raised, a metric "
+        "makes the failed ones again (what was answered comes back from the record). A failure is an LM call that failed, a program or tool that raised, a metric "
         "call that timed out; a reply that came back but did not parse is the program's own 0, not a failure."))
     metric_timeout_s: float | None = knob(None, optional(positive("a number of seconds > 0")), doc=(
         "Seconds one metric call may take: a call still running then (a judge LM that hangs, a sandbox that never "
@@ -241,17 +241,19 @@ class Knobs:
     max_cost: float | None = knob(None, optional(positive("a number > 0 (USD)")), doc=(
         "USD for every LM call of the run (rollouts, the metric's own calls, learning calls, probes, validation, "
         "attribution), priced from "
-        "tokens by LiteLLM's price map or `prices`. Each unit of work is charged before it starts: when the next one "
-        "would not fit beside those in flight, the run stops there, keeps the library so far and says so "
-        "(`stopped_early`); a resume with a larger budget goes on without redoing finished work. A step the budget "
-        "left cannot pay for (its rollouts and a probe of the program and one edit, at what an attempt has cost so "
-        "far) is not started. Refused when no price is known for the policy or reflection model."))
+        "tokens by LiteLLM's price map or `prices`. What the run has spent is the sum of its record of calls, over "
+        "any number of resumes; every call is charged before it is sent: when the next one would not fit beside "
+        "those in flight, the run stops there, keeps the library so far and says so (`stopped_early`); a resume "
+        "with a larger budget goes on, its answered calls free. A step the budget left cannot pay for (its rollouts "
+        "and a probe of the program and one edit, at what an attempt has cost so far) is not started, on a resume "
+        "too. Refused when no price is known for the policy or reflection model."))
     max_total_tokens: int | None = knob(None, optional(integer(1)), doc=(
-        "Prompt plus completion tokens of all calls, charged before each unit of work as `max_cost` is."))
+        "Prompt plus completion tokens of all calls, charged before each call as `max_cost` is."))
     max_metric_calls: int | None = knob(None, optional(integer(1)), doc=(
         "Attempts scored by the metric, GEPA's budget: rollouts, probe attempts, validation and attribution runs, "
-        "charged before each attempt starts (an attempt whose LM call failed is not scored and does not count); a "
-        "step the calls left cannot pay for is not started, as with `max_cost`."))
+        "charged before each attempt starts (an attempt whose LM call failed is not scored and does not count; a "
+        "resume's scoring of the attempts it makes again counts once); a step the calls left cannot pay for is not "
+        "started, as with `max_cost`."))
     prices: dict | None = knob(None, optional(Check(_valid_prices, "a dict of model -> {\"input\": USD, \"output\": "
                                                                  "USD[, \"cached_input\": USD]} per million tokens")),
                                doc=(
@@ -259,15 +261,19 @@ class Knobs:
         "one) or to override it: {\"openai/my-model\": {\"input\": 0.2, \"output\": 0.6, \"cached_input\": 0.05}}. "
         "Dollars in the plan, the budget and the results are tokens times these prices."))
     log_dir: str | os.PathLike | None = knob(None, optional(instance((str, os.PathLike), "a folder path")), doc=(
-        "Folder where every finished unit of work is saved and resumed from; None keeps nothing. A resume must use "
+        "Folder of the run's record: every LM call's reply, with its usage and price, kept as it returns, and every "
+        "finished step; None keeps nothing. The same compile on it resumes: a finished step is reused, an unfinished "
+        "one runs again (the program's Python, its tools and the metric run again) and every request it asked "
+        "before is answered from the record, never sent twice. A resume must use "
         "the same fingerprinted knobs, data, program, target predictors and LM models (the refusal names what "
         "differs); num_threads, max_failure_rate, the budgets and progress may change. One compile at a time: the "
         "folder is locked while a compile runs, and a second one is refused with a `RunLockedError` naming the "
         "holder (a lock of a process that died is taken over)."))
     resume_other_versions: bool = knob(False, FLAG, doc=(
-        "Resume a log_dir whose saved units were made under other versions of tfgrpo, DSPy, LiteLLM or the adapter "
+        "Resume a log_dir whose work was made under other versions of tfgrpo, DSPy, LiteLLM or the adapter "
         "(run.json records them). Refused by default, naming both: their prompts may differ from today's, and the "
-        "reused attempts would sit beside new ones made with another prompt. True reuses them and says so."))
+        "finished steps would sit beside new ones made with another prompt. True goes on and says so: the recorded "
+        "replies answer the requests that are the same, the others are sent."))
     ray_other_versions: bool = knob(False, FLAG, doc=(
         "With backend=\"ray\", run on nodes whose tfgrpo, DSPy or Python version differs from this process's. Refused "
         "by default before any task runs, naming each such node and its versions: the attempts would be made by "

@@ -34,9 +34,9 @@ from tfgrpo.optimizers.checkpoint import Checkpoint, code_fingerprint, prompt_ve
 from tfgrpo.optimizers.spend import metered, model_price
 from tfgrpo.optimizers.workers import fixed_temperature, run_program
 from tfgrpo.optimizers.judge import carried_demos
+from tfgrpo.optimizers.record import role
 from tfgrpo.optimizers.knobs import Knobs, fingerprinted_knobs, resolve
 from tfgrpo.optimizers.records import Demo
-from tfgrpo.optimizers.runner import role
 from tfgrpo.optimizers.rewards import score_attempt
 from tfgrpo.programs.inject import PROVENANCE_KEY, resolve_targets, starting_library
 from tfgrpo.programs.learning import AdvantageExtractor, Consolidator, Summarizer
@@ -69,7 +69,8 @@ class Plan:
             and the whole run's `total` (steps, validation, attribution) with its `metric_calls`.
         bound: The same, as upper bounds (every call sent twice, every rewrite made, replies at the `max_tokens` cap).
         budget: `max_cost`, `max_total_tokens` and `max_metric_calls` as the run uses them (None: no limit).
-        resume: `saved_units` found in `log_dir` (a resume reuses them), 0 for a new run.
+        resume: What `log_dir` holds of the run a compile goes on from: its finished `steps` (reused whole) and the LM
+            `calls` its record holds (a request asked again is answered from it); 0 and 0 for a new run.
         notes: What the checks found worth a word (duplicates, a valset that overlaps the trainset, ...).
     """
 
@@ -113,9 +114,10 @@ class Plan:
                                         self.knobs.stop_when_nothing_to_learn else "")]
         if self.knobs.backend == "ray":
             lines.append("backend: ray: each attempt a task on the Ray cluster (RAY_ADDRESS, or the one ray.init() "
-                         "finds); the budget, checkpoint and learning calls here")
-        if self.resume.get("saved_units"):
-            lines.append(f"resume: {self.resume['saved_units']} finished unit(s) in log_dir are reused")
+                         "finds); the budget, the record and the learning calls here")
+        if self.resume.get("steps") or self.resume.get("calls"):
+            lines.append(f"resume: {self.resume['steps']} finished step(s) in log_dir reused whole, "
+                         f"{self.resume['calls']} recorded LM call(s) answer the same requests again")
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
     def projection(self, steps: list) -> str:
@@ -216,7 +218,7 @@ def make_plan(optimizer, student: dspy.Module, trainset: list, valset: list | No
     models = {"policy": policy, "reflection": str(lms["reflection"].model)}
     return Plan(knobs=knobs, preset=preset, learning_path=path, models=models, steps=knobs.total_steps(len(trainset)),
                 turns=_turns(program),
-                expected=expected, bound=bound, budget=budget, resume={"saved_units": saved}, notes=notes,
+                expected=expected, bound=bound, budget=budget, resume=saved, notes=notes,
                 fingerprint=fingerprint, targets=targets, library=library, demos=demos, refit=refit,
                 carried=carried)
 

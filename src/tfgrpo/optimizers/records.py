@@ -3,8 +3,7 @@
 A rollout makes an `Attempt`, the reward stage a `Scored` attempt, and a query's scored attempts make a `Group`; a
 learning path (`runner.LearningPath`) turns groups into `Lessons` (the plan of library operations), the judge turns lessons and winning
 attempts into a `Verdict` (the operations and `Demo`s kept), and the state applies it. Each stage makes new values and
-never writes into the ones before it. A unit of work that raised is a `Failed` value, counted by its caller.
-Checkpoints store the plain records (`to_record`) and rebuild the values from them.
+never writes into the ones before it. A learning call that raised is a `Failed` value, counted by its scope.
 
 `compiled.detailed_results` is a `TrainingFreeGRPOResult`. Every step has the same fields whatever the learning path;
 what only one path counts (the contrast path's refused or redundant rules, say) is under `details`. `to_dict()` gives
@@ -31,9 +30,10 @@ class Attempt:
     attempt has no answer, so it is left out of its group and of the probe, and never scored. `unparsed`: the error is
     a reply with content the adapter could not parse, the program's own 0 and no outage.
 
-    `prediction` is what the program returned, as the metric receives it (never saved: an attempt read back from a
-    checkpoint gets it rebuilt from `outputs`, `workers.typed`); `bare`: the program returned something other than a
-    `dspy.Prediction` (None, a string), kept as `outputs["returned"]`."""
+    `prediction` is what the program returned, as the metric receives it (as `dspy.Evaluate` gives it: completions,
+    typed values, an open file alike); `outputs` and `trace` are JSON-safe copies of it for the learning calls, the
+    majority answer and the demos. `bare`: the program returned something other than a `dspy.Prediction` (None, a
+    string), given to the metric as it is (`outputs["returned"]` its copy)."""
 
     outputs: dict | None
     error: str | None
@@ -46,25 +46,12 @@ class Attempt:
     bare: bool = False
     prediction: Any = field(default=None, compare=False, repr=False)
 
-    def to_record(self) -> dict:
-        """The attempt as a checkpoint holds it."""
-        rec = {"outputs": self.outputs, "error": self.error, "failed": self.failed, "unparsed": self.unparsed,
-               "trace": self.trace, "tool_calls": self.tool_calls, "attempt": self.text}
-        rec.update({"bare": True} if self.bare else {})
-        return rec if self.text_chars is None else {**rec, "attempt_chars": self.text_chars}
-
-    @classmethod
-    def from_record(cls, rec: dict) -> Attempt:
-        return cls(outputs=rec["outputs"], error=rec["error"], trace=rec["trace"], tool_calls=rec["tool_calls"],
-                   text=rec.get("attempt", ""), failed=rec.get("failed", False), unparsed=rec.get("unparsed", False),
-                   text_chars=rec.get("attempt_chars"), bare=rec.get("bare", False))
-
 
 @dataclass(frozen=True)
 class Scored(Attempt):
     """An attempt with its score: the reward in [0, 1] (None for an attempt that got no answer, never scored), what
     the metric said of it (`feedback`, cut to `render.MAX_FEEDBACK_CHARS`; `feedback_chars`: its length before, when
-    it was cut), `timeout` when the metric call timed out (scored 0, never saved), and which of its query's G attempts
+    it was cut), `timeout` when the metric call timed out (scored 0), and which of its query's G attempts
     it is (`g`)."""
 
     reward: float | None = None
@@ -75,23 +62,10 @@ class Scored(Attempt):
 
     @classmethod
     def of(cls, attempt: Attempt, score: dict, g: int = 0) -> Scored:
-        """`attempt` with the score a checkpoint holds (`score_record`)."""
+        """`attempt` with a score: its "reward", "feedback", "timeout" and "feedback_chars"."""
         return cls(**{f.name: getattr(attempt, f.name) for f in fields(Attempt)}, reward=score.get("reward"),
                    feedback=score.get("feedback", ""), timeout=score.get("timeout"),
                    feedback_chars=score.get("feedback_chars"), g=g)
-
-    def score_record(self) -> dict:
-        """The score as a checkpoint holds it."""
-        rec = {"reward": self.reward, "feedback": self.feedback}
-        rec.update({k: v for k in ("timeout", "feedback_chars") if (v := getattr(self, k)) is not None})
-        return rec
-
-    def to_record(self) -> dict:
-        return {**super().to_record(), **self.score_record()}
-
-    @classmethod
-    def from_record(cls, rec: dict) -> Scored:
-        return cls.of(Attempt.from_record(rec), rec)
 
 
 @dataclass(frozen=True)
@@ -173,6 +147,7 @@ class Verdict:
     demos: list[Demo]
     record: dict | None = None
     found: list[Demo] = field(default_factory=list)
+    probed: dict[str, dict[str, int]] = field(default_factory=dict)  # the probe's attempts of the current program
 
 
 class _Record:

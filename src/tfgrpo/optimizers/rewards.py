@@ -100,7 +100,7 @@ def _within(timeout_s: float, metric: Callable, args: tuple, where: str) -> Any:
 def score_attempt(metric: Callable, example: dspy.Example, attempt: Attempt, timeout_s: float | None = None,
                   g: int = 0) -> Scored:
     """The attempt with its reward and feedback; an attempt that raised scores 0 without asking the metric. A metric
-    call that times out (`timeout_s`) scores 0 too, with the timeout under `timeout` (such a score is not saved). A
+    call that times out (`timeout_s`) scores 0 too, with the timeout under `timeout`. A
     feedback longer than `MAX_FEEDBACK_CHARS` is cut to it (head and tail kept), its length before in
     `feedback_chars`: every learning call reads it."""
     if attempt.error or attempt.outputs is None:
@@ -126,10 +126,11 @@ def score_attempt(metric: Callable, example: dspy.Example, attempt: Attempt, tim
 
 def as_returned(attempt: Attempt):
     """What the program returned, as the metric receives it (as `dspy.Evaluate` gives it): the prediction itself, or
-    for an attempt read back from a checkpoint and not rebuilt (`workers.typed`), a prediction of its saved outputs."""
-    if attempt.prediction is not None:
+    for an attempt made elsewhere with its outputs alone (`learn_from_groups` on saved rollouts), a prediction of
+    them."""
+    if attempt.prediction is not None or attempt.bare:
         return attempt.prediction
-    return attempt.outputs["returned"] if attempt.bare else dspy.Prediction(**attempt.outputs)
+    return dspy.Prediction(**attempt.outputs)
 
 
 def reference_example(example: dspy.Example, group: list[Attempt], use_ground_truth: bool) -> dspy.Example:

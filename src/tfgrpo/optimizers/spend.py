@@ -1,9 +1,10 @@
-"""What a run's units spend: the meters that count every LM call's tokens and price them, the pacer that keeps a
-provider's requests-per-minute limit, and the budget every unit is charged to before it starts.
+"""What LM calls cost, and how fast they may be sent: a model's price (`model_price`), a meter of the calls made
+outside a compile's record (`metered`: a plan's pilot, an evaluation) and the pacer that keeps a provider's
+requests-per-minute limit (`RequestPacer`). A compile's own calls are priced and charged by its record (record.py).
 
-Calls and tokens come from DSPy's usage-tracker hook, which every call that reaches the provider reports to (replies
-from DSPy's cache are not counted); dollars are tokens times the model's price (DSPy's copy of LiteLLM's price map, or
-`prices=`), cached prompt tokens at the cached price.
+Calls and tokens of a meter come from DSPy's usage-tracker hook, which every call that reaches the provider reports to
+(replies from DSPy's cache are not counted); dollars are tokens times the model's price (DSPy's copy of LiteLLM's price
+map, or `prices=`), cached prompt tokens at the cached price.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import asyncio
 import collections
 import contextlib
 import contextvars
-import statistics
 import threading
 import time
 from typing import Any, Iterator
@@ -22,7 +22,6 @@ import pydantic
 from dspy.utils.callback import BaseCallback
 from dspy.utils.usage_tracker import UsageTracker
 
-from tfgrpo.optimizers.knobs import Knobs
 
 
 # -- meters and prices -------------------------------------------------------------------------------------------------
@@ -106,11 +105,6 @@ def metered(prices: dict | None = None) -> Iterator[UsageMeter]:
             for lm, entries in meter.usage_data.items():
                 outer.usage_data[lm].extend(entries)
 
-
-def add_usage(total: dict[str, float], more: dict[str, float]) -> dict[str, float]:
-    for k, v in more.items():
-        total[k] = total.get(k, 0) + v
-    return total
 
 
 class RequestPacer(BaseCallback):
@@ -247,91 +241,3 @@ def _pacers_of(lm: Any) -> list[RequestPacer]:
 def paced(lm) -> bool:
     """Whether `lm` carries a RequestPacer."""
     return bool(_pacers_of(lm))
-
-
-# -- the budget -------------------------------------------------------------------------------------------------------
-class BudgetExhausted(RuntimeError):
-    """The next unit of work would pass `max_cost`, `max_total_tokens` or `max_metric_calls`: the run stops there, with
-    every finished unit saved, and a resume with a larger budget goes on from it."""
-
-
-class Budget:
-    """`max_cost`, `max_total_tokens` and `max_metric_calls`, charged before each unit starts: what was spent, plus what
-    the units in flight are expected to spend, plus this unit's expected share (the mean of the stage's finished units,
-    else of all finished units) must stay within each limit. So a run overshoots a budget by at most what its units in
-    flight spend beyond their expected share."""
-
-    def __init__(self, knobs: Knobs):
-        self.limits = {"cost": knobs.max_cost, "tokens": knobs.max_total_tokens, "metric_calls": knobs.max_metric_calls}
-        self.spent = {"cost": 0.0, "tokens": 0, "metric_calls": 0}
-        self.in_flight = {"cost": 0.0, "tokens": 0, "metric_calls": 0}
-        self.done: dict[str, list[tuple[float, int]]] = {}  # stage -> (cost, tokens) of each finished unit
-        self._lock = threading.Lock()
-
-    def add(self, usage: dict, metric_calls: int = 0) -> None:
-        """Count what reused work had spent (a resumed run's finished steps and units)."""
-        with self._lock:
-            self.spent["cost"] += usage.get("cost", 0.0)
-            self.spent["tokens"] += usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)
-            self.spent["metric_calls"] += metric_calls
-
-    def reserve(self, stage: str, metric_calls: int = 0) -> dict[str, float]:
-        """This unit's expected share, now counted as in flight; `BudgetExhausted` if it does not fit."""
-        with self._lock:  # nothing measured yet: the first units of a run are the measurement
-            done = self._measured(stage)
-            share = {"cost": statistics.fmean(c for c, _ in done), "tokens": statistics.fmean(t for _, t in done),
-                     "metric_calls": metric_calls}
-            for name, limit in self.limits.items():
-                if limit is not None and self.spent[name] + self.in_flight[name] + share[name] > limit - (
-                        1e-12 if name == "cost" else 0) and (share[name] or self.spent[name] >= limit):
-                    raise BudgetExhausted(self._why(name, stage, share[name]))
-            for name in self.in_flight:
-                self.in_flight[name] += share[name]
-            return share
-
-    def _measured(self, stage: str) -> list[tuple[float, int]]:
-        """(cost, tokens) of the stage's finished units, else of every finished unit that called an LM (a free metric's
-        units, recorded with none, measure only the metric), else of nothing spent; called under the lock."""
-        return self.done.get(stage) or [x for name, units in self.done.items() if name != "reward" for x in units] \
-            or [(0.0, 0)]
-
-    def release(self, stage: str, share: dict, used: dict, metric_calls: int = 0) -> None:
-        """The unit has ended: its share leaves the flight, what it `used` (meter totals) is spent."""
-        with self._lock:
-            cost, tokens = used.get("cost", 0.0), used.get("prompt_tokens", 0) + used.get("completion_tokens", 0)
-            for name, value in (("cost", cost), ("tokens", tokens), ("metric_calls", metric_calls)):
-                self.in_flight[name] -= share[name]
-                self.spent[name] += value
-            if used.get("calls") or stage == "reward":  # a metric unit with no LM call measured a metric that is free
-                self.done.setdefault(stage, []).append((cost, tokens))
-
-    def reached(self, attempts: int = 0) -> str | None:
-        """Why no more work fits (checked between steps): a budget is spent, or too little of one is left for the
-        `attempts` the next step needs at least (each a metric call, costing what a finished attempt did on average);
-        else None."""
-        with self._lock:
-            done = self._measured("rollout")
-            scored = self.done.get("reward") or [(0.0, 0)]  # what the metric spends on each (an LLM judge)
-            need = {name: attempts * sum(statistics.fmean(unit[i] for unit in units) for units in (done, scored))
-                    for i, name in enumerate(("cost", "tokens"))}
-            need["metric_calls"] = attempts
-        for name, limit in self.limits.items():
-            if limit is not None and self.spent[name] >= limit:
-                return self._why(name, "", 0)
-        for name, limit in self.limits.items():
-            if limit is not None and need[name] and self.spent[name] + need[name] > limit:
-                return self._why(name, "", need[name], attempts)
-        return None
-
-    def _why(self, name: str, stage: str, share: float, attempts: int = 0) -> str:
-        knob = {"cost": "max_cost", "tokens": "max_total_tokens", "metric_calls": "max_metric_calls"}[name]
-        show = (lambda v: f"${v:.4f}" if v >= 0.01 else f"${v:.6f}") if name == "cost" else (lambda v: f"{v:,.0f}")
-        if attempts:  # the next step cannot be paid for
-            left = show(self.limits[name] - self.spent[name])
-            return (f"budget {knob}={self.limits[name]:g} cannot pay for another step: {left} left, a step needs "
-                    f"~{show(share)} ({attempts} attempts: its rollouts, and a probe of the program and one edit, "
-                    f"where it probes); more calls cannot pay")
-        what = {"cost": "spent", "tokens": "tokens used", "metric_calls": "metric calls made"}[name]
-        nxt = f"; the next {stage} unit (~{show(share)}) would pass it" if stage else ""
-        used = self.spent[name] + self.in_flight[name]  # (those in flight are as good as spent)
-        return f"budget {knob}={self.limits[name]:g} reached: {show(used)} {what}{nxt}"

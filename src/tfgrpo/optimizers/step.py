@@ -1,28 +1,28 @@
 """One optimization step of `TrainingFreeGRPO`. `step(run, state, epoch, batch)` reads in the order it runs, over the
 run (`Run`: fixed while it lasts) and its `State` (what a step changes), both defined in runner.py:
 
-    with run.runner.scope(...) as scope:          # the step's workers, meters and failure counts
+    with Scope(run, "step N") as scope:           # the step's failure counts, by stage
         1. each query of the batch a group of its own, beside the others (`_group`): its G attempts, their rewards,
            and the path's learning calls for the group
-        2. each stage's failure check over every group, in the stages' order (`_checked`)
+        2. each stage's failure check over every group, in the stages' order
         3. the plan of library operations from every group's lessons (`run.path.finish`)
         4. the judge: without a probe every operation and the demos by group advantage, with one only what it keeps
-    5. the plan validated and applied in code to a copy of the library (`state.apply`), and the step's record
+    5. the plan validated and applied in code to a copy of the library (`state.apply`), and the step's record, saved:
+       the step is finished
 
 This file holds the step and the paper's learning path (`PaperPath`); the judge, with the demos and the probe, is
 judge.py (without `probe_size` and `max_demos`, as in the paper, it keeps the plan as it is); the path for small
 reflection models is contrast_path.py.
 
 A group goes through its stages at its own pace: its learning calls start as soon as its own attempts are scored,
-while other groups still roll out. A group that met failed units at a stage stops there, its `Held` (for its
-attempts, returned by `_group`; for its learning calls, raised by `scope.calls`) in its place among the results, and
-spends nothing more on its query until step 2 has run that stage's check over every group: more than
-`max_failure_rate` failed stops the step (a resume redoes the failed units), else the group goes on from where it
-stopped. With `probe_min_power` the step looks first (`_first_look`): half of each group's attempts, then the rest
-only where their solve rate leaves the probe power; the learning calls wait for the whole groups (where the probe is
-skipped, no lesson could be kept, and none is asked for). Every unit runs through the step's `Scope` (runner.py),
-which checkpoints, meters, charges the budget and counts failures. An attempt whose LM call failed is left out of its
-group. Each stage makes new values and never writes into what an earlier one made.
+while other groups still roll out. An attempt whose LM call failed is left out of its group; more than
+`max_failure_rate` of the step's attempts failing stops the step as soon as it is certain. With `probe_min_power` the
+step looks first (`_first_look`): half of each group's attempts, then the rest only where their solve rate leaves the
+probe power; the learning calls wait for the whole groups (where the probe is skipped, no lesson could be kept, and
+none is asked for). Each stage makes new values and never writes into what an earlier one made.
+
+Nothing of an unfinished step is saved but what its LM calls returned (the run's record): a resume runs the step again,
+and each call that asks what it asked before is answered from the record, at no cost.
 """
 
 from __future__ import annotations
@@ -35,16 +35,15 @@ from typing import Any
 
 import dspy
 
-from tfgrpo.base.util import clip, jsonable
+from tfgrpo.base.util import clip
 from tfgrpo.optimizers.checkpoint import Keys
 from tfgrpo.optimizers.judge import judge, unresolvable
 from tfgrpo.optimizers.knobs import Knobs
-from tfgrpo.optimizers.runner import (CONTEXT_REFUSALS, Held, LearningPath, Run, Runner, Scope, State,
-                                      TooManyFailuresError)
-from tfgrpo.optimizers.spend import add_usage
-from tfgrpo.optimizers.workers import rollout_id, with_own_lms
+from tfgrpo.optimizers.record import totals
 from tfgrpo.optimizers.records import Failed, Group, Lessons, StepResult, Verdict
 from tfgrpo.optimizers.rewards import reference_example
+from tfgrpo.optimizers.runner import CONTEXT_REFUSALS, LearningPath, Run, Scope, State, TooManyFailuresError
+from tfgrpo.optimizers.workers import rollout_id, with_own_lms
 from tfgrpo.programs.inject import with_learned
 from tfgrpo.programs.learning import AdvantageExtractor, Consolidator, Summarizer
 from tfgrpo.programs.library import ApplyReport, ExperienceLibrary
@@ -57,115 +56,84 @@ __all__ = ["LearningPath", "PaperPath", "Run", "State", "learn_from_groups", "st
 
 
 def step(run: Run, state: State, epoch: int, batch: list[int]) -> tuple[State, StepResult]:
-    """Step `state.step` of the run on `batch`: the new state and the step's record. A step finished in the checkpoint
-    is reused."""
-    index, runner, knobs = state.step, run.runner, run.knobs
-    if (done := runner.record(Keys.done(index))) is not None:
-        logger.info("Step %d: complete in the checkpoint, reused", index)
-        stats = StepResult.from_dict(done["stats"])
-        runner.budget.add(_summed(stats.usage), stats.metric_calls)
-        return State.from_record(done, index + 1), stats
-    t0, before = time.time(), runner.record(Keys.usage(index), reused=False) or {}  # what a stopped run had spent in it
-    runner.budget.add(_summed(before))
+    """Step `state.step` of the run on `batch`: the new state and the step's record. A step finished in log_dir is
+    reused whole."""
+    index, knobs, name = state.step, run.knobs, f"step {state.step}"
+    if (done := run.store.get(Keys.step(index))) is not None:
+        logger.info("Step %d: finished in log_dir, reused", index)
+        return State.from_record(done, index + 1), StepResult.from_dict(done["stats"])
+    t0 = time.time()
     logger.info("Step %d: %d queries x %d attempts on %d thread(s), %s path", index, len(batch),
                 knobs.num_generations, knobs.num_threads, run.path_name)
-    with runner.scope(f"step {index}", prefix=Keys.step(index), usage_key=Keys.usage(index), before=before) as scope:
+    with Scope(run, name) as scope:
         programs = _rollout_programs(run, state)
         waits = bool(knobs.probe_size and knobs.probe_min_power)  # the learning calls wait for the step's solve rate
         first = _first_look(run, scope, state, programs, batch) if waits and knobs.num_generations >= 4 else {}
-        if first and unresolvable(knobs, list(first.values())):
+        if first and unresolvable(knobs, list(first.values())):  # (without the rest of its attempts, nor lessons)
             logger.info("Step %d: the first %d attempts of each group leave the probe no power: the step ends there",
                         index, knobs.num_generations // 2)
             results = [(group, None) for group in first.values()]
         else:  # 1. each query's group, straight through its stages
+            scope.expect("rollout", len(batch) * (knobs.num_generations - knobs.num_generations // 2 * bool(first)))
             results = scope.each(lambda qi: _group(run, scope, state, programs, qi, knobs.num_generations,
                                                    first.get(qi), learn=not waits), batch)
-        for stage in ("rollout", *run.path.stages):  # 2. every unit of the stage has run: its failure check
-            results = _checked(run, scope, state.library, stage, results, learn=not waits)
-            if stage == "rollout":
-                groups = [group for group, _ in results]
-                _check_attempts(run, scope, index, groups)
-                if waits and not unresolvable(knobs, groups):  # the whole groups leave the probe its power
-                    results = scope.each(lambda r: (r[0], _learned(run, scope, state.library, r[0])), results)
+        scope.check("rollout")  # 2. every unit of each stage has run: its failure check
+        groups = [group for group, _ in results]
+        _check_attempts(run, scope, index, groups)
+        if not (waits and unresolvable(knobs, groups)):  # the groups that waited for the check learn now
+            results = scope.each(lambda result: (result[0], result[1] if result[1] is not None else
+                                                 _learned(run, scope, state.library, result[0])), results)
+        for stage in run.path.stages:
+            scope.check(stage)
         # 3. the plan
         lessons = run.path.finish(run, scope, state.library, [(g, r) for g, r in results if r is not None])
         seconds = {**{s: t - t0 for s, t in scope.finished.items()}, "learning": time.time() - t0}
         verdict = judge(run, scope, state, index, groups, lessons)  # 4. what the step keeps
-        judged = "reward" in scope.meters and scope.meter("reward").totals()["calls"]  # a metric that calls an LM
-        stages = ("rollout", *(("reward",) if judged else ()), *run.path.stages,
-                  *(("probe",) if verdict.record else ()))
-        usage = {s: scope.meter(s).totals() for s in stages}
     sources = sorted({q for q, _ in lessons.proposals})
     new, report = state.apply(verdict, sources, quiet=bool(knobs.probe_size))  # 5. applied, and recorded
+    stages = ("rollout", *run.path.stages, *(("probe",) if verdict.record else ()))
+    usage = {**{s: totals([]) for s in stages}, **run.record.usage(scope=name)}
     stats = _record(run, new, epoch, groups=groups, lessons=lessons, verdict=verdict, report=report, usage=usage,
-                    before=before, seconds=seconds, t0=t0)
+                    before=run.record.usage(scope=name, new=False), seconds=seconds, t0=t0)
     logger.info("Step %d: %d operations proposed, applied %s, %d refused by the library; library has %d experiences",
                 index, stats.operations_proposed, report.applied, len(report.rejected), len(new.library))
-    runner.keep(Keys.done(index), {**new.to_record(), "stats": stats.to_dict()})
+    run.record.sync()  # (the step's calls on disk before its record says it is finished)
+    run.store.put(Keys.step(index), {**new.to_record(), "stats": stats.to_dict()})
     return new, stats
 
 
 def _group(run: Run, scope: Scope, state: State, programs: list, qi: int, size: int, first: Group | None = None, *,
            learn: bool) -> tuple[Group, Any]:
     """One query straight through: its attempts up to `size` (after those of `first`, its group of the first look), the
-    rewards of those that answered, and with `learn` what the path learns from the group (None without contrast, a
-    `Held` where a stage's failure check stopped it). A group that met failed attempts stops before it learns: its
-    `Held` keeps what it saves once the rollout's check has passed (its failed attempts, so that a resume replays the
-    same group, and its new rewards, which rest on them where the reference is the group's majority)."""
-    knobs, index, example = run.knobs, state.step, run.trainset[qi]
+    rewards of those that answered, and with `learn` what the path learns from the group (None without contrast). A
+    group that met a failed attempt waits for the step's rollout check before it learns (None here): where the check
+    stops the step, a resume makes that attempt again, and lessons drawn without it would be spent for nothing."""
+    knobs, example = run.knobs, run.trainset[qi]
     gens = list(range(first.size if first else 0, size))
-    attempts = dict(zip(gens, scope.attempts("rollout", [(Keys.rollout(index, qi, g), programs[g], example)
-                                                         for g in gens])))
-    failed = [g for g, a in attempts.items() if a.error]
+    attempts = dict(zip(gens, scope.attempts("rollout", [(programs[g], example) for g in gens])))
     answered = [g for g, a in attempts.items() if not a.failed]  # a failed LM call is no answer
     # (a group made in halves has a probe, so the ground truth: the first half's rewards stand)
     reference = reference_example(example, [attempts[g] for g in answered], knobs.use_ground_truth)
-    scores = scope.map("reward", lambda g: scope.score(Keys.reward(index, qi, g), attempts[g], reference, g,
-                                                       save=not failed), answered)
+    scores = scope.map("reward", lambda g: scope.score(attempts[g], reference, g), answered)
     group = Group(index=qi, key=query_key(example, qi), example=example, size=size,
                   attempts=(*(first.attempts if first else ()), *scores))
-    if failed:
-        keep = {**{Keys.rollout(index, qi, g): attempts[g].to_record() for g in failed},
-                **{Keys.reward(index, qi, s.g): s.score_record() for s in scores if s.timeout is None}}
-        return group, Held("rollout", keep)
-    return group, _learned(run, scope, state.library, group) if learn else None
+    failed = any(a.failed or (a.error and not a.unparsed) for a in attempts.values())
+    return group, _learned(run, scope, state.library, group) if learn and not failed else None
 
 
 def _learned(run: Run, scope: Scope, library: ExperienceLibrary, group: Group) -> Any:
-    """What the path learns from `group`: None without reward contrast, or its `Held` where it stopped at a stage."""
-    if not group.informative:
-        return None
-    try:
-        return run.path.learn(run, scope, library, group)
-    except Held as held:
-        return held
-
-
-def _checked(run: Run, scope: Scope, library: ExperienceLibrary, stage: str, results: list[tuple[Group, Any]], *,
-             learn: bool) -> list[tuple[Group, Any]]:
-    """The step's groups after the failure check of `stage` over every one (`TooManyFailuresError` where it fails):
-    each group held at the stage goes on from there (one held at its attempts saves what its `Held` keeps, then, with
-    `learn`, learns), beside the others."""
-    scope.check(stage)
-
-    def go_on(group: Group, held: Any) -> tuple[Group, Any]:
-        if not isinstance(held, Held) or held.stage != stage:
-            return group, held
-        for key, record in held.keep.items():  # (a reused failed attempt is saved already)
-            run.runner.keep(key, record, once=True)
-        return group, _learned(run, scope, library, group) if learn or stage != "rollout" else None
-
-    if not any(isinstance(held, Held) and held.stage == stage for _, held in results):
-        return results
-    return scope.each(lambda result: go_on(*result), results)
+    """What the path learns from `group`: None without reward contrast."""
+    return run.path.learn(run, scope, library, group) if group.informative else None
 
 
 def _first_look(run: Run, scope: Scope, state: State, programs: list, batch: list[int]) -> dict[int, Group]:
     """The first look (`probe_min_power`): the first half of each query's attempts, checked as the rollout is; the
     groups by query."""
     half = run.knobs.num_generations // 2
+    scope.expect("rollout", len(batch) * half)
     results = scope.each(lambda qi: _group(run, scope, state, programs, qi, half, learn=False), batch)
-    return {group.index: group for group, _ in _checked(run, scope, state.library, "rollout", results, learn=False)}
+    scope.check("rollout")
+    return {group.index: group for group, _ in results}
 
 
 def _rollout_programs(run: Run, state: State) -> list[dspy.Module]:
@@ -186,7 +154,7 @@ def _check_attempts(run: Run, scope: Scope, index: int, groups: list[Group]) -> 
     timeouts = [a.timeout for g in groups for a in g.attempts if a.timeout]
     if timeouts and len(timeouts) > run.knobs.max_failure_rate * scored:
         raise TooManyFailuresError(f"step {index}: the metric timed out on {len(timeouts)} of {scored} attempts (first: "
-                                   f"{timeouts[0]}); finished work is kept in log_dir={run.knobs.log_dir!r}")
+                                   f"{timeouts[0]}); every reply so far is kept in log_dir={run.knobs.log_dir!r}")
     if timeouts:
         logger.warning("Step %d: the metric timed out on %d of %d attempts, each scored 0 (first: %s)", index,
                        len(timeouts), scored, timeouts[0])
@@ -208,15 +176,11 @@ def _check_attempts(run: Run, scope: Scope, index: int, groups: list[Group]) -> 
                        index, len(refused), refused[0][:300])
 
 
-def _summed(usage: dict[str, dict]) -> dict[str, float]:
-    return {k: sum(u.get(k, 0) for u in usage.values()) for k in ("prompt_tokens", "completion_tokens", "cost")}
-
-
 def _record(run: Run, new: State, epoch: int, *, groups: list[Group], lessons: Lessons, verdict: Verdict,
             report: ApplyReport, usage: dict, before: dict, seconds: dict, t0: float) -> StepResult:
     """The record of the step that made `new`: what it made (its groups, lessons, verdict and the library's report of
-    the edits) and spent (`usage` by stage, `before`: what a stopped run had spent in it, when each stage ended, `t0`:
-    when the step began)."""
+    the edits) and spent (`usage` by stage, `before`: of it, what a run stopped in the step had spent; when each stage
+    ended, `t0`: when the step began)."""
     attempts, informative = [a for g in groups for a in g.attempts], [g for g in groups if g.informative]
     timeouts = [a for a in attempts if a.timeout]
     made_attempts = sum(g.size for g in groups)
@@ -231,7 +195,7 @@ def _record(run: Run, new: State, epoch: int, *, groups: list[Group], lessons: L
         operations_proposed=lessons.operations_proposed,
         operations_applied=report.applied, operations_rejected=len(report.rejected),
         library_size=len(new.library), consolidation=lessons.consolidation,
-        usage={stage: add_usage(dict(before.get(stage, {})), u) for stage, u in usage.items()},
+        usage=usage,
         seconds=seconds, wall_s=time.time() - t0,
         metric_calls=len(attempts) + (verdict.record or {}).get("attempts_run", 0),
         demos=[d.query for d in verdict.demos], probe=verdict.record, queries=[g.index for g in groups],
@@ -244,14 +208,13 @@ def learn_from_groups(path: LearningPath, groups: list[Group], *, settings: Knob
     """Run `path` on groups scored elsewhere (saved rollouts, say), as a step would, with nothing saved: its lessons and
     the usage of each of its stages. The library is not changed (apply the plan to a copy); `instructions`, the
     program's (what a rule may repeat)."""
-    run = Run(knobs=settings, metric=lambda *_: 0.0, path=path, path_name=type(path).__name__,
-              reflection_lm=reflection_lm, runner=Runner(settings, lambda *_: 0.0), instructions=instructions)
-    with run.runner.scope("learning") as scope:
+    with Run(knobs=settings, metric=lambda *_: 0.0, path=path, path_name=type(path).__name__,
+             reflection_lm=reflection_lm, instructions=instructions) as run, Scope(run, "learning") as scope:
         results = scope.each(lambda group: (group, _learned(run, scope, library, group)), groups)
         for stage in path.stages:
-            results = _checked(run, scope, library, stage, results, learn=True)
+            scope.check(stage)
         lessons = path.finish(run, scope, library, [(g, r) for g, r in results if r is not None])
-        return lessons, {stage: scope.meter(stage).totals() for stage in path.stages}
+        return lessons, {**{stage: totals([]) for stage in path.stages}, **run.record.usage()}
 
 
 # == the learning paths ===============================================================================================
@@ -260,24 +223,24 @@ def learn_from_groups(path: LearningPath, groups: list[Group], *, settings: Knob
 # A path is a plug-in with a small contract, so that a new way of learning needs nothing of the optimizer's insides:
 #
 #     class MyPath(LearningPath):
-#         stages = ("lesson",)                          # the stages its LM calls are metered and checked under
+#         stages = ("lesson",)                          # the stages its LM calls are charged and checked under
 #
 #         def learn(self, run, scope, library, group):  # one group's calls (groups run side by side)
 #             def lesson():                             # one learning call, under run.reflection_lm
 #                 with dspy.context(lm=run.reflection_lm):
 #                     return dspy.Predict("attempts -> lesson")(attempts=...).lesson
-#             return scope.call("lesson", f"lessons/{group.index}", lesson)
+#             return scope.call("lesson", lesson)
 #
 #         def finish(self, run, scope, library, results):  # every group done: [(group, its result)] -> the plan
 #             return Lessons(plan=[...], proposals=[(group.key, op), ...])
 #
 # `run` is the run (`Run`, above): its knobs (`run.knobs`), the reflection LM (`run.reflection_lm`) and the program's
 # instructions; `scope` is the step's (`runner.Scope`). `library` is the library as the step started: read it, never
-# edit it. `scope.call(stage, name, fn)` (or `calls` for several at once) makes a learning call on the step's
-# workers: checkpointed under the step as `name`, charged to the budget, metered under `stage`; one that raises
-# comes back as a `Failed` and is counted; where one failed, `calls` raises `Held` (let it pass), the step checks the
-# stage over every group (more than `max_failure_rate` failed: the step stops) and runs `learn` again, whose calls then
-# give the same values with no new call (a path never waits on other groups itself). The paper's path is `PaperPath`;
+# edit it. `scope.call(stage, fn)` (or `calls(stage, fns)` for several at once) makes a learning call on the run's
+# workers: its LM calls charged to the budget and recorded under `stage` (a resume gets the same replies back with no
+# new call); one that raises comes back as a `Failed` and is counted, and once every group is done the step checks
+# the stage (more than `max_failure_rate` failed: the step stops). A path never waits on other groups itself; any
+# value may come back from a call (a list of operations, a model of yours). The paper's path is `PaperPath`;
 # `ContrastPath` (contrast_path.py) is the path for small reflection models. Pass an instance as `learning_path=` to
 # plug in your own; `learn_from_groups` (above) runs a path on groups scored elsewhere (saved rollouts, say).
 
@@ -323,8 +286,7 @@ class PaperPath(LearningPath):
             return lambda: summarizer(task_input=task, attempt=a.text, outcome=outcome(a), reference_answer=answer_key,
                                       experiences=rendered)
 
-        # (an outage stops the step in `calls`, before it costs advantage calls)
-        summaries = scope.calls("summary", {f"summaries/{group.index}_{a.g}": summarize(a) for a in group.attempts})
+        summaries = scope.calls("summary", [summarize(a) for a in group.attempts])
         failed = [s.error for s in summaries if isinstance(s, Failed)]
         shown = []
         for a, summary in zip(group.attempts, summaries):
@@ -339,8 +301,7 @@ class PaperPath(LearningPath):
                              experiences=rendered, max_operations=knobs.max_operations_per_group,
                              max_words=knobs.max_words_per_experience)
 
-        return Advantage(ops=scope.call("advantage", f"advantages/{group.index}", extract, returns=list[Operation]),
-                         failed_summaries=len(failed))
+        return Advantage(ops=scope.call("advantage", extract), failed_summaries=len(failed))
 
     def finish(self, run: Run, scope: Scope, library: ExperienceLibrary, results: list[tuple[Group, Advantage]]
                ) -> Lessons:
@@ -369,11 +330,10 @@ class PaperPath(LearningPath):
             return Consolidation(plan=consolidator(experiences=library.render() or EMPTY_LIBRARY, proposals=proposals,
                                                    max_words=run.knobs.max_words_per_experience), status="ok")
 
-        made = scope.call("consolidation", "plan", consolidate, returns=Consolidation)
+        made = scope.call("consolidation", consolidate)
         if isinstance(made, Failed):  # the proposals were validated one by one already: apply them as they are
             logger.warning("Consolidation failed (%s); applying the %d proposals directly", made.error, len(proposals))
             made = Consolidation(plan=[op for _, op in proposals], status="fallback: proposals applied directly")
-            run.runner.keep(scope.key("plan"), jsonable(made))
         return made.plan, made.status
 
 

@@ -9,8 +9,10 @@ lives in the program's instructions. `compile` reads as four stages:
     state   = step(run, state, epoch, batch)          # per batch of every epoch; validated after each epoch
     program = the student's copy with the kept state  # the best validated epoch's, else the last
 
-Every unit of work goes through the run's `Runner` (runner.py), which checkpoints it in `log_dir`, charges the
-budget before it starts and meters it, so a crashed or stopped run resumes without resending anything it finished.
+Every LM call of the run (the program's, the metric's, the learning calls) leaves through the run's record (record.py),
+kept in `log_dir` as it returns and charged to the budget before it is sent; a finished step is saved whole. So a
+crashed or stopped run resumes by running the same code again: a finished step is reused, and in an unfinished one
+every call that asks what it asked before is answered from the record, at no cost.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from dspy.teleprompt.teleprompt import Teleprompter
 
 from tfgrpo.base import hooks
 from tfgrpo.optimizers.checkpoint import Checkpoint, Keys
-from tfgrpo.optimizers.runner import Run, Runner, State, role
-from tfgrpo.optimizers.spend import BudgetExhausted, add_usage
+from tfgrpo.optimizers.record import LIMITS, BudgetExhausted, Record
+from tfgrpo.optimizers.runner import Run, Scope, State
 from tfgrpo.optimizers.workers import StageBars, guard_cache, with_own_lms
 from tfgrpo.optimizers.knobs import KNOBS, Knobs, args_doc, check_knob
 from tfgrpo.optimizers.contrast_path import ContrastPath
@@ -52,8 +54,9 @@ DOC = """Learns a library of natural-language experiences for a DSPy program, an
     with a valset, `best_epoch`, the epoch whose library the compiled program carries; `usage`, the calls this call
     made, and `run_usage`, those of the whole run (steps reused from `log_dir` included). `plan(student, trainset)`
     says what a compile will do and spend, without a call. A student that carries an `experience_library` (or, loaded
-    with stock DSPy, only its rendering in the instructions) goes on learning from it. Every finished unit of work is
-    saved in `log_dir`; the same call resumes an interrupted run.
+    with stock DSPy, only its rendering in the instructions) goes on learning from it. Every LM call's reply is kept
+    in `log_dir` as it returns, and every finished step; the same call resumes an interrupted run, running the
+    program again with the answered calls answered from the record.
 
     Every knob is a keyword argument, declared once (type, default, check, doc) in `src/tfgrpo/optimizers/knobs.py`, from which
     the Args after `metric` are filled in and the knob table of docs/usage.md is written; `optimizer.knobs` holds them
@@ -158,26 +161,27 @@ class TrainingFreeGRPO(Teleprompter):
             raise ValueError("TrainingFreeGRPO learns from the student's own attempts and takes no teacher; to have "
                              "a stronger model make the learning calls, pass reflection_lm=")
         guard_cache()  # an empty reply is never served back from DSPy's cache to a retry or a resume
-        ckpt = Checkpoint(self.log_dir)
-        with ckpt.locked():  # one compile per log_dir: a second one is refused at once
+        store = Checkpoint(self.log_dir)
+        with store.locked():  # one compile per log_dir: a second one is refused at once
             plan = make_plan(self, student, trainset, valset, attribution_set, say=True)
             info = hooks.CompileInfo(knobs={name: getattr(self, name) for name in KNOBS},
                                      params=functools.partial(_params, self, plan, student))
             with hooks.tracked(info) as trackers:  # the trackers (MLflow's) see the run from its start to the program
-                saved = ckpt.start(plan.fingerprint, other_versions=plan.knobs.resume_other_versions)
+                saved = store.start(plan.fingerprint, other_versions=plan.knobs.resume_other_versions)
                 logger.warning("%s", plan.summary())
-                run = self._run(plan, student, trainset, ckpt)
-                if saved:  # what the fingerprint cannot see: the saved work is checked against today's metric and program
-                    logger.info("resuming from %s: %d finished units found", ckpt.root, saved)
-                    run.runner.recheck(run.program, trainset)
-                held_out = attribution_set if attribution_set is not None else valset
-                compiled = self._learn(run, plan, valset, held_out, trackers)
+                if saved["steps"] or saved["calls"]:
+                    logger.info("resuming from %s: %d finished step(s), %d recorded LM call(s)", store.root,
+                                saved["steps"], saved["calls"])
+                with self._run(plan, student, trainset, store) as run:
+                    held_out = attribution_set if attribution_set is not None else valset
+                    compiled = self._learn(run, plan, valset, held_out, trackers)
                 for tracker in trackers:
                     tracker.finish(compiled)
             return compiled
 
-    def _run(self, plan: Plan, student: dspy.Module, trainset: list, ckpt: Checkpoint) -> Run:
-        """What every step of the compile of `plan` shares: the resolved knobs, the path, the LMs, the runner."""
+    def _run(self, plan: Plan, student: dspy.Module, trainset: list, store: Checkpoint) -> Run:
+        """What every step of the compile of `plan` shares: the resolved knobs, the path, the LMs, the record of its
+        calls (log_dir's), its backend and its store."""
         knobs, program = plan.knobs, student.deepcopy()
         for name, predictor in program.named_predictors() if plan.demos else ():
             if name in plan.targets:  # the demos it carries are the run's own from here (State.demos)
@@ -186,8 +190,10 @@ class TrainingFreeGRPO(Teleprompter):
             ContrastPath() if plan.learning_path == "contrast" else PaperPath()
         reflection_lm = self.reflection_lm or dspy.settings.lm or next(
             p.lm for _, p in program.named_predictors() if p.lm is not None)
-        return Run(knobs=knobs, metric=self.metric, path=path, path_name=plan.learning_path, reflection_lm=reflection_lm,
-                   runner=Runner(knobs, self.metric, ckpt), program=program, targets=plan.targets,
+        record = Record(store.root, limits={knob: getattr(knobs, knob) for knob in LIMITS.values()},
+                        prices=knobs.prices)
+        return Run(knobs=knobs, metric=self.metric, record=record, store=store, path=path,
+                   path_name=plan.learning_path, reflection_lm=reflection_lm, program=program, targets=plan.targets,
                    trainset=trainset, instructions=" ".join(p.signature.instructions
                                                             for _, p in program.named_predictors()))
 
@@ -199,7 +205,7 @@ class TrainingFreeGRPO(Teleprompter):
         steps, epochs, best, stopped, refit = [], [], None, None, None
         bar = knobs.progress or StageBars(resumed=True)  # the whole run: steps done of all, with its ETA
         if total:
-            bar("step", sum(run.runner.record(Keys.done(i), reused=False) is not None for i in range(total)), total)
+            bar("step", sum(run.store.get(Keys.step(i)) is not None for i in range(total)), total)
         rng = random.Random(knobs.seed)
         try:
             if plan.refit:
@@ -218,7 +224,7 @@ class TrainingFreeGRPO(Teleprompter):
                     for tracker in trackers:
                         tracker.validation(epochs[-1].__dict__, step=state.step - 1)
                     best = (epochs[-1], state) if best is None or epochs[-1].val_score >= best[0].val_score else best
-                    stopped = run.runner.budget.reached() if state.step < total else None
+                    stopped = run.record.reached() if state.step < total else None
                     if stopped:
                         break
         except BudgetExhausted as exc:  # the next unit would not fit: the run ends at its last finished step
@@ -234,17 +240,13 @@ class TrainingFreeGRPO(Teleprompter):
                         "go to the later epoch); %d experiences", best[0].epoch, best[0].val_score, len(epochs),
                         len(best[1].library))
         learned, worth = self._attribution(run, learned, held_out, stopped)
-        run_usage = {"policy": {}, "reflection": {}}  # the whole run's: its steps' (those reused from log_dir
-        by_stage = [*((stage, used) for stats in steps for stage, used in stats.usage.items()),  # included) and the
-                    *run.runner.unrecorded.items()]  # validations, the attribution, a step stopped part way
-        for stage, used in by_stage:
-            add_usage(run_usage.setdefault(role(stage), {}), used)
         compiled = with_learned(run.program, run.targets, *learned)
+        usage = run.record.by_role(new=True)
         compiled.detailed_results = TrainingFreeGRPOResult(
             steps=steps, epochs=epochs, best_val_score=best[0].val_score if best else None,
-            best_epoch=best[0].epoch if best else None, usage=run.runner.spent, run_usage=run_usage,
-            reused_units=run.runner.ckpt.reused, stopped_early=stopped, worth=worth, refit=refit,
-            limits=_limits(steps, run.runner.spent, stopped, run.runner.sent, run.runner.ckpt.reused))
+            best_epoch=best[0].epoch if best else None, usage=usage, run_usage=run.record.by_role(),
+            reused_units=run.record.served, stopped_early=stopped, worth=worth, refit=refit,
+            limits=_limits(steps, usage, stopped, run.record.usage(new=True), run.record.served))
         compiled.provenance = {"policy": plan.models["policy"], "reflection": plan.models["reflection"],
                                "knobs": plan.fingerprint["knobs"], "steps": len(steps),
                                "worth": {item.id: item.worth for item in worth.items} if worth else None,
@@ -264,9 +266,9 @@ class TrainingFreeGRPO(Teleprompter):
             if state.step == total:
                 return state, None
             batch = order[at: at + knobs.batch_size]
-            fresh = not run.runner.record(Keys.usage(state.step), reused=False)  # (a resumed step pays less)
+            fresh = f"step {state.step}" not in run.record.scopes()  # (a resumed step pays less)
             need = len(batch) * knobs.num_generations + 2 * min(knobs.probe_size, len(run.trainset))
-            if fresh and (short := run.runner.budget.reached(need)):  # a step it cannot finish would learn nothing
+            if fresh and (short := run.record.reached(need)):  # a step it cannot finish would learn nothing
                 return state, short
             try:
                 state, stats = step(run, state, epoch, batch)
@@ -278,7 +280,7 @@ class TrainingFreeGRPO(Teleprompter):
                 tracker.step(stats)
             if total:
                 bar("step", state.step, total)
-            if stopped := run.runner.budget.reached() or _learned_out(knobs, stats):
+            if stopped := run.record.reached() or _learned_out(knobs, stats):
                 return state, stopped
         return state, None
 
@@ -287,16 +289,16 @@ class TrainingFreeGRPO(Teleprompter):
         """What each kept item is worth (`attribution`), and what the compiled program keeps (pruned with `prune`)."""
         if not run.knobs.attribution:
             return learned, None
-        if stopped and run.runner.budget.reached():
+        if stopped and run.record.reached():
             logger.warning("Attribution skipped: %s", stopped)
             return learned, None
         try:
-            worth, learned = Attribution(run.runner).run(run.program, run.targets, learned, examples)
+            worth, learned = Attribution(run).measure(run.program, run.targets, learned, examples)
         except BudgetExhausted as exc:
             logger.warning("Attribution stopped: %s; the compiled program keeps every item", exc)
             return learned, None
         log_worth(worth)
-        run.runner.keep("worth", worth.to_dict())
+        run.store.put(Keys.worth, worth.to_dict())
         return learned, worth
 
 
@@ -305,8 +307,8 @@ def _refit(run: Run, plan: Plan, state: State, examples: list) -> tuple[WorthRes
     measures (beside its controls), and the items kept: those worth more than nothing, chosen on half the queries and
     checked on the other (`prune`). Each item's `learned_on` says where the saved program learned it, and its worth
     there where the program recorded one."""
-    worth, kept = Attribution(run.runner).run(run.program, run.targets, Learned(state.library, state.demos), examples,
-                                              prune=True)
+    worth, kept = Attribution(run).measure(run.program, run.targets, Learned(state.library, state.demos), examples,
+                                           prune=True, name="refit")
     there = plan.carried.get("worth") or {}
     items = [dataclasses.replace(item, learned_on={"policy": plan.carried.get("policy"), "worth": there.get(item.id)})
              for item in worth.items] if plan.carried else worth.items
@@ -314,7 +316,7 @@ def _refit(run: Run, plan: Plan, state: State, examples: list) -> tuple[WorthRes
     logger.warning("Refit on %s: %d of %d carried item(s) kept%s", ", ".join(plan.models["policy"]),
                    len(kept.items()), len(items), f" ({', '.join(worth.pruned)} left out)" if worth.pruned else "")
     log_worth(worth)
-    run.runner.keep("refit", worth.to_dict())
+    run.store.put(Keys.refit, worth.to_dict())
     return worth, kept
 
 
@@ -322,13 +324,13 @@ def validate(run: Run, state: State, valset: list, epoch: int) -> EpochResult:
     """The epoch's validation: the program with the state's library and demos on the valset, `val_score` the mean metric
     over the examples it answered (a run that raised scores 0; one whose LM call failed is left out, counted in
     `val_failures` with the rest). Saved as `epochs/<epoch>`."""
-    if (saved := run.runner.record(Keys.epoch(epoch))) is not None:
+    if (saved := run.store.get(Keys.epoch(epoch))) is not None:
         return EpochResult(epoch=epoch, val_score=saved["val_score"], library_size=len(state.library),
                            val_failures=saved.get("val_failures", 0))
     logger.info("validation: %d call(s) on %d thread(s)", len(valset), run.knobs.num_threads)
     program = with_own_lms(with_learned(run.program, run.targets, state.library, state.demos))
-    with run.runner.scope(f"validation after epoch {epoch}") as scope:
-        attempts = scope.scored("validation", [(None, program, x) for x in valset])
+    with Scope(run, f"validation after epoch {epoch}") as scope:
+        attempts = scope.scored("validation", [(program, x) for x in valset])
         scope.check("validation")
     answered = [a for a in attempts if not a.failed]
     errors = [a.error or a.timeout for a in attempts if a.error or a.timeout]
@@ -337,9 +339,9 @@ def validate(run: Run, state: State, valset: list, epoch: int) -> EpochResult:
                        "left out, any other failure scores 0", epoch, len(errors), len(attempts), errors[0])
     value = sum(a.reward for a in answered) / len(answered) if answered else 0.0
     logger.info("Epoch %d: validation score %.3f with %d experiences", epoch, value, len(state.library))
-    run.runner.keep(Keys.epoch(epoch), {"val_score": value, "val_failures": len(errors),
-                                     "library": state.library.dump_state(),
-                                              "demos": [d.to_record() for d in state.demos]})
+    run.store.put(Keys.epoch(epoch), {"val_score": value, "val_failures": len(errors),
+                                      "library": state.library.dump_state(),
+                                      "demos": [d.to_record() for d in state.demos]})
     return EpochResult(epoch=epoch, val_score=value, library_size=len(state.library), val_failures=len(errors))
 
 
@@ -361,7 +363,7 @@ def _learned_out(knobs: Knobs, stats: StepResult) -> str | None:
 
 def _limits(steps: list[StepResult], usage: dict, stopped: str | None, sent: dict, reused: int) -> dict:
     """What limited the run, logged at WARNING level with what this compile spent (`usage` by role, `sent` by stage;
-    `reused`: units read back from log_dir): how many attempts solved their own query, the best winning attempt
+    `reused`: LM calls answered from log_dir's record): how many attempts solved their own query, the best winning attempt
     written (the demo candidate that solved most of its probe's queries) against the program kept (its solved share on
     the last probe), the calls this compile sent per stage, the learning calls that failed, and why it stopped."""
     attempts = [(s.step, c) for s in steps for c in (s.probe or {}).get("candidates", []) if c["edit"].startswith("demo")]
@@ -392,7 +394,7 @@ def _limits(steps: list[StepResult], usage: dict, stopped: str | None, sent: dic
              + (f" ({u['cached_tokens']:,} cached)" if u.get("cached_tokens") else "")
              + f" + {u.get('completion_tokens', 0):,} tokens" + (f", ${u['cost']:.4f}" if "cost" in u else "")
              for role, u in usage.items() if u.get("calls")]
-    nothing = "nothing new (every unit reused)" if reused else "nothing (no call was made)"
+    nothing = "nothing new (every call answered from log_dir's record)" if reused else "nothing (no call was made)"
     failed = f"; {limits['learning_failures']} learning call(s) failed (each step's learning_failures)" \
         if limits["learning_failures"] else ""
     logger.warning("compile spent: %s; calls by stage %s%s; %s", "; ".join(parts) or nothing, limits["calls"], failed,

@@ -1,9 +1,10 @@
-"""Where a run's units run, and what an attempt runs: a program on an example (`run_program`), on
-a bounded pool of threads (`Workers`) or, with `backend="ray"`, as a task on a Ray cluster (`RayAttempts`).
+"""Where a run's attempts and other units run, and what an attempt runs: a program on an example (`run_program`).
 
-`Workers` is the runner's seam: `map` runs a stage's units on the pool and `each` runs a step's groups side by side;
-`AsyncWorkers` (`backend="async"`) adds `gather`, which runs a scope's attempts as coroutines on one event loop, and
-keeps the other two verbs, so the step does not change.
+The backend is chosen once per run (the `backend` knob) and is the one seam of concurrency: `Threads` runs every unit on
+one pool of `num_threads` daemon threads; `Async` runs the attempts as coroutines on one event loop, hundreds in
+flight, and the rest on its threads; `Ray` runs each attempt as a task on a Ray cluster, the rest on its threads.
+Each unit runs in a copy of its caller's context (DSPy's settings, and the record's tag with them: record.py). The
+step's `Scope` (runner.py) submits the units and waits for them.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import dataclasses
+import json
 import functools
 import logging
 import os
@@ -20,19 +22,18 @@ import re
 import socket
 import sys
 import threading
-from concurrent.futures import FIRST_EXCEPTION, CancelledError, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import dspy
-import pydantic
 import tqdm
 from dspy.utils.exceptions import AdapterParseError, LMError
 
 from tfgrpo.base.util import USER_MODULE_PREFIX, clip, digest, jsonable
-from tfgrpo.optimizers.checkpoint import installed_version
+from tfgrpo.optimizers.record import TAG, Record, Tag, holds_text, install
 from tfgrpo.optimizers.records import Attempt
-from tfgrpo.optimizers.spend import UsageMeter, paced
+from tfgrpo.optimizers.spend import paced
 from tfgrpo.programs.render import MAX_ATTEMPT_CHARS, count_tool_calls, format_attempt
 
 logger = logging.getLogger(__name__)
@@ -80,17 +81,17 @@ def run_program(program: dspy.Module, example: dspy.Example) -> tuple[dspy.Predi
     return prediction, _attempt(program, example, trace, prediction, None)
 
 
-async def arun_program(program: dspy.Module, example: dspy.Example, workers: AsyncWorkers
+async def arun_program(program: dspy.Module, example: dspy.Example, offload: Callable
                        ) -> tuple[dspy.Prediction | None, Attempt]:
-    """`run_program` as a coroutine on the event loop of `workers`: through the program's `acall` (DSPy's async path to
-    the LM) where it has `aforward`, else its `forward` on one of the workers' threads."""
+    """`run_program` as a coroutine: through the program's `acall` (DSPy's async path to the LM) where it has
+    `aforward`, else its `forward` on a thread (`offload(fn, **kwargs)`)."""
     trace: list = []
     try:
         with dspy.context(trace=trace):
             if hasattr(type(program), "aforward"):
                 prediction = await program.acall(**example.inputs())
             else:
-                prediction = await workers.offload(program, **example.inputs())
+                prediction = await offload(program, **example.inputs())
     except Exception as exc:
         return None, _attempt(program, example, trace, None, exc)
     return prediction, _attempt(program, example, trace, prediction, None)
@@ -98,13 +99,12 @@ async def arun_program(program: dspy.Module, example: dspy.Example, workers: Asy
 
 def _attempt(program: dspy.Module, example: dspy.Example, trace: list, prediction: Any,
              exc: Exception | None) -> Attempt:
-    """One run of `program` (see `run_program`): what it returned, or the exception it raised."""
+    """One run of `program` (see `run_program`): what it returned (kept as it is for the metric), or the exception it
+    raised; its outputs, trace and text as JSON-safe copies for the learning calls and the demos."""
     outputs, error, failed, unparsed, bare = None, None, False, False, False
     if exc is None:
         bare = not isinstance(prediction, dspy.Prediction)  # None, a string: the metric gets it as it is
         outputs = {"returned": jsonable(prediction)} if bare else jsonable(dict(prediction.items()))
-        if not bare:
-            _say_untyped(output_types(program), prediction)
     else:
         error, cause = f"{type(exc).__name__}: {exc}", exc
         while cause is not None and not failed:  # the provider's failure or empty reply, wherever in the chain
@@ -113,12 +113,24 @@ def _attempt(program: dspy.Module, example: dspy.Example, trace: list, predictio
         unparsed = unparsed and not failed
     steps = [{"predictor": name, "inputs": jsonable(inputs), "outputs": jsonable(dict(out.items()))}
              for name, (_, inputs, out) in zip(predictor_names(program, trace), trace)]
-    # the attempt as the learning calls read it, cut to MAX_ATTEMPT_CHARS (the runner says so)
-    text = format_attempt(dict(example.inputs().items()), outputs, steps, error, limit=None)
+    completions = _completions(prediction) if exc is None and not bare else []
+    # the attempt as the learning calls read it, cut to MAX_ATTEMPT_CHARS (the scope says so)
+    text = format_attempt(dict(example.inputs().items()), outputs, steps, error, completions=completions, limit=None)
     return Attempt(outputs=outputs, error=error, failed=failed, unparsed=unparsed, trace=steps,
                    tool_calls=count_tool_calls(outputs), text=clip(text, MAX_ATTEMPT_CHARS),
                    text_chars=len(text) if len(text) > MAX_ATTEMPT_CHARS else None, bare=bare,
                    prediction=None if exc is not None else prediction)
+
+
+def _completions(prediction: dspy.Prediction) -> list[dict]:
+    """Every completion of a prediction that holds several (`dspy.Predict(..., n=3)`,
+    `Prediction.from_completions`), as JSON-safe fields; [] for one."""
+    completions = getattr(prediction, "completions", None)
+    try:
+        return [jsonable(dict(c.items())) for c in completions] if completions is not None and len(completions) > 1 \
+            else []
+    except (TypeError, AttributeError):  # a completions object of another shape
+        return []
 
 
 _SAID: set[str] = set()  # what this process has warned of once
@@ -152,46 +164,6 @@ def predictor_names(program: dspy.Module, trace: list) -> list[str]:
                       name)
         names.append(name)
     return names
-
-
-def output_types(program: dspy.Module) -> dict[str, Any]:
-    """The type of each output field of the program's predictors (by field name; a later predictor's wins)."""
-    return {name: f.annotation for _, p in program.named_predictors() for name, f in p.signature.output_fields.items()}
-
-
-def _say_untyped(types: dict, prediction: dspy.Prediction) -> None:
-    for name, value in prediction.items():
-        if name not in types and value is not None and not isinstance(value, (str, int, float, bool, list, dict)):
-            _say_once(f"untyped {name}", "The program's output %r (%s) is the output of no predictor's signature: an "
-                      "attempt read back from log_dir gives the metric its JSON form (%s)", name,
-                      type(value).__name__, type(jsonable(value)).__name__)
-
-
-def typed(program: dspy.Module, attempt: Attempt) -> Attempt:
-    """`attempt` (read back from a checkpoint or a Ray node) with its `prediction` rebuilt from the saved outputs as
-    the program returned it (`rebuilt`, by the types of the program's output fields)."""
-    if attempt.prediction is not None or attempt.outputs is None or attempt.bare:
-        return attempt
-    return dataclasses.replace(attempt, prediction=dspy.Prediction(**rebuilt(output_types(program), attempt.outputs)))
-
-
-def rebuilt(types: dict[str, Any], outputs: dict) -> dict:
-    """Saved `outputs` with each field of `types` validated to its type (pydantic's `TypeAdapter` of the annotation:
-    a model, an Enum, a tuple, a date), any other as saved. One that does not validate is kept as saved, said once."""
-    values = dict(outputs)
-    for name, value in outputs.items():
-        if name in types and value is not None and types[name] not in (str, Any):
-            try:
-                values[name] = pydantic.TypeAdapter(types[name]).validate_python(value)
-            except Exception as exc:  # noqa: BLE001 - said, and the saved value used
-                _say_once(f"rebuild {name}", "The saved output %r does not rebuild to its type %s (%s): the metric "
-                          "gets it as saved", name, types[name], str(exc).splitlines()[0])
-    return values
-
-
-async def arun_attempt(program: dspy.Module, example: dspy.Example, workers: AsyncWorkers) -> Attempt:
-    """`run_program`'s attempt as a coroutine (`arun_program`)."""
-    return (await arun_program(program, example, workers))[1]
 
 
 def _no_answer(example: dspy.Example, error: str) -> Attempt:
@@ -232,7 +204,7 @@ def empty_reply(history: list[dict]) -> str | None:
         return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
 
     for entry in reversed(history):
-        if _holds_text(entry.get("outputs") or []):
+        if holds_text(entry.get("outputs") or []):
             continue  # a reply with something in it
         response = entry.get("response")
         raw = get(response, "provider_data") if isinstance(get(response, "provider_data"), dict) else response
@@ -267,14 +239,7 @@ def answered(record: Any) -> bool:
                 message = {"content": getattr(message, "content", None), "tool_calls": getattr(message, "tool_calls",
                                                                                               None)}
             outputs.append({"text": message.get("content"), "tool_calls": message.get("tool_calls")})
-    return _holds_text(outputs)
-
-
-def _holds_text(outputs: list) -> bool:
-    """Whether some output of an LM call (DSPy's outputs: a text, or a dict with "text" and "tool_calls") has a text or
-    a tool call in it."""
-    return any(bool(o.strip()) if isinstance(o, str) else
-               isinstance(o, dict) and bool((o.get("text") or "").strip() or o.get("tool_calls")) for o in outputs)
+    return holds_text(outputs)
 
 
 def guard_cache() -> None:
@@ -372,174 +337,146 @@ class DaemonPool:
                 thread.join()
 
 
-class Workers:
-    """A bounded pool for the units of work of one stage or step: `map(stage, fn, items)` runs `fn` over `items` on at
-    most `num_threads` threads in all and returns the results in order, and may be called from several threads at
-    once (one per group of a step, `each`), so that a group's learning calls start while other groups still roll out.
-
-    A unit runs with the caller's DSPy settings (the runner meters each unit itself); `progress(stage, done, total)`
-    is told of each finished unit. Nothing is swallowed: the first unit that raises stops everything
-    (units not started are cancelled, running ones finish) and its exception is raised by the `with` block's
-    `map`/`each`; on Ctrl-C nothing is waited for: a unit that hangs is abandoned on its daemon thread."""
-
-    def __init__(self, num_threads: int, *, progress: Callable[[str, int, int], None] | None = None):
-        from dspy.dsp.utils.settings import thread_local_overrides
-
-        self._overrides = thread_local_overrides
-        self._parent = thread_local_overrides.get().copy()
-        self._bars = StageBars() if progress is None else None
-        self.progress = progress or self._bars
-        self._pool, self._groups = DaemonPool(num_threads), None
-        self._counts: dict[str, list[int]] = {}  # stage -> [done, submitted]
-        self._lock = threading.Lock()
-        self._stopped = False  # a unit failed: nothing more is started
-
-    def __enter__(self) -> Workers:
-        return self
-
-    def __exit__(self, kind, error, tb) -> None:
-        interrupted = kind is not None and issubclass(kind, KeyboardInterrupt)
-        for pool in (self._pool, self._groups):
-            if pool is not None:  # never wait on Ctrl-C; after an error, wait for running units (they finish)
-                pool.shutdown(wait=not interrupted, cancel_futures=kind is not None)
-        if self._bars is not None:
-            self._bars.close()
-
-    def _in_context(self, fn: Callable, overrides: dict) -> Callable:
-        def run(*args):
-            token = self._overrides.set(overrides)
-            try:
-                return fn(*args)
-            finally:
-                self._overrides.reset(token)
-        return run
-
-    def map(self, stage: str, fn: Callable, items: list) -> list:
-        """`[fn(item) for item in items]`, run on the pool, in order."""
-        overrides = self._overrides.get().copy()
-        with self._lock:
-            if self._stopped:
-                raise Cancelled()
-            self._counts.setdefault(stage, [0, 0])[1] += len(items)
-            futures = [self._pool.submit(self._in_context(fn, overrides), item) for item in items]
-        results = []
-        for future in futures:
-            try:
-                results.append(future.result())  # a unit that raised stops the caller here
-            except CancelledError:  # cancelled because another unit failed: that one's error is raised instead
-                raise Cancelled() from None
-            with self._lock:
-                self._counts[stage][0] += 1
-                self.progress(stage, *self._counts[stage])  # one at a time: bars and callbacks need no lock
-        return results
-
-    def each(self, fn: Callable, items: list) -> list:
-        """`[fn(item) for item in items]`, each item on a thread of its own (a group of a step: it waits on its units,
-        which run on the bounded pool), in order; the first that raises stops the others' units not yet started, and
-        is raised here once the rest have ended."""
-        if self._groups is None:
-            self._groups = DaemonPool(max(1, len(items)))
-        futures = [self._groups.submit(self._in_context(fn, self._parent.copy()), item) for item in items]
-        wait(futures, return_when=FIRST_EXCEPTION)
-        failed = next((f for f in futures if f.done() and f.exception() is not None), None)
-        if failed is not None:
-            with self._lock:
-                self._stopped = True
-            self._pool.shutdown(wait=False, cancel_futures=True)  # the other items end with their units
-            wait(futures)
-            raise next((f.exception() for f in futures if f.exception() is not None
-                        and not isinstance(f.exception(), Cancelled)), failed.exception())
-        return [f.result() for f in futures]
-
-
 class Cancelled(Exception):
     """A unit of work was cancelled because another one failed: the failure that caused it is raised instead."""
 
 
-class AsyncWorkers(Workers):
-    """`backend="async"`: a scope's attempts as coroutines on one event loop (a thread of its own), up to `in_flight`
-    at once, each through DSPy's async path to the LM (`arun_program`), so that hundreds of attempts can wait on a
-    provider without a thread each. `gather(stage, fns)` runs coroutine functions there; everything else keeps
-    `Workers`' verbs on its pool of `in_flight` threads: the metric, a program with only `forward`, the learning calls
-    (`map`; tfgrpo's learning modules have no async path), the groups side by side (`each`). The same rules hold: a
-    unit runs with the caller's DSPy settings, the first unit that raises stops the units not yet
-    started and is raised by its `gather`, and on Ctrl-C nothing is waited for."""
+# -- the backends -----------------------------------------------------------------------------------------------------
+def in_context(fn: Callable, *args) -> Callable[[], Any]:
+    """`fn(*args)`, to run later (on another thread) in a copy of this thread's context: DSPy's settings, and the
+    record's tag among them."""
+    return functools.partial(contextvars.copy_context().run, fn, *args)
 
-    def __init__(self, in_flight: int, *, progress: Callable[[str, int, int], None] | None = None):
-        super().__init__(in_flight, progress=progress)
+
+def backend(knobs: Any) -> Threads:
+    """The run's backend, as the `backend` knob names it."""
+    if knobs.backend == "async":
+        return Async(knobs.num_threads)
+    if knobs.backend == "ray":
+        return Ray(knobs.num_threads, other_versions=knobs.ray_other_versions)
+    return Threads(knobs.num_threads)
+
+
+class Threads:
+    """backend="threads": every unit of the run on one pool of `num_threads` daemon threads (`submit`; an attempt runs
+    its program there, `run`), and each group of a step on a thread of its own (`spawn`), which waits on its units.
+    Daemon threads: a call that hangs (a metric, a tool) never keeps a stopped run alive, and on Ctrl-C nothing is
+    waited for."""
+
+    def __init__(self, num_threads: int):
+        self.pool = DaemonPool(num_threads)
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        """`fn()` on the pool, in the caller's context."""
+        return self.pool.submit(in_context(fn))
+
+    @staticmethod
+    def spawn(fn: Callable[[], Any]) -> Future:
+        """`fn()` on a thread of its own, in the caller's context."""
+        future: Future = Future()
+        run = in_context(fn)
+
+        def target():
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(run())
+                except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+                    future.set_exception(exc)
+        threading.Thread(target=target, daemon=True, name="tfgrpo-group").start()
+        return future
+
+    def submit_attempt(self, scope: Any, stage: str, program: dspy.Module, example: dspy.Example, *,
+                       score: bool = False) -> Future:
+        """`scope.attempt(...)` on the pool."""
+        return self.submit(functools.partial(scope.attempt, stage, program, example, score=score))
+
+    def run(self, program: dspy.Module, example: dspy.Example) -> Attempt:
+        """One attempt of `program` on `example`."""
+        return run_program(program, example)[1]
+
+    def close(self, *, interrupted: bool = False) -> None:
+        """The run is over: nothing more starts; after an error, the units running are waited for (never on
+        Ctrl-C)."""
+        self.pool.shutdown(wait=not interrupted, cancel_futures=True)
+
+
+class Async(Threads):
+    """backend="async": the attempts as coroutines on one event loop (a thread of its own), up to `num_threads` in
+    flight, each through DSPy's async path to the LM (`arun_program`), so that hundreds of attempts can wait on a
+    provider without a thread each; everything else (the metric, a program with only `forward`, the learning calls,
+    the groups) on `Threads`' pool of `num_threads` threads. A coroutine runs in its submitter's context, as
+    `asyncio.run_coroutine_threadsafe` carries it."""
+
+    def __init__(self, num_threads: int):
+        super().__init__(num_threads)
         self.loop = asyncio.new_event_loop()
         # LiteLLM builds each async request on the loop's default executor (`run_in_executor`); at its default size
         # (6 threads on 2 cores) hundreds of requests queue there for seconds after their pacer start: one thread each
-        self._builders = ThreadPoolExecutor(max(1, in_flight), thread_name_prefix="tfgrpo-litellm")
+        self._builders = ThreadPoolExecutor(max(1, num_threads), thread_name_prefix="tfgrpo-litellm")
         self.loop.set_default_executor(self._builders)
-        self._slots = asyncio.Semaphore(max(1, in_flight))
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="tfgrpo-async")
-        self._thread.start()
+        self._slots = asyncio.Semaphore(max(1, num_threads))
+        threading.Thread(target=self.loop.run_forever, daemon=True, name="tfgrpo-async").start()
 
-    def __exit__(self, kind, error, tb) -> None:
-        if kind is None or not issubclass(kind, KeyboardInterrupt):  # after an error, running units finish
+    def submit_attempt(self, scope: Any, stage: str, program: dspy.Module, example: dspy.Example, *,
+                       score: bool = False) -> Future:
+        async def attempt():
+            async with self._slots:
+                return await scope.aattempt(stage, program, example, score=score)
+        # a future of its own: cancelling it (the scope stopped) leaves a coroutine already running to finish
+        future, running = Future(), asyncio.run_coroutine_threadsafe(attempt(), self.loop)
+        running.add_done_callback(functools.partial(_settle, future))
+        return future
+
+    async def arun(self, program: dspy.Module, example: dspy.Example) -> Attempt:
+        return (await arun_program(program, example, self.offload))[1]
+
+    async def offload(self, fn: Callable, *args, **kwargs) -> Any:
+        """`fn(*args, **kwargs)` on one of the pool's threads, in the calling coroutine's context, without holding the
+        loop."""
+        return await asyncio.wrap_future(self.submit(functools.partial(fn, *args, **kwargs)))
+
+    def close(self, *, interrupted: bool = False) -> None:
+        if not interrupted:  # after an error, the coroutines running finish
             asyncio.run_coroutine_threadsafe(self._drain(), self.loop).result()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._builders.shutdown(wait=False, cancel_futures=True)
-        super().__exit__(kind, error, tb)
+        super().close(interrupted=interrupted)
 
     @staticmethod
     async def _drain() -> None:
         others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         await asyncio.gather(*others, return_exceptions=True)
 
-    def gather(self, stage: str, fns: list[Callable[[], Any]]) -> list:
-        """`[await fn() for fn in fns]`, the coroutines side by side on the loop (at most `in_flight` of the scope's at
-        once), in order; called from any thread, which waits for them."""
-        overrides = self._overrides.get().copy()
-        with self._lock:
-            if self._stopped:
-                raise Cancelled()
-            self._counts.setdefault(stage, [0, 0])[1] += len(fns)
-        futures = [asyncio.run_coroutine_threadsafe(self._unit(stage, fn, overrides), self.loop) for fn in fns]
-        try:
-            return [future.result() for future in futures]  # a unit that raised stops the caller here
-        except BaseException:
-            with self._lock:
-                self._stopped = True
-            raise
 
-    async def _unit(self, stage: str, fn: Callable[[], Any], overrides: dict) -> Any:
-        async with self._slots:
-            if self._stopped:  # another unit failed while this one waited for a slot
-                raise Cancelled()
-            token = self._overrides.set(overrides)
-            try:
-                value = await fn()
-            finally:
-                self._overrides.reset(token)
-        with self._lock:
-            self._counts[stage][0] += 1
-            self.progress(stage, *self._counts[stage])
-        return value
-
-    async def offload(self, fn: Callable, *args, **kwargs) -> Any:
-        """`fn(*args, **kwargs)` on one of the pool's threads, in the calling coroutine's context, without holding the
-        loop."""
-        context = contextvars.copy_context()
-        return await asyncio.wrap_future(self._pool.submit(functools.partial(context.run, fn, *args, **kwargs)))
+def _settle(future: Future, source: Future) -> None:
+    """Hand `source`'s outcome to `future`, unless `future` was cancelled."""
+    if source.cancelled():
+        future.cancel()
+    elif future.set_running_or_notify_cancel():
+        if source.exception() is not None:
+            future.set_exception(source.exception())
+        else:
+            future.set_result(source.result())
 
 
-class RayAttempts:
-    """The attempts of a run as Ray tasks: `attempt` returns `run_program`'s attempt, run on any node of the
-    cluster (RAY_ADDRESS, else the one `ray.init()` finds or starts; a cluster the caller connected to is used as it
-    is). What travels: the program (its LM copies with their settings), the example, and DSPy's `lm` and `adapter`
-    settings; what comes back: the attempt (its outputs, rebuilt here to their types for the metric, which runs on
-    this machine) and the usage of its LM calls, metered here as a local call is. A task whose worker or node dies is
-    sent again by Ray (`max_retries`); lost for good, it is an attempt with no answer (`failed`, never scored), as a
-    failed LM call is. The program's classes must import on the nodes: tfgrpo's do wherever it is installed; a class
-    of the caller's own module needs that module there (installed, or Ray's `runtime_env`), except a file the CLI
-    imported by its path, whose code travels by value. Before the first task, each node's tfgrpo, DSPy and Python
+class Ray(Threads):
+    """backend="ray": each attempt a task on a Ray cluster (RAY_ADDRESS, else the one `ray.init()` finds or starts; a
+    cluster the caller connected to is used as it is), `num_threads` in flight (a pool thread waits on each); the
+    metric, the learning calls and the record stay in this process. What travels: the program (its LM copies with
+    their settings), the example, DSPy's `lm` and `adapter` settings and the replies the record holds for the step;
+    what comes back: the attempt, with what the program returned (the metric gets it as the program made it), and the
+    task's LM calls, recorded and priced here. Each attempt is charged to the budget before it is sent, at what an
+    attempt's calls have cost so far (the node's own calls cannot be stopped one by one). A task whose worker or node
+    dies is sent again by Ray (`max_retries`); lost for good, it is an attempt with no answer (`failed`, never scored),
+    as a failed LM call is. The program's classes must import on the nodes: tfgrpo's do wherever it is installed; a
+    class of the caller's own module needs that module there (installed, or Ray's `runtime_env`), except a file the
+    CLI imported by its path, whose code travels by value. Before the first task, each node's tfgrpo, DSPy and Python
     versions are compared with this process's: a node with others is refused unless `other_versions`."""
 
     max_retries = 3  # sends of one task whose worker or node died, after the first
 
-    def __init__(self, prices: dict | None = None, *, other_versions: bool = False):
+    def __init__(self, num_threads: int, *, other_versions: bool = False):
+        super().__init__(num_threads)
         try:
             import ray
         except ImportError:
@@ -555,19 +492,37 @@ class RayAttempts:
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         logger.info("backend ray: attempts run as tasks on %d node(s), %g CPU(s) (%s)", len(nodes),
                     ray.cluster_resources().get("CPU", 0), ray.get_runtime_context().gcs_address)
-        _check_versions(ray, nodes, other_versions)
-        self._ray, self.prices = ray, prices
+        self.nodes = _check_versions(ray, nodes, other_versions)
+        self._ray = ray
         self._task = ray.remote(_remote_attempt).options(max_retries=self.max_retries, retry_exceptions=False)
-        self._lock, self._running = threading.Lock(), set()
+        self._lock, self._running, self._shipped, self._calls = threading.Lock(), set(), {}, []
 
-    def attempt(self, program: dspy.Module, example: dspy.Example) -> Attempt:
+    def run(self, program: dspy.Module, example: dspy.Example) -> Attempt:
+        tag = dspy.settings.get(TAG)
         settings = {"lm": dspy.settings.lm, "adapter": dspy.settings.adapter}
         if paced(settings["lm"]) or any(paced(p.lm) for p in program.predictors()):
             raise ValueError('backend="ray" sends the attempts\' calls from the nodes, where a RequestPacer '
                              "(max_requests_per_minute) paces nothing: leave it off and let the provider's 429s and "
                              'num_retries pace the run, or use backend="threads"')
+        with self._lock:  # the replies recorded for the scope before this process: what a resumed attempt asks
+            if tag.scope not in self._shipped:
+                self._shipped[tag.scope] = self._ray.put(tag.record.replies_of(tag.scope))
+            shipped, calls = self._shipped[tag.scope], max(1, round(sum(self._calls) / max(len(self._calls), 1)))
+        share = tag.record.charge(tag.stage, calls)
         try:
-            ref = self._task.remote(program, example, settings, self.prices)
+            attempt, lines = self._send(program, example, settings, shipped, tag)
+        finally:
+            tag.record.take(None, share)
+        for line in lines:
+            tag.record.take(json.loads(line))
+        with self._lock:
+            self._calls.append(len(lines))
+        return attempt
+
+    def _send(self, program: dspy.Module, example: dspy.Example, settings: dict, shipped: Any, tag: Tag
+              ) -> tuple[Attempt, list[str]]:
+        try:
+            ref = self._task.remote(program, example, settings, shipped, dataclasses.replace(tag, record=None))
         except Exception as exc:  # the program does not pickle (Ray's message is long and names neither the part nor
             part = unpicklable(program, "program", self._ray.cloudpickle.dumps)  # its type): said in one line first
             if part is None:
@@ -578,58 +533,75 @@ class RayAttempts:
         with self._lock:
             self._running.add(ref)
         try:
-            attempt, usage = self._ray.get(ref)
+            return self._ray.get(ref)
         except self._ray.exceptions.RayTaskError as exc:  # the task's own error (a program that cannot unpickle)
             raise exc.as_instanceof_cause() from None
         except self._ray.exceptions.RayError as exc:  # its worker or node died more than max_retries times
-            attempt, usage = _no_answer(example, f"RayTaskLost: {type(exc).__name__}: {exc}"), {}
+            return _no_answer(example, f"RayTaskLost: {type(exc).__name__}: {exc}"), []
         finally:
             with self._lock:
                 self._running.discard(ref)
-        if dspy.settings.usage_tracker is not None:  # the unit's own meter
-            dspy.settings.usage_tracker.absorb(usage)
-        return typed(program, attempt)
 
-    def cancel(self) -> None:
-        """End the tasks still running (Ctrl-C on the driver)."""
-        with self._lock:
-            running, self._running = list(self._running), set()
-        for ref in running:
-            try:
-                self._ray.cancel(ref, force=True)
-            except Exception as exc:  # noqa: BLE001 - a task that ended meanwhile; Ctrl-C goes on stopping the run
-                logger.debug("ray.cancel: %s", exc)
+    def close(self, *, interrupted: bool = False) -> None:
+        if interrupted:  # Ctrl-C ends the run's tasks on the cluster too
+            with self._lock:
+                running, self._running = list(self._running), set()
+            for ref in running:
+                try:
+                    self._ray.cancel(ref, force=True)
+                except Exception as exc:  # noqa: BLE001 - a task that ended meanwhile; Ctrl-C goes on stopping the run
+                    logger.debug("ray.cancel: %s", exc)
+        super().close(interrupted=interrupted)
 
 
 def versions() -> dict[str, str]:
-    """What a Ray node must share with the driver: tfgrpo's version (as installed), DSPy's and Python's."""
-    return {"tfgrpo": installed_version("tfgrpo"), "dspy": dspy.__version__, "python": platform.python_version()}
+    """What a Ray node must share with the driver: the tfgrpo it imports (its version, and a digest of its source, so
+    that a package shipped through `runtime_env` is told from the one installed), DSPy's version and Python's."""
+    import tfgrpo
+
+    return {"tfgrpo": tfgrpo.__version__, "tfgrpo_code": source_digest(), "dspy": dspy.__version__,
+            "python": platform.python_version()}
 
 
-def _check_versions(ray: Any, nodes: list[dict], other_versions: bool) -> None:
-    """Each node's `versions()`, from a task pinned to it (on the job's runtime_env), against the driver's: a node
-    with others is refused (RuntimeError naming it), or with `other_versions` said once."""
+@functools.lru_cache(maxsize=1)
+def source_digest() -> str:
+    """A digest of the source of the tfgrpo package this process imported (its .py files, by path and content)."""
+    import tfgrpo
+
+    root = os.path.dirname(tfgrpo.__file__)
+    files = sorted(os.path.relpath(os.path.join(folder, name), root) for folder, _, names in os.walk(root)
+                   for name in names if name.endswith(".py"))
+    return digest([[name, open(os.path.join(root, name), "rb").read().decode("utf-8", "replace")] for name in files])
+
+
+def _check_versions(ray: Any, nodes: list[dict], other_versions: bool) -> dict[str, dict]:
+    """Each node's `versions()`, from a task pinned to it (run as an attempt's task runs: on the job's runtime_env),
+    against the driver's: a node with others is refused (RuntimeError naming it), or with `other_versions` said once.
+    Returns each node's versions, by its address."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here, probe = versions(), ray.remote(num_cpus=0)(versions)
     refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()
             for n in nodes]
-    differ = []
+    differ, found = [], {}
     for node, ref in zip(nodes, refs):
+        address = node.get("NodeManagerAddress", node["NodeID"])
         try:
-            found = ray.get(ref, timeout=60)
+            found[address] = ray.get(ref, timeout=60)
         except ray.exceptions.TaskUnschedulableError:  # a node the cluster still lists that has left it
             continue
-        if found != here:
-            differ.append(f"{node.get('NodeManagerAddress', node['NodeID'])} has {found}")
+        if found[address] != here:
+            said = {k: v for k, v in found[address].items() if v != here.get(k)}
+            differ.append(f"{address} has {said}")
     if not differ:
-        return
+        return found
     said = f"this process has {here}, but " + "; ".join(differ)
     if not other_versions:
         raise RuntimeError(f'backend="ray": {said}. Install the same tfgrpo, DSPy and Python on every node (or give '
                            "them through ray.init(runtime_env=...)), or pass ray_other_versions=True to run there all "
                            "the same")
     logger.warning('backend="ray": %s; running there as ray_other_versions=True asks', said)
+    return found
 
 
 def _check_address() -> None:
@@ -686,14 +658,20 @@ def unpicklable(value: Any, path: str, dumps: Callable, depth: int = 0) -> str |
     return f"{path} ({type(value).__module__}.{type(value).__qualname__})"
 
 
-_WORKER_PRICES: dict[str, dict] = {}  # a Ray worker's price lookups by the run's `prices`, kept for its later tasks
-
-
-def _remote_attempt(program: dspy.Module, example: dspy.Example, settings: dict, prices: dict | None
-                    ) -> tuple[Attempt, dict]:
-    """A Ray task's body: the attempt (without its prediction, which need not unpickle on the driver) and its LM
-    calls' usage (`UsageMeter.usage_data`)."""
-    meter = UsageMeter(_WORKER_PRICES.setdefault(digest(prices), {}), custom=prices)
-    with dspy.context(usage_tracker=meter, **settings):
+def _remote_attempt(program: dspy.Module, example: dspy.Example, settings: dict, replies: dict[str, list[dict]],
+                    tag: Tag) -> tuple[Attempt, list[str]]:
+    """A Ray task's body: the attempt, its calls answered from `replies` (the step's, as the driver's record holds
+    them) where they ask the same, and the calls it sent, as the record's lines (the driver records and prices them).
+    What the program returned must pickle to travel back: else a TypeError names the part that does not."""
+    install()
+    record = Record.answering(replies)
+    with dspy.context(**settings, **{TAG: dataclasses.replace(tag, record=record)}):
         attempt = run_program(program, example)[1]
-    return dataclasses.replace(attempt, prediction=None), dict(meter.usage_data)
+    import ray
+
+    if attempt.prediction is not None and (part := unpicklable(attempt.prediction, "prediction",
+                                                                ray.cloudpickle.dumps)) is not None:
+        raise TypeError(f'backend="ray" sends what the program returned back to the driver for the metric, and {part} '
+                        f'does not pickle: return it in a form that does (its text, say), or use backend="threads"')
+    return attempt, record.lines
+

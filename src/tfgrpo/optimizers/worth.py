@@ -12,8 +12,9 @@ out alone, but not both: measured on the Game of 24, dropping both at once lost 
 split in two for it: one half measures the worth and chooses what to drop, the other half, which chose nothing, checks
 the pruned program against the unpruned one; the pruned one is kept only if it scores at least as well there.
 
-Every program run is a checkpointed unit of the run's runner (`worth/<variant>/<example>` in log_dir), so a resumed
-compile runs none twice. A run whose LM call failed has no answer: it counts as no difference in the pairs it is in.
+Every program run is an attempt of the run's scope, so its LM calls are charged to the budget and recorded: a resumed
+compile runs the measurement again and its calls are answered from the record. A run whose LM call failed has no
+answer: it counts as no difference in the pairs it is in.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import NamedTuple
 import dspy
 
 from tfgrpo.base.util import bootstrap_ci, clip, digest
-from tfgrpo.optimizers.runner import Runner, Scope
+from tfgrpo.optimizers.runner import Run, Scope
 from tfgrpo.optimizers.workers import with_own_lms
 from tfgrpo.optimizers.knobs import Knobs
 from tfgrpo.optimizers.plan import measure_runs
@@ -64,7 +65,7 @@ class Learned(NamedTuple):
         return items
 
     def key(self) -> str:
-        """A digest of what these items are (their texts and demos, not only their IDs): the name of their runs."""
+        """A digest of what these items are (their texts and demos, not only their IDs)."""
         return digest({"experiences": [[e.id, e.text, e.excerpt] for e in self.library], "demos": [d.to_record() for d in self.demos]})
 
     def only(self, ids: set[str]) -> "Learned":
@@ -77,16 +78,16 @@ class Learned(NamedTuple):
 
 @dataclass
 class Attribution:
-    """Measures a compile's items on `examples` through the run's runner: its knobs, metric, checkpoint and budget."""
+    """Measures a compile's items on `examples` within the run (`Run`): its knobs, metric, record and budget."""
 
-    runner: Runner
+    run: Run
 
-    def run(self, base: dspy.Module, targets: list[str], learned: Learned, examples: list, *,
-            prune: bool | None = None) -> tuple[WorthResult, Learned]:
+    def measure(self, base: dspy.Module, targets: list[str], learned: Learned, examples: list, *,
+                prune: bool | None = None, name: str = "attribution") -> tuple[WorthResult, Learned]:
         """The items' worth, and what the compiled program keeps: `learned`, or its pruned part (with `prune`, the
-        knob's value unless given)."""
-        with self.runner.scope("attribution") as scope:
-            knobs, ids = self.runner.knobs, [i for _, i, _ in learned.items()]
+        knob's value unless given); `name`: the scope's (a refit's is "refit")."""
+        with Scope(self.run, name) as scope:
+            knobs, ids = self.run.knobs, [i for _, i, _ in learned.items()]
             prune = knobs.prune if prune is None else prune
             ci = functools.partial(bootstrap_ci, seed=knobs.seed, resamples=2000)  # a 95% CI over the queries
             if not ids:
@@ -100,7 +101,7 @@ class Attribution:
                         len(examples), runs["runs"], runs["method"])
             scores = _Scores(scope, base, targets, learned, choose)
             full, none = scores.of(set(ids)), scores.of(set())
-            control = scores.runs(f"control-{learned.key()}", _control(base, targets, learned), choose)
+            control = scores.runs(_control(base, targets, learned), choose)
             shapley = len(ids) > knobs.attribution_max_items
             per_item = _shapley(scores, ids, knobs) if shapley else {i: _minus(full, scores.of(set(ids) - {i})) for i in ids}
             items = [ItemWorth(kind=kind, id=i, text=text, worth=statistics.fmean(per_item[i]),
@@ -156,15 +157,14 @@ class _Scores:
         part = self.learned.only(ids)
         key = part.key()
         if key not in self._seen:
-            self._seen[key] = self.runs(key, with_learned(self.base, self.targets, *part), self.examples)
+            self._seen[key] = self.runs(with_learned(self.base, self.targets, *part), self.examples)
         return self._seen[key]
 
-    def runs(self, variant: str, program: dspy.Module, examples: list) -> list[float | None]:
+    def runs(self, program: dspy.Module, examples: list) -> list[float | None]:
         """The program's reward per example (None where its LM call failed)."""
         self.made += len(examples)
         runnable = with_own_lms(program)
-        attempts = self.scope.scored("attribution", [(f"worth/{variant}/{digest(x.toDict())}", runnable, x)
-                                                     for x in examples])
+        attempts = self.scope.scored("attribution", [(runnable, x) for x in examples])
         self.scope.check("attribution")
         return [a.reward for a in attempts]
 

@@ -38,9 +38,10 @@ def format_prediction(pred: Any, limit: int | None = MAX_ATTEMPT_CHARS) -> str:
 
 
 def format_attempt(task_inputs: dict, outputs: dict | None, steps: list[dict], error: str | None, *,
-                   limit: int | None = MAX_ATTEMPT_CHARS) -> str:
+                   completions: list[dict] = (), limit: int | None = MAX_ATTEMPT_CHARS) -> str:
     """An attempt as text, cut to `limit` characters (None: whole): the prediction alone when one predictor call made
-    it, else every call in order.
+    it, else every call in order; where the program returned several completions (`dspy.Predict(..., n=3)`), each of
+    them after it.
 
     A step shows its outputs, and of its inputs only what is new: the task's own inputs are left out (the
     learning call sees them), an earlier step's output is named by reference, and an input that grew since
@@ -50,6 +51,9 @@ def format_attempt(task_inputs: dict, outputs: dict | None, steps: list[dict], e
         text = format_prediction(outputs, None) if outputs is not None else ""
     else:
         text = _format_steps(task_inputs, outputs or {}, steps)
+    if len(completions) > 1:
+        text += f"\nits {len(completions)} completions:\n" + "\n".join(
+            f"[{i}] " + "; ".join(f"{k}: {as_text(v)}" for k, v in c.items()) for i, c in enumerate(completions, 1))
     if error:
         text = f"{text}\n(the program failed: {error})" if text else f"(the program failed: {error})"
     return text if limit is None else clip(text, limit)

@@ -6,7 +6,7 @@ peers report prints this ceiling beside the student's own score, per arm: a lead
 shows as a higher ceiling, not as a student that does more than copy.
 
 `python -m benchmarks.ceiling RUN_DIR` does the same for every distinct program a run's rollouts and probes wrote
-(its log_dir's saved attempts) and prints the best one's count beside the kept demos': whether a run was limited by
+(the attempts files of its log_dir's finished steps) and prints the best one's count beside the kept demos': whether a run was limited by
 what its rollouts wrote or by what it chose. Last line: `written: programs=N best_written=X kept=Y of=24`.
 """
 
@@ -70,16 +70,18 @@ def ceiling(seed_dir: Path, puzzles: list) -> list[bool] | None:
 
 
 def written(log_dir: Path) -> dict[str, list[int]]:
-    """Every distinct program a run's saved attempts wrote (rollouts, probes), with the numbers of its puzzle."""
+    """Every distinct program a run's attempts wrote (rollouts, probes: its finished steps' attempts files), with the
+    numbers of its puzzle."""
     found = {}
-    for path in sorted(log_dir.rglob("*.json")):
-        try:
-            unit = json.loads(path.read_text())
-            code, numbers = unit["outputs"]["code"], unit["trace"][0]["inputs"]["numbers"]
-        except (ValueError, KeyError, IndexError, TypeError):  # not an attempt (a step record, the run's fingerprint)
-            continue
-        if isinstance(code, str) and code.strip():
-            found.setdefault(strip_fences(code), numbers)
+    for path in sorted(log_dir.rglob("*.attempts.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                attempt = json.loads(line)
+                code, numbers = attempt["outputs"]["code"], attempt["trace"][0]["inputs"]["numbers"]
+            except (ValueError, KeyError, IndexError, TypeError):  # an attempt that wrote no program
+                continue
+            if isinstance(code, str) and code.strip():
+                found.setdefault(strip_fences(code), numbers)
     return found
 
 

@@ -8,7 +8,7 @@ from benchmarks.fault_child import compile_once, make_trainset, metric, server
 from benchmarks.ray_backend import _compile
 from tfgrpo.optimizers import TooManyFailuresError
 from tfgrpo.optimizers.knobs import Knobs
-from tfgrpo.optimizers.runner import Runner
+from tfgrpo.optimizers.runner import Run, Scope
 from tfgrpo.optimizers.workers import with_own_lms
 from tfgrpo.testing import FakeLMServer
 
@@ -66,13 +66,13 @@ class ForwardOnly(dspy.Module):
 
 
 def test_a_program_with_only_forward_still_runs():
-    with server() as srv, dspy.context(lm=dspy.LM("openai/fake", api_base=srv.api_base, api_key="x", cache=False)):
-        runner = Runner(Knobs(backend="async", num_threads=16, progress=lambda *_: None), metric)
+    with server() as srv, dspy.context(lm=dspy.LM("openai/fake", api_base=srv.api_base, api_key="x", cache=False)), \
+            Run(knobs=Knobs(backend="async", num_threads=16, progress=lambda *_: None), metric=metric) as run:
         examples = make_trainset(6)
-        with runner.scope("test") as scope:
-            records = scope.scored("validation", [(None, with_own_lms(ForwardOnly(), rollout_id=i), x)
+        with Scope(run, "test") as scope:
+            records = scope.scored("validation", [(with_own_lms(ForwardOnly(), rollout_id=i), x)
                                                   for i, x in enumerate(examples)])
-            calls = scope.meter("validation").totals()["calls"]
+        calls = run.record.usage()["validation"]["calls"]
     assert [r.error for r in records] == [None] * 6 and calls == 6
     assert all(r.reward in (0.0, 1.0) for r in records)
 
@@ -85,10 +85,10 @@ def test_an_outage_stops_the_step_as_on_threads(tmp_path):
     assert (tmp_path / "run.json").exists()
 
 
-def test_the_budget_is_charged_before_each_attempt_is_sent():
-    """max_total_tokens stops the run before a unit that would pass it is sent: what the server counted stays within
-    the budget but for what the units in flight spend beyond their expected share (one attempt on the loop, one
-    learning call on a thread, at num_threads=1)."""
+def test_the_budget_is_charged_before_each_call_is_sent():
+    """max_total_tokens stops the run before a call that would pass it is sent: what the server counted stays within
+    the budget but for what the calls in flight spend beyond their expected share (one attempt's on the loop, one
+    learning call's on a thread, at num_threads=1)."""
     budget = 3000
     with server() as srv:
         compiled = compile_once(srv.api_base, None, queries=4, backend="async", num_threads=1, max_total_tokens=budget)
@@ -112,17 +112,16 @@ def test_a_paced_attempt_waits_for_its_start_without_holding_the_loop(monkeypatc
     pacer, beats = RequestPacer(4), []
     with server() as srv:
         lm = srv.lm(callbacks=[pacer])
-        runner = Runner(Knobs(backend="async", num_threads=16, progress=lambda *_: None), metric)
-        with dspy.context(lm=lm), runner.scope("test") as scope:
+        run = Run(knobs=Knobs(backend="async", num_threads=16, progress=lambda *_: None), metric=metric)
+        with run, dspy.context(lm=lm), Scope(run, "test") as scope:
             async def beat():
                 while len(beats) < 200:
                     beats.append(time.monotonic())
                     await asyncio.sleep(0.02)
 
-            heart = asyncio.run_coroutine_threadsafe(beat(), scope.work.loop)
+            heart = asyncio.run_coroutine_threadsafe(beat(), run.backend.loop)
             t0 = time.monotonic()
-            records = scope.scored("validation", [(None, with_own_lms(dspy.Predict("question -> answer"),
-                                                                       rollout_id=i), x)
+            records = scope.scored("validation", [(with_own_lms(dspy.Predict("question -> answer"), rollout_id=i), x)
                                                   for i, x in enumerate(make_trainset(12))])
             elapsed = time.monotonic() - t0
             heart.cancel()

@@ -419,10 +419,11 @@ def test_ceiling_counts_what_the_written_programs_solve(tmp_path):
     demo is the sum: the line says the run was limited by what it chose, not by what it wrote."""
     attempts = {"0_0": ("nums = [4, 5, 11, 12]\n" + SEARCH, [4, 5, 11, 12]),
                 "0_1": ("nums = [1, 6, 9, 12]\nprint('+'.join(map(str, nums)))", [1, 6, 9, 12])}
-    where = tmp_path / "checkpoint" / "steps" / "0000" / "rollouts"
+    where = tmp_path / "checkpoint" / "steps"
     where.mkdir(parents=True)
-    for name, (code, numbers) in attempts.items():
-        (where / f"{name}.json").write_text(json.dumps({"outputs": {"code": code}, "trace": [{"inputs": {"numbers": numbers}}]}))
+    (where / "0000.attempts.jsonl").write_text("".join(
+        json.dumps({"stage": "rollout", "outputs": {"code": code}, "trace": [{"inputs": {"numbers": numbers}}]}) + "\n"
+        for code, numbers in attempts.values()) + json.dumps({"stage": "rollout", "outputs": None, "trace": []}) + "\n")
     (tmp_path / "checkpoint" / "run.json").write_text(json.dumps({"fingerprint": "not an attempt"}))
     sum_demo = {"numbers": [1, 6, 9, 12], "code": attempts["0_1"][0]}
     (tmp_path / "program.json").write_text(json.dumps({"write_program": {"demos": [sum_demo]}}))

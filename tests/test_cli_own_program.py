@@ -98,7 +98,7 @@ def test_run_and_compile_a_users_own_program_from_a_config(tmp_path, monkeypatch
     summary = json.loads((run / "eval" / "summary.json").read_text())
     assert summary["baseline"]["problems"] == summary["compiled"]["problems"] == 5
     assert "compiled - baseline" in result.output
-    assert "policy: 0 new calls (steps reused from the checkpoint had made 12 more)" in again.output
+    assert "policy: 0 new calls (12 more in the run's record)" in again.output
     assert "\x1b[" not in result.output, "no escape codes in a log"
 
 

@@ -23,7 +23,7 @@ class WorstAnswerPath(LearningPath):
         def call():
             with dspy.context(lm=run.reflection_lm):
                 return dspy.Predict("attempt, feedback -> rule")(attempt=worst.text, feedback=worst.feedback).rule
-        return scope.call("why", f"why/{group.index}", call)  # checkpointed, charged, metered, counted
+        return scope.call("why", call)  # charged, recorded, counted
 
     def finish(self, run, scope, library, results):
         proposals = [(group.key, Operation(action="add", text=rule)) for group, rule in results
@@ -51,7 +51,7 @@ def test_a_user_defined_path_runs_through_compile_and_resumes(tmp_path):
     assert step.learning_path == "WorstAnswerPath" and step.usage["why"]["calls"] == 4 and step.operations_proposed == 4
     calls = len(lm.calls)
     compile_with(lm, dspy.Predict("question -> answer"), learning_path=WorstAnswerPath(), log_dir=str(tmp_path / "ckpt"))
-    assert len(lm.calls) == calls  # every unit came back from the checkpoint
+    assert len(lm.calls) == calls  # every finished step reused
 
 
 def test_a_failing_user_path_stops_at_its_stage_check():

@@ -134,13 +134,12 @@ def _partial(example, pred, trace=None):
 
 def _probe(programs, candidates):
     """A probe on 4 training queries, every attempt run in turn (one thread), nothing saved."""
-    from tfgrpo.optimizers.runner import Runner
     from tfgrpo.optimizers.judge import Probe
     from tfgrpo.optimizers.knobs import Knobs
+    from tfgrpo.optimizers.runner import Run, Scope
 
-    runner = Runner(Knobs(num_threads=1), _partial)
-    with runner.scope("probe") as scope:
-        return Probe(candidates, [0, 1, 2, 3]).run(scope, programs, make_trainset(4))
+    with Run(knobs=Knobs(num_threads=1), metric=_partial) as run, Scope(run, "probe") as scope:
+        return Probe(candidates, [0, 1, 2, 3]).run(scope, lambda p, qi: programs[p], make_trainset(4))
 
 
 def full_verdicts(programs, candidates):

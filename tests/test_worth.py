@@ -9,10 +9,10 @@ import pytest
 from scripted_lm import ScriptedLM, kind_of, output_fields
 from test_optimizer import learner, make_trainset, metric
 from tfgrpo.optimizers import TrainingFreeGRPO
-from tfgrpo.optimizers.checkpoint import Checkpoint
 from tfgrpo.optimizers.knobs import Knobs
 from tfgrpo.optimizers.records import Demo
-from tfgrpo.optimizers.runner import Runner
+from tfgrpo.optimizers.record import Record
+from tfgrpo.optimizers.runner import Run
 from tfgrpo.optimizers.worth import FILLER, Attribution, Learned, _halves
 from tfgrpo.programs.library import ExperienceLibrary
 
@@ -56,11 +56,17 @@ def queries(n=8):
     return [dspy.Example(question=f"q{i}", answer="-").with_inputs("question") for i in range(n)]
 
 
+def measure(metric, items: Learned, examples: list, log_dir=None, **knobs):
+    """The attribution of `items` of a one-predictor program on `examples`, in a run of its own (its calls recorded
+    in `log_dir`, or in memory)."""
+    with Run(knobs=Knobs(attribution=True, **knobs), metric=metric, record=Record(log_dir)) as run:
+        return Attribution(run).measure(dspy.Predict("question -> answer"), ["self"], items, examples)
+
+
 def attribute(tmp_path=None, **knobs):
     lm = ScriptedLM(student)
     dspy.configure(lm=lm)
-    attribution = Attribution(Runner(Knobs(attribution=True, num_threads=2, **knobs), reward, Checkpoint(tmp_path)))
-    return attribution.run(dspy.Predict("question -> answer"), ["self"], learned(), queries()), lm
+    return measure(reward, learned(), queries(), tmp_path, num_threads=2, **knobs), lm
 
 
 @pytest.mark.parametrize("max_items", [8, 2])
@@ -101,7 +107,7 @@ def test_prune_drops_what_does_not_help_and_checks_it_on_the_other_half(tmp_path
     # the half that measures (all, none, the control, 4 left out; then E1 and D1 alone as the prune tries it), then the
     # two programs on the other half
     assert worth.program_runs == 4 * (3 + 4) + 4 + 2 * 4
-    # every run is a checkpointed unit: measuring again runs nothing
+    # every call of the runs is recorded: measuring again sends nothing
     (again, _), lm = attribute(tmp_path, prune=True)
     assert again == worth and lm.calls == []
 
@@ -114,8 +120,7 @@ def test_a_prune_that_scores_worse_on_the_check_half_is_not_kept():
         return base if example.question in choose or "E2" in pred.answer else max(0.0, base - 0.5)
 
     dspy.configure(lm=ScriptedLM(student))
-    worth, kept = Attribution(Runner(Knobs(attribution=True, prune=True, num_threads=2), noisy, Checkpoint(None))).run(
-        dspy.Predict("question -> answer"), ["self"], learned(), queries())
+    worth, kept = measure(noisy, learned(), queries(), prune=True, num_threads=2)
     assert worth.prune_check["dropped"] == ["E3", "E2"] and worth.prune_check["kept"] == "unpruned"
     assert worth.prune_check["difference"] == pytest.approx(-0.25)  # E3's 0.25 back, E2's 0.5 lost
     assert worth.pruned == [] and kept.items() == learned().items()
@@ -126,8 +131,7 @@ def test_knob_checks():
         Knobs(prune=True)
     with pytest.raises(ValueError, match="at least 4 attribution queries"):
         dspy.configure(lm=ScriptedLM(student))
-        Attribution(Runner(Knobs(attribution=True, prune=True), reward, Checkpoint(None))).run(
-            dspy.Predict("question -> answer"), ["self"], learned(), queries(3))
+        measure(reward, learned(), queries(3), prune=True)
 
 
 def compile_with(lm, attribution_set=None, **knobs):
@@ -196,23 +200,21 @@ def test_the_report_shows_each_item_with_its_worth(tmp_path):
     assert "vs an irrelevant text of their length | +0.500" in text and "the pruned program is kept" in text
 
 
-def test_runs_are_named_by_what_the_items_say_so_a_changed_library_is_measured_again(tmp_path):
+def test_a_changed_library_is_measured_again(tmp_path):
     (first, _), _ = attribute(tmp_path)
     changed = learned()
     state = changed.library.dump_state()
     state["experiences"][2]["text"] = "Apply the alpha rule twice."  # E3 now says what E1 says: no longer harmful
     lm = ScriptedLM(student)
     dspy.configure(lm=lm)
-    worth, _ = Attribution(Runner(Knobs(attribution=True, num_threads=2), reward, Checkpoint(tmp_path))).run(
-        dspy.Predict("question -> answer"), ["self"], Learned(ExperienceLibrary.from_state(state), changed.demos),
-        queries())
+    worth, _ = measure(reward, Learned(ExperienceLibrary.from_state(state), changed.demos), queries(), tmp_path,
+                       num_threads=2)
     assert lm.calls and {it.id: round(it.worth, 6) for it in worth.items}["E3"] == 0.0 != first.items[2].worth
 
 
 def test_nothing_learned_costs_nothing():
     dspy.configure(lm=(lm := ScriptedLM(student)))
-    worth, kept = Attribution(Runner(Knobs(attribution=True), reward, Checkpoint(None))).run(
-        dspy.Predict("question -> answer"), ["self"], Learned(ExperienceLibrary(), []), queries())
+    worth, kept = measure(reward, Learned(ExperienceLibrary(), []), queries())
     assert worth.items == [] and worth.program_runs == 0 and lm.calls == []
 
 
@@ -223,8 +225,7 @@ def test_of_two_items_that_stand_in_for_each_other_prune_drops_one():
         return 0.25 + 0.5 * ("E1" in pred.answer or "D1" in pred.answer) - 0.25 * ("E3" in pred.answer)
 
     dspy.configure(lm=ScriptedLM(student))
-    worth, kept = Attribution(Runner(Knobs(attribution=True, prune=True, num_threads=2), either, Checkpoint(None))).run(
-        dspy.Predict("question -> answer"), ["self"], learned(), queries())
+    worth, kept = measure(either, learned(), queries(), prune=True, num_threads=2)
     assert {it.id: it.worth for it in worth.items} == {"E1": 0.0, "E2": 0.0, "E3": -0.25, "D1": 0.0}
     assert worth.pruned == ["E3", "E1", "E2"] and [i for _, i, _ in kept.items()] == ["D1"]
     assert worth.prune_check["difference"] == pytest.approx(0.25) and worth.prune_check["kept"] == "pruned"

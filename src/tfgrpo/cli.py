@@ -208,7 +208,7 @@ def _compile(config: Config, parts, policy, reflection, *, start: Path | None = 
     for role, u in (results["usage"] if results is not None else {}).items():
         cached = f" ({u['cached_tokens']:,} from the server's prompt cache)" if u.get("cached_tokens") else ""
         reused = run_usage.get(role, {}).get("calls", 0) - u.get("calls", 0)
-        earlier = f" (the run's record held {reused} more, answered or reused)" if reused else ""
+        earlier = f" ({reused} more in the run's record)" if reused else ""
         console.print(f"  {role}: {u.get('calls', 0)} new calls{earlier}, {u.get('prompt_tokens', 0):,} prompt{cached} "
                       f"+ {u.get('completion_tokens', 0):,} completion tokens, {_cost_text(u)}")
     if results is not None and results["stopped_early"]:
@@ -368,8 +368,8 @@ def _run_dir(cfg: Config):
                "or set another run_dir")
         raise typer.Exit(2) from None
     except KeyboardInterrupt:
-        console.print(f"interrupted; finished work is kept in {run_dir / 'checkpoint'}; run the same command to "
-                      "resume", style="yellow", markup=False, highlight=False)
+        console.print(f"interrupted; every reply so far is kept in {run_dir / 'checkpoint'}; run the same command "
+                      "to resume", style="yellow", markup=False, highlight=False)
         raise typer.Exit(130) from None
 
 

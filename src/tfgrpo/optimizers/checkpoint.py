@@ -4,6 +4,7 @@ Layout:
     run.json              what the run was started with (a fingerprint; a resume must match it)
     calls.jsonl           every LM call of the run, with its reply, usage and price (record.py): what a resume reads
     steps/0003.json       step 3 is finished: the state after it (library, demos) and its record (`StepResult`)
+    steps/0003.attempts.jsonl   its attempts (rollouts and probe): what each wrote, its reward; for people to read
     epochs/0.json         the validation after epoch 0
     worth.json            the attribution's result (`WorthResult`); refit.json, a refit's
     mlflow_run.json       the MLflow run the compile logs to (tfgrpo.tracking)
@@ -70,6 +71,7 @@ class Keys:
     """Where the run's own files are (paths under log_dir, without `.json`): the layout above, in one place."""
 
     step = "steps/{:04d}".format  # (step): a finished step
+    attempts = "steps/{:04d}.attempts".format  # (step): its attempts, one a line
     epoch = "epochs/{}".format  # (epoch): its validation
     worth, refit = "worth", "refit"
 
@@ -169,6 +171,11 @@ class Checkpoint:
     def put(self, key: str, value: Any) -> None:
         if self.root is not None and not self.closed:
             write_atomic(self.root / f"{key}.json", json.dumps(value, ensure_ascii=False))
+
+    def put_rows(self, key: str, rows: list[dict]) -> None:
+        """Save `rows` under `key` as JSON lines (`key.jsonl`)."""
+        if self.root is not None and not self.closed:
+            write_atomic(self.root / f"{key}.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
     @staticmethod
     def _read(path: Path) -> Any | None:

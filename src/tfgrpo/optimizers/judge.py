@@ -322,7 +322,7 @@ def probe_edits(run: Run, scope: Scope, state: State, step: int, groups: list[Gr
     found = [Demo(query=query_key(run.trainset[qi], qi), trace=trace, step=step, reward=1.0, advantage=0.0)
              for p, ok in enumerate(free) if ok and knobs.max_demos for qi, trace in probe.traces[p].items()]
     return Verdict(plan=kept_ops, demos=demos, record={"unprobed": unprobed, **probe.record()},
-                   found=found, probed={current: probed})
+                   found=found, probed={current: probed}, tried=probe.found)
 
 
 def _candidates(knobs: Knobs, state: State, step: int, groups: list[Group], plan: list[Operation]

@@ -141,13 +141,15 @@ class Lessons:
 @dataclass(frozen=True)
 class Verdict:
     """What the judge hands on: the operations to apply, the demos the program keeps, the probe's record (None when no
-    probe ran) and demo candidates found for the next step."""
+    probe ran), demo candidates found for the next step, where the probe found the current program's attempts
+    (`State.probed`) and every attempt it made (`tried`)."""
 
     plan: list[Operation]
     demos: list[Demo]
     record: dict | None = None
     found: list[Demo] = field(default_factory=list)
     probed: dict[str, dict[str, int]] = field(default_factory=dict)  # the probe's attempts of the current program
+    tried: dict[tuple[int, int], Scored] = field(default_factory=dict)  # the probe's attempts: (program, query) ->
 
 
 class _Record:

@@ -40,7 +40,7 @@ from tfgrpo.optimizers.checkpoint import Keys
 from tfgrpo.optimizers.judge import judge, unresolvable
 from tfgrpo.optimizers.knobs import Knobs
 from tfgrpo.optimizers.record import totals
-from tfgrpo.optimizers.records import Failed, Group, Lessons, StepResult, Verdict
+from tfgrpo.optimizers.records import Failed, Group, Lessons, Scored, StepResult, Verdict
 from tfgrpo.optimizers.rewards import reference_example
 from tfgrpo.optimizers.runner import CONTEXT_REFUSALS, LearningPath, Run, Scope, State, TooManyFailuresError
 from tfgrpo.optimizers.workers import rollout_id, with_own_lms
@@ -98,8 +98,17 @@ def step(run: Run, state: State, epoch: int, batch: list[int]) -> tuple[State, S
     logger.info("Step %d: %d operations proposed, applied %s, %d refused by the library; library has %d experiences",
                 index, stats.operations_proposed, report.applied, len(report.rejected), len(new.library))
     run.record.sync()  # (the step's calls on disk before its record says it is finished)
+    run.store.put_rows(Keys.attempts(index), [_row("rollout", g.index, a.g, a) for g in groups for a in g.attempts]
+                       + [_row("probe", qi, p, a) for (p, qi), a in verdict.tried.items()])
     run.store.put(Keys.step(index), {**new.to_record(), "stats": stats.to_dict()})
     return new, stats
+
+
+def _row(stage: str, query: int, program: int, attempt: Scored) -> dict:
+    """An attempt as the step's attempts file holds it, for people (`program`: its G index in a rollout, the probe's
+    program else: 0 the current one, 1 + c candidate c)."""
+    return {"stage": stage, "query": query, "program": program, "reward": attempt.reward, "error": attempt.error,
+            "outputs": attempt.outputs, "trace": attempt.trace, "feedback": attempt.feedback}
 
 
 def _group(run: Run, scope: Scope, state: State, programs: list, qi: int, size: int, first: Group | None = None, *,

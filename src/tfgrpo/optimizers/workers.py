@@ -557,18 +557,19 @@ class Ray(Threads):
 def versions() -> dict[str, str]:
     """What a Ray node must share with the driver: the tfgrpo it imports (its version, and a digest of its source, so
     that a package shipped through `runtime_env` is told from the one installed), DSPy's version and Python's."""
-    import tfgrpo
-
-    return {"tfgrpo": tfgrpo.__version__, "tfgrpo_code": source_digest(), "dspy": dspy.__version__,
+    return {"tfgrpo": _package().__version__, "tfgrpo_code": source_digest(), "dspy": dspy.__version__,
             "python": platform.python_version()}
+
+
+def _package() -> Any:
+    """The tfgrpo package this module was imported from (the one a Ray node's runtime_env shipped, say)."""
+    return sys.modules[__name__.split(".")[0]]
 
 
 @functools.lru_cache(maxsize=1)
 def source_digest() -> str:
     """A digest of the source of the tfgrpo package this process imported (its .py files, by path and content)."""
-    import tfgrpo
-
-    root = os.path.dirname(tfgrpo.__file__)
+    root = os.path.dirname(_package().__file__)
     files = sorted(os.path.relpath(os.path.join(folder, name), root) for folder, _, names in os.walk(root)
                    for name in names if name.endswith(".py"))
     return digest([[name, open(os.path.join(root, name), "rb").read().decode("utf-8", "replace")] for name in files])

@@ -6,16 +6,19 @@ The student, the judge (priced 10x the student) and the reflection model are thr
 student answers "What is A + B?" right or wrong by how often it has seen the request, the judge says whether the
 answer is the sum, the learning calls are answered by the fake server's responder. The metric asks the judge through
 a `dspy.Predict` with its own LM, as the web task's `LLMJudge` does. For each backend, a run without a budget, then
-runs with `max_cost` at each `--shares` of what that run was billed.
+runs with `max_cost` at each `--shares` of what that run was billed, each on a log_dir of its own and run again on it
+`--resumes` times with the same budget (a user's second compile after the stop): the budget must hold over all of them.
 
-    python -m benchmarks.judge_billing [--epochs 4] [--shares 0.4,0.15] [--backends threads,async]
+    python -m benchmarks.judge_billing [--epochs 4] [--shares 0.4,0.15] [--backends threads,async] [--resumes 4]
 
-It prints one line per run:
+It prints one line per run, and one per budget for its resumes:
 
     judge_billing backend=B max_cost=X|none billed=$X reported=$X (ratio R) judge_calls=N/N stopped=yes|no bill/budget=R overshoot=$X (U units)
+    judge_billing_resumes backend=B max_cost=X runs=N billed=$X reported=$X (ratio R) bill/budget=R new_calls=N
 
-where `ratio` is reported over billed, `judge_calls` the judge calls reported over those the server answered, and
-`overshoot` the bill past the budget, in units of the dearest stage's mean unit price in the unbudgeted run.
+where `ratio` is reported over billed (a resumed run reports its whole run: what its log_dir's record holds),
+`judge_calls` the judge calls reported over those the server answered, `overshoot` the bill past the budget, in units
+of the dearest stage's mean unit price in the unbudgeted run, and `new_calls` the calls the resumes sent.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import hashlib
 import json
 import os
 import re
+import tempfile
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # before dspy: litellm reads its bundled price map
 import dspy  # noqa: E402
@@ -71,7 +75,7 @@ def respond_with(responder: Responder):
     return respond
 
 
-def compile_once(server: BillingServer, epochs: int, backend: str, max_cost: float | None):
+def compile_once(server: BillingServer, epochs: int, backend: str, max_cost: float | None, log_dir: str | None = None):
     judge = dspy.Predict(Verdict)
     judge.lm = server.lm("judge", cache=False)
 
@@ -81,7 +85,7 @@ def compile_once(server: BillingServer, epochs: int, backend: str, max_cost: flo
     dspy.configure(lm=server.lm("student", cache=False))
     examples = [dspy.Example(question=f"What is {i} + {2 * i + 3}?").with_inputs("question") for i in range(8)]
     optimizer = TrainingFreeGRPO(metric, num_generations=4, batch_size=4, num_train_epochs=epochs, num_threads=4,
-                                 learning_path="paper", auto=None, backend=backend, max_cost=max_cost,
+                                 learning_path="paper", auto=None, backend=backend, max_cost=max_cost, log_dir=log_dir,
                                  reflection_lm=server.lm("reflection", cache=False),
                                  prices={f"openai/{m}": p for m, p in PRICES.items()})
     return optimizer.compile(dspy.Predict("question -> answer"), trainset=examples[:4], valset=examples[4:])
@@ -92,14 +96,24 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--shares", default="0.4,0.15", help="max_cost as shares of the unbudgeted run's bill")
     parser.add_argument("--backends", default="threads,async")
+    parser.add_argument("--resumes", type=int, default=4, help="compiles again on each budgeted run's log_dir")
     args = parser.parse_args()
     for backend in args.backends.split(","):
         whole, unit = None, None  # the unbudgeted run's bill, and its dearest stage's mean unit price
         for share in [None, *map(float, args.shares.split(","))]:
             budget = None if share is None else share * whole
-            with BillingServer(respond_with(Responder()), PRICES) as server:
-                compiled = compile_once(server, args.epochs, backend, budget)
+            with BillingServer(respond_with(Responder()), PRICES) as server, tempfile.TemporaryDirectory() as log_dir:
+                compiled = compile_once(server, args.epochs, backend, budget, log_dir)
                 billed, answered = server.total(), server.calls["judge"]
+                sent = sum(server.calls.values())
+                for _ in range(args.resumes if budget is not None else 0):
+                    again = compile_once(server, args.epochs, backend, budget, log_dir)
+                if budget is not None and args.resumes:
+                    total = server.total()
+                    reported_all = sum(u.get("cost", 0.0) for u in again.detailed_results.run_usage.values())
+                    resumes = (f"judge_billing_resumes backend={backend} max_cost={budget:.4f} runs={1 + args.resumes} "
+                               f"billed=${total:.4f} reported=${reported_all:.4f} (ratio {reported_all / total:.3f}) "
+                               f"bill/budget={total / budget:.3f} new_calls={sum(server.calls.values()) - sent}")
             result = compiled.detailed_results
             reported = sum(u.get("cost", 0.0) for u in result.run_usage.values())
             if share is None:
@@ -112,6 +126,8 @@ def main() -> None:
                   f"stopped={'yes' if result.stopped_early else 'no'} "
                   f"bill/budget={billed / budget if budget else 0:.3f} overshoot=${over:.4f} "
                   f"({over / unit:.2f} units)", flush=True)
+            if budget is not None and args.resumes:
+                print(resumes, flush=True)
 
 if __name__ == "__main__":
     main()

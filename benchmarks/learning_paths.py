@@ -2,7 +2,8 @@
 
     .venv/bin/python -m benchmarks.learning_paths configs/local.toml --step 0
 
-Reads one step's rollouts and rewards from a finished run's checkpoint (`run_dir/checkpoint`), then runs
+Reads one step's rollouts and rewards from a finished run's log_dir (`run_dir/checkpoint/steps/NNNN.attempts.jsonl`),
+then runs
 both learning paths of `TrainingFreeGRPO` on exactly those attempts, against the library the step started
 with, with the run's reflection LM (the embedded model for `configs/local.toml`). Nothing is cached or
 written to the run. Prints, per path: LM calls, seconds, operations proposed, how many passed validation
@@ -37,13 +38,15 @@ from tfgrpo.programs import ExperienceLibrary
 from tfgrpo.programs.generality import parroted_phrases, specific_terms
 
 
-def _groups(step_dir: Path, trainset: list) -> list[Group]:
-    """The step's scored attempts, read back from its checkpoint, as the groups the learning paths read."""
+def _groups(attempts_file: Path, trainset: list) -> list[Group]:
+    """The step's scored rollouts, as its attempts file holds them, as the groups the learning paths read."""
     attempts: dict[int, dict[int, Scored]] = {}
-    for f in sorted((step_dir / "rollouts").glob("*.json")):
-        qi, g = (int(x) for x in f.stem.split("_"))
-        score = json.loads((step_dir / "rewards" / f.name).read_text())
-        attempts.setdefault(qi, {})[g] = Scored.of(Attempt.from_record(json.loads(f.read_text())), score, g)
+    rows = [json.loads(line) for line in attempts_file.read_text().splitlines()] if attempts_file.exists() else []
+    for row in rows:
+        if row["stage"] == "rollout":
+            attempt = Attempt(outputs=row["outputs"], error=row["error"], trace=row["trace"],
+                              tool_calls=row["tool_calls"], text=row["text"])
+            attempts.setdefault(row["query"], {})[row["program"]] = Scored.of(attempt, row, row["program"])
     return [Group(index=qi, key=query_key(trainset[qi], qi), example=trainset[qi],
                   attempts=tuple(by_g[g] for g in sorted(by_g))) for qi, by_g in sorted(attempts.items())]
 
@@ -62,16 +65,16 @@ def main() -> None:
     args = ap.parse_args()
     cfg = Config.load(args.config)
     ckpt_dir = Path(cfg.run_dir) / "checkpoint"
-    step_dir = ckpt_dir / "steps" / f"{args.step:04d}"
+    attempts_file = ckpt_dir / "steps" / f"{args.step:04d}.attempts.jsonl"
     stack = contextlib.ExitStack()  # the web task's local site, for as long as the programs are used
     parts = task_parts(cfg, stack)
     make, load = parts.make, parts.load
     trainset = load(cfg.task.trainset, limit=cfg.task.train_limit, offset=cfg.task.train_offset)
-    groups = _groups(step_dir, trainset)
+    groups = _groups(attempts_file, trainset)
     if not groups:
-        sys.exit(f"no rollouts in {step_dir}: run `tfgrpo compile {args.config}` first")
+        sys.exit(f"no rollouts in {attempts_file}: run `tfgrpo compile {args.config}` first")
     kept = [g for g in groups if g.informative]
-    prev = ckpt_dir / "steps" / f"{args.step - 1:04d}" / "done.json"
+    prev = ckpt_dir / "steps" / f"{args.step - 1:04d}.json"
     start = ExperienceLibrary.from_state(json.loads(prev.read_text())["library"]) if prev.exists() else \
         ExperienceLibrary(max_words=cfg.optimizer.max_words_per_experience)
     print(f"step {args.step}: {len(groups)} queries, {len(kept)} with reward contrast, library of {len(start)}")

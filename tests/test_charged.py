@@ -108,6 +108,25 @@ def test_max_cost_with_an_llm_judge_stops_within_a_unit_of_the_budget(share):
     assert reported(stopped) == pytest.approx(bill, rel=0.05)
 
 
+@pytest.mark.parametrize("backend", ["threads", "async"])
+def test_max_cost_with_an_llm_judge_holds_over_four_resumes(tmp_path, backend):
+    """The first run stops at the budget; the same compile run again four times on its log_dir, as a user does after a
+    stop, answers what was asked from the record, sends nothing the budget does not allow, and reports what the server
+    billed over all five: the judge's calls too."""
+    with BillingServer(serve(), PRICES) as server:
+        run(server, backend=backend)
+        whole = server.total()
+    with BillingServer(serve(), PRICES) as server:
+        budget = 0.4 * whole
+        for _ in range(5):
+            compiled = run(server, max_cost=budget, backend=backend, log_dir=str(tmp_path))
+            assert "max_cost" in compiled.detailed_results.stopped_early
+        bill = server.total()
+    assert bill <= 1.15 * budget, (bill, budget)
+    assert reported(compiled) == pytest.approx(bill, rel=0.05)  # the whole run's, as its record holds it
+    assert compiled.detailed_results.run_usage["metric"]["calls"] == server.calls["judge"]
+
+
 def test_a_resume_after_an_outage_of_empty_replies_asks_again_and_finishes(tmp_path, caplog):
     """A reflection model that answers with no choices stops the step as an outage; a resume against the healthy
     model (DSPy's cache on, as by default) sends those calls again instead of reading the empty replies back."""

@@ -15,8 +15,8 @@ ray = pytest.importorskip("ray")
 from benchmarks.fault_child import make_trainset, metric, server  # noqa: E402
 from benchmarks.ray_backend import ROOT, _compile, faults_row, same_row  # noqa: E402
 from tfgrpo.optimizers.knobs import Knobs  # noqa: E402
-from tfgrpo.optimizers.runner import Runner  # noqa: E402
-from tfgrpo.optimizers.workers import RayAttempts, with_own_lms  # noqa: E402
+from tfgrpo.optimizers.runner import Run, Scope  # noqa: E402
+from tfgrpo.optimizers.workers import Ray, with_own_lms  # noqa: E402
 from tfgrpo.testing.ray_cluster import LocalRayCluster  # noqa: E402
 
 
@@ -45,15 +45,28 @@ def test_a_compile_on_the_cluster_is_the_compile_on_threads(cluster, tmp_path):
 def test_a_run_on_the_cluster_resumes_on_threads_with_no_call(cluster, tmp_path):
     with server() as a:
         first = _compile(a, tmp_path / "run", queries=4, backend="ray")
+    for step in (tmp_path / "run" / "steps").glob("*.json"):
+        step.unlink()  # every step run again: its calls, made on the nodes, answered from the record
     with server() as b:
-        again = _compile(b, tmp_path / "run", queries=4)  # every unit saved by the cluster's run is reused
+        again = _compile(b, tmp_path / "run", queries=4)
+    assert again["calls"] == 0 and again["library"] == first["library"]
+
+
+def test_a_run_on_threads_resumes_on_the_cluster_with_no_call(cluster, tmp_path):
+    """The record's replies travel to the nodes: a step run again there asks the provider nothing."""
+    with server() as a:
+        first = _compile(a, tmp_path / "run", queries=4)
+    for step in (tmp_path / "run" / "steps").glob("*.json"):
+        step.unlink()
+    with server() as b:
+        again = _compile(b, tmp_path / "run", queries=4, backend="ray")
     assert again["calls"] == 0 and again["library"] == first["library"]
 
 
 def _attempt(program, example, backend="ray", threads=1):
-    runner = Runner(Knobs(backend=backend, num_threads=threads, progress=lambda *_: None), metric)
-    with runner.scope("test") as scope:
-        return scope.scored("validation", [(None, program, example)])[0], runner, scope
+    with Run(knobs=Knobs(backend=backend, num_threads=threads, progress=lambda *_: None), metric=metric) as run, \
+            Scope(run, "test") as scope:
+        return scope.scored("validation", [(program, example)])[0], run, scope
 
 
 class Exits(dspy.Module):
@@ -71,44 +84,44 @@ class Sleeps(dspy.Module):
 
 
 def test_a_task_lost_for_good_is_an_attempt_with_no_answer_not_a_zero(cluster, monkeypatch):
-    monkeypatch.setattr(RayAttempts, "max_retries", 1)
+    monkeypatch.setattr(Ray, "max_retries", 1)
     with server() as srv, dspy.context(lm=srv.lm()):
-        record, runner, scope = _attempt(Exits(), make_trainset(1)[0])
-    assert record.failed and record.reward is None and "RayTaskLost" in record.error
+        attempt, run, scope = _attempt(Exits(), make_trainset(1)[0])
+    assert attempt.failed and attempt.reward is None and "RayTaskLost" in attempt.error
     assert scope.failures["validation"].errors[0].startswith("RayTaskLost")  # counted, as a failed LM call is
-    assert runner.budget.spent["metric_calls"] == 0  # an attempt that got no answer is not charged as a metric call
+    assert run.record.spent["metric_calls"] == 0  # an attempt that got no answer is not charged as a metric call
 
 
-def test_the_usage_of_a_remote_attempt_is_metered_here(cluster):
+def test_the_calls_of_a_remote_attempt_are_recorded_here(cluster):
     with server() as srv, dspy.context(lm=srv.lm()):
         program = with_own_lms(dspy.Predict("question -> answer"), rollout_id=3)
-        record, _, remote_scope = _attempt(program, make_trainset(1)[0])
-        local, _, local_scope = _attempt(program, make_trainset(1)[0], "threads")
-    assert record.outputs == local.outputs and record.reward == local.reward
-    remote, here = remote_scope.meter("validation").totals(), local_scope.meter("validation").totals()
-    assert remote["calls"] == here["calls"] == 1 and remote["prompt_tokens"] == here["prompt_tokens"] > 0
+        remote, remote_run, _ = _attempt(program, make_trainset(1)[0])
+        local, local_run, _ = _attempt(program, make_trainset(1)[0], "threads")
+    assert remote.outputs == local.outputs and remote.reward == local.reward
+    there, here = remote_run.record.usage()["validation"], local_run.record.usage()["validation"]
+    assert there["calls"] == here["calls"] == 1 and there["prompt_tokens"] == here["prompt_tokens"] > 0
 
 
 def test_cancel_ends_the_tasks_in_flight(cluster):
     done = {}
     with server() as srv, dspy.context(lm=srv.lm()):
-        runner = Runner(Knobs(backend="ray", num_threads=1, progress=lambda *_: None), metric)
+        run = Run(knobs=Knobs(backend="ray", num_threads=1, progress=lambda *_: None), metric=metric)
         program, example = with_own_lms(Sleeps()), make_trainset(1)[0]
 
         def attempt():
-            with runner.scope("test") as scope:
-                done["record"] = scope.scored("validation", [(None, program, example)])[0]
+            with Scope(run, "test") as scope:
+                done["attempt"] = scope.scored("validation", [(program, example)])[0]
 
         thread = threading.Thread(target=attempt, daemon=True)
         thread.start()
-        while not runner.ray._running:
+        while not run.backend._running:
             time.sleep(0.05)
         time.sleep(1.0)
         t0 = time.time()
-        runner.ray.cancel()
+        run.backend.close(interrupted=True)  # Ctrl-C's way out: the tasks on the cluster end too
         thread.join(60)
     assert not thread.is_alive() and time.time() - t0 < 30
-    assert done["record"].failed and "TaskCancelled" in done["record"].error
+    assert done["attempt"].failed and "TaskCancelled" in done["attempt"].error
 
 
 def test_a_paced_lm_is_refused_on_the_cluster(cluster):

@@ -1,15 +1,18 @@
 """`backend="ray"` when something is wrong before any task runs: a dead cluster address fails at once naming it and
 the fix, and a program that does not pickle is named by its part and type."""
 
+import shutil
 import threading
 import time
+from pathlib import Path
 
 import dspy
 import pytest
 
 ray = pytest.importorskip("ray")
 
-from tfgrpo.optimizers.workers import RayAttempts, unpicklable  # noqa: E402
+import tfgrpo  # noqa: E402
+from tfgrpo.optimizers.workers import Ray, unpicklable  # noqa: E402
 from tfgrpo.testing.ray_cluster import free_port  # noqa: E402
 
 
@@ -35,30 +38,33 @@ def test_a_dead_address_fails_at_once_naming_it(monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", address)
     started = time.time()
     with pytest.raises(ConnectionError, match=f"no Ray cluster answers at {address} \\(from RAY_ADDRESS\\)"):
-        RayAttempts()
+        Ray(1)
     assert time.time() - started < 10 and not ray.is_initialized()
 
 
-def test_a_node_with_another_tfgrpo_is_refused_before_any_task_unless_asked(tmp_path, caplog):
-    """A one-node cluster whose task processes find another tfgrpo first on their path (a dist-info of version 9.9.9,
-    as a node with an older install would): the driver refuses it, naming the node's versions and the flag, before
-    any attempt runs; with `ray_other_versions=True` the run goes on and says so."""
+def test_a_node_that_imports_another_tfgrpo_is_refused_before_any_task_unless_asked(tmp_path, caplog):
+    """A one-node cluster whose task processes import another tfgrpo first (a copy of the package with another
+    `__version__`, as `ray.init(runtime_env={"py_modules": [...]})` ships one, while the installed one is the same):
+    the driver refuses it before any attempt runs, naming the node's version and the flag; with
+    `ray_other_versions=True` the run goes on, says so, and keeps every node's versions."""
     from tfgrpo.optimizers.knobs import Knobs
-    from tfgrpo.optimizers.runner import Runner
     from tfgrpo.testing.ray_cluster import LocalRayCluster
 
-    other = tmp_path / "other" / "tfgrpo-9.9.9.dist-info"
-    other.mkdir(parents=True)
-    (other / "METADATA").write_text("Metadata-Version: 2.1\nName: tfgrpo\nVersion: 9.9.9\n")
+    other = tmp_path / "other" / "tfgrpo"
+    shutil.copytree(Path(tfgrpo.__file__).parent, other, ignore=shutil.ignore_patterns("__pycache__", "data"))
+    init = other / "__init__.py"
+    init.write_text(init.read_text().replace(f'__version__ = "{tfgrpo.__version__}"', '__version__ = "0.0.9-other"'))
     if ray.is_initialized():
         ray.shutdown()
     with LocalRayCluster(nodes=1, env={"PYTHONPATH": str(other.parent)}) as cluster:
         ray.init(address=cluster.address, logging_level="ERROR")
         try:
-            with pytest.raises(RuntimeError, match=r"'tfgrpo': '9\.9\.9'.*ray_other_versions=True"):
-                Runner(Knobs(backend="ray"), lambda *_: 0.0)
+            with pytest.raises(RuntimeError, match=r"'tfgrpo': '0\.0\.9-other'.*ray_other_versions=True"):
+                Ray(1, other_versions=False)
             with caplog.at_level("WARNING"):
-                Runner(Knobs(backend="ray", ray_other_versions=True), lambda *_: 0.0)
-            assert "9.9.9" in caplog.text and "ray_other_versions=True" in caplog.text
+                backend = Ray(1, other_versions=True)
+            assert "0.0.9-other" in caplog.text and "ray_other_versions=True" in caplog.text
+            assert [v["tfgrpo"] for v in backend.nodes.values()] == ["0.0.9-other"]
+            backend.close()
         finally:
             ray.shutdown()

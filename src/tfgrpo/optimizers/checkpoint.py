@@ -1,7 +1,8 @@
 """What a run keeps in `log_dir` besides its record of LM calls: what it was started with, and what it finished.
 
 Layout:
-    run.json              what the run was started with (a fingerprint; a resume must match it)
+    run.json              what the run was started with (a fingerprint; a resume must match it), and with
+                          backend="ray" the versions each node runs (`nodes`)
     calls.jsonl           every LM call of the run, with its reply, usage and price (record.py): what a resume reads
     steps/0003.json       step 3 is finished: the state after it (library, demos) and its record (`StepResult`)
     steps/0003.attempts.jsonl   its attempts (rollouts and probe): what each wrote, its reward; for people to read
@@ -154,6 +155,11 @@ class Checkpoint:
         if old != record:  # a new run, or one that had saved nothing (or an older run.json's fields)
             write_atomic(path, json.dumps(record, ensure_ascii=False))
         return saved
+
+    def note(self, key: str, value: Any) -> None:
+        """Add `key` to run.json, beside the fingerprint (never compared on a resume: what the run ran on)."""
+        if self.root is not None and isinstance(record := self._read(self.root / "run.json"), dict):
+            write_atomic(self.root / "run.json", json.dumps({**record, key: value}, ensure_ascii=False))
 
     def saved(self) -> dict[str, int]:
         """What the folder holds of a run: its finished steps, and the LM calls its record holds."""

@@ -11,7 +11,7 @@ record, the scope (a step, a validation, the attribution) and the stage. So the 
 judge's) and the learning calls all pass there; a call made outside a tag passes untouched.
 
 A request is known by DSPy's own cache key of it (the model, the messages, every setting and the `rollout_id`; the API
-key and base left out), and within an attempt's calls by the attempt (`Tag.unit`). The k-th identical request of a
+key and base left out), and by the unit of work that makes it (`Tag.unit`). The k-th identical request of a
 process is answered by the k-th reply recorded for it: a resume gets back what the run got, and a program that asks the
 same thing twice of an LM without a cache still gets two samples (two such calls made at once by one attempt may get
 them the other way round, as they might have in the first run). A reply with nothing in it (no choices, an empty
@@ -36,7 +36,6 @@ import collections
 import json
 import logging
 import os
-import statistics
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,10 +69,11 @@ class BudgetExhausted(BaseException):
 
 @dataclass(frozen=True)
 class Tag:
-    """What a unit of work's LM calls are charged and recorded to: the record, the scope and the stage; for an attempt,
-    `unit`, which tells it from the other attempts (its example and its LMs' rollout IDs), so that a request two
-    attempts both make (a predictor built inside `forward`, on the configured LM; a `rollout_id` the program sets
-    itself) is answered, on a resume, as it was for each."""
+    """What a unit of work's LM calls are charged and recorded to: the record, the scope and the stage; and `unit`,
+    which tells it from the other units (an attempt: its example and its LMs' rollout IDs; a learning call: its place
+    among the calls made with it), so that a request two units both make (a predictor built inside `forward`, on the
+    configured LM; a `rollout_id` the program sets itself; the summaries of two attempts alike) is answered, on a
+    resume, as it was for each."""
 
     record: Record
     scope: str
@@ -98,7 +98,9 @@ class Record:
         self._charged = collections.Counter()  # scope -> attempts charged in this process
         self.spent = {"cost": 0.0, "tokens": 0, "metric_calls": 0}
         self.in_flight = {"cost": 0.0, "tokens": 0, "metric_calls": 0}
+        self._paid: dict[str, list] = collections.defaultdict(lambda: [0, 0.0, 0])  # stage -> calls, cost, tokens
         self.served = 0  # replies answered from the record in this process
+        self._direct = False  # the program has called an LM outside its predictors (said once)
         self.closed = False  # the compile has ended: a call still running (a hung one) records nothing more
         self.lines: list[str] | None = None  # on a Ray node: the lines of the calls made, for the driver to record
         self._file = None
@@ -145,8 +147,10 @@ class Record:
         self._replies[entry["key"]].append(reply)
         self.calls.append(entry)
         if not entry.get("free"):
-            self.spent["cost"] += entry.get("cost") or 0.0
-            self.spent["tokens"] += _tokens(entry["usage"])
+            cost, tokens, paid = entry.get("cost") or 0.0, _tokens(entry["usage"]), self._paid[entry["stage"]]
+            self.spent["cost"] += cost
+            self.spent["tokens"] += tokens
+            paid[0], paid[1], paid[2] = paid[0] + 1, paid[1] + cost, paid[2] + tokens
 
     def sync(self) -> None:
         """Have the file on disk (before a step's record says the step is done)."""
@@ -182,12 +186,24 @@ class Record:
         """A call has returned (`result`, DSPy's `CallResult`; None: it raised): its share leaves the flight and, where
         the reply holds something, it is recorded and its usage spent. The entry, or None."""
         entry = None
+        if role(tag.stage) == "policy" and not any(isinstance(m, dspy.Predict) for m in dspy.settings.caller_modules
+                                                   or []):
+            self._say_direct()
         if result is not None and key is not None and holds_text(result.outputs):
             entry = {"key": key, "scope": tag.scope, "stage": tag.stage, "model": model,
                      "usage": {} if result.cache_hit else _usage(result.usage), "cost": None, "reply": result.dump()}
             if result.cache_hit:
                 entry["free"] = True
         return self.take(entry, share)
+
+    def _say_direct(self) -> None:
+        """Say once that the program called an LM outside its predictors (a call of the metric's may do so freely)."""
+        with self._lock:
+            said, self._direct = self._direct, True
+        if not said:
+            logger.warning("The program called an LM outside its predictors (dspy.settings.lm(...) or an LM of its own, "
+                           "called directly): tfgrpo puts what it learns into the predictors' instructions and demos, "
+                           "so those calls get none of it. Make them through a dspy.Predict to have them learn too.")
 
     def take(self, entry: dict | None, share: dict | None = None) -> dict | None:
         """Record a call's `entry` (priced here: its `cost`; None: nothing to record) and release `share`."""
@@ -225,10 +241,9 @@ class Record:
         """Before `calls` LM calls of `stage`: their expected share, now in flight; `BudgetExhausted` where it does not
         fit (nothing measured yet: the first calls of a run are the measurement)."""
         with self._lock:
-            paid = [c for c in self.calls if not c.get("free")]
-            measured = [c for c in paid if c["stage"] == stage] or paid
-            share = {"cost": calls * statistics.fmean([c.get("cost") or 0.0 for c in measured] or [0.0]),
-                     "tokens": calls * statistics.fmean([_tokens(c["usage"]) for c in measured] or [0])}
+            n, cost, tokens = self._paid[stage] if self._paid[stage][0] else \
+                [sum(p[i] for p in self._paid.values()) for i in range(3)]
+            share = {"cost": calls * cost / max(n, 1), "tokens": calls * tokens / max(n, 1)}
             for name in share:
                 self._fits(name, share[name], stage)
             for name in share:
@@ -272,9 +287,9 @@ class Record:
         has cost so far); else None."""
         with self._lock:
             scored = max(self.spent["metric_calls"], 1)
-            spent = [c for c in self.calls if not c.get("free") and role(c["stage"]) != "reflection"]
-            need = {"cost": attempts * sum(c.get("cost") or 0.0 for c in spent) / scored,
-                    "tokens": attempts * sum(_tokens(c["usage"]) for c in spent) / scored, "metric_calls": attempts}
+            spent = [p for stage, p in self._paid.items() if role(stage) != "reflection"]
+            need = {"cost": attempts * sum(p[1] for p in spent) / scored,
+                    "tokens": attempts * sum(p[2] for p in spent) / scored, "metric_calls": attempts}
             for name, limit in self.limits.items():
                 if limit is not None and self.spent[name] >= limit:
                     return self._why(name, "", 0)

@@ -328,12 +328,14 @@ class Scope:
     # -- learning calls ---------------------------------------------------------------------------------------------
     def calls(self, stage: str, fns: list[Callable[[], Any]]) -> list[Any]:
         """Learning calls on the run's workers, in order: each `fn()` (its LM calls charged and recorded under
-        `stage`), or the `Failed` it raised, counted as a failure of the stage."""
-        return self._wait(stage, [self.run.backend.submit(functools.partial(self._call, stage, fn)) for fn in fns])
+        `stage`, told apart by their place in `fns`: two calls that ask the same, of two attempts alike, get each its own
+        reply back on a resume), or the `Failed` it raised, counted as a failure of the stage."""
+        return self._wait(stage, [self.run.backend.submit(functools.partial(self._call, stage, fn, f"{stage}#{i}"))
+                                  for i, fn in enumerate(fns)])
 
-    def _call(self, stage: str, fn: Callable[[], Any]) -> Any:
+    def _call(self, stage: str, fn: Callable[[], Any], unit: str) -> Any:
         self._go_on()
-        with dspy.context(**self.tag(stage)):
+        with dspy.context(**self.tag(stage, unit)):
             value = _or_failed(fn)
         self._ended(stage, value.error if isinstance(value, Failed) else None)
         return value

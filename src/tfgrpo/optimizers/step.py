@@ -107,8 +107,9 @@ def step(run: Run, state: State, epoch: int, batch: list[int]) -> tuple[State, S
 def _row(stage: str, query: int, program: int, attempt: Scored) -> dict:
     """An attempt as the step's attempts file holds it, for people (`program`: its G index in a rollout, the probe's
     program else: 0 the current one, 1 + c candidate c)."""
-    return {"stage": stage, "query": query, "program": program, "reward": attempt.reward, "error": attempt.error,
-            "outputs": attempt.outputs, "trace": attempt.trace, "feedback": attempt.feedback}
+    return {"stage": stage, "query": query, "program": program, "reward": attempt.reward, "feedback": attempt.feedback,
+            "error": attempt.error, "outputs": attempt.outputs, "trace": attempt.trace, "tool_calls": attempt.tool_calls,
+            "text": attempt.text}
 
 
 def _group(run: Run, scope: Scope, state: State, programs: list, qi: int, size: int, first: Group | None = None, *,

@@ -173,6 +173,8 @@ class TrainingFreeGRPO(Teleprompter):
                     logger.info("resuming from %s: %d finished step(s), %d recorded LM call(s)", store.root,
                                 saved["steps"], saved["calls"])
                 with self._run(plan, student, trainset, store) as run:
+                    if nodes := getattr(run.backend, "nodes", None):  # (Ray's: each node's tfgrpo, DSPy, Python)
+                        store.note("nodes", nodes)
                     held_out = attribution_set if attribution_set is not None else valset
                     compiled = self._learn(run, plan, valset, held_out, trackers)
                 for tracker in trackers:

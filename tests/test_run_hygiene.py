@@ -61,8 +61,8 @@ def test_temporary_files_left_by_a_killed_run_are_removed_on_resume(tmp_path):
     dspy.configure(lm=ScriptedLM(learner))
     TrainingFreeGRPO(exact, log_dir=str(tmp_path), **OPTS).compile(dspy.Predict("question -> answer"),
                                                                   trainset=make_trainset())
-    folder = tmp_path / "steps" / "0000" / "rollouts"
-    stale = [folder / f".0_1.json.{'a' * 32}.tmp", tmp_path / f".run.json.{'0' * 32}.tmp"]  # as SIGTERM leaves them
+    folder = tmp_path / "steps"
+    stale = [folder / f".0000.json.{'a' * 32}.tmp", tmp_path / f".run.json.{'0' * 32}.tmp"]  # as SIGTERM leaves them
     for path in stale:
         path.write_text('{"half": ')
     theirs = folder / ".notes.tmp"  # not a name our writer makes: left alone

@@ -11,7 +11,7 @@ import dspy
 import pytest
 from typer.testing import CliRunner
 
-from scripted_lm import ScriptedLM
+from scripted_lm import ScriptedLM, kind_of
 from test_optimizer import LESSON, learner, make_trainset, metric
 from test_trust_resume import cli_config, resume, user_module
 from tfgrpo.cli import app
@@ -137,34 +137,39 @@ class Agent(dspy.Module):
 
 @pytest.mark.parametrize("change", ["constructor argument", "module constant"])
 def test_a_resume_after_the_program_changed_outside_forward_is_refused(tmp_path, change):
-    """`Agent("plain")` -> `Agent("framed")`, or the module constant a helper of `forward` reads: the saved attempts
-    were made by another program (the fingerprint sees the first, a replay of a saved attempt the second)."""
+    """`Agent("plain")` -> `Agent("framed")`, or the module constant a helper of `forward` reads: the finished steps
+    were made by another program (the fingerprint holds the module's settings, and the helpers' code and constants)."""
     mode = "plain" if change == "constructor argument" else "framed"
     first = user_module(tmp_path, "issue65_agent", AGENT.format(prefix="Q: "))
     resume(tmp_path, ScriptedLM(learner()), metric, first.Agent(mode), max_steps=1)
     edited = first.Agent("framed") if change == "constructor argument" else \
         user_module(tmp_path, "issue65_agent", AGENT.format(prefix="Question: ")).Agent(mode)
     lm = ScriptedLM(learner())
-    with pytest.raises(RunMismatchError, match="program's code|today's program would not have made"):
+    with pytest.raises(RunMismatchError, match="program's code"):
         resume(tmp_path, lm, metric, edited, max_steps=1)
     assert lm.calls == []
     again = user_module(tmp_path, "issue65_agent", AGENT.format(prefix="Q: "))
     assert resume(tmp_path, ScriptedLM(learner()), metric, again.Agent(mode)).experience_library.texts() == [LESSON]
 
 
-def test_a_change_the_fingerprint_cannot_see_is_caught_by_rescoring_saved_attempts(tmp_path):
-    """A metric that reads a setting from an object the fingerprint does not look into: re-scoring saved attempts
-    shows it."""
+def test_a_resume_scores_the_unfinished_step_with_todays_metric(tmp_path):
+    """A metric that reads a setting from an object the fingerprint does not look into: a resume runs the metric
+    again on what the program returns now (no copy of an attempt is scored), so the unfinished step is scored by
+    today's setting, its rollouts answered from the record."""
     class Strictness:
         strict = False
 
     def graded(example, pred, trace=None, setting=Strictness):
         return metric(example, pred).score if setting.strict else 1.0
 
-    resume(tmp_path, ScriptedLM(learner()), graded, max_steps=1)
+    first = resume(tmp_path, ScriptedLM(learner()), graded, num_train_epochs=1)
+    assert [s.mean_reward for s in first.detailed_results.steps] == [1.0, 1.0]  # lenient: every attempt right
+    (tmp_path / "ckpt" / "steps" / "0001.json").unlink()  # step 1 unfinished, as after a kill at its very end
     Strictness.strict = True
-    with pytest.raises(RunMismatchError, match="today's metric would not have made"):
-        resume(tmp_path, ScriptedLM(learner()), graded, max_steps=1)
+    lm = ScriptedLM(learner())
+    again = resume(tmp_path, lm, graded, num_train_epochs=1)
+    assert again.detailed_results.steps[1].mean_reward < 1.0  # today's strict metric on step 1's attempts
+    assert not any(kind_of(c["messages"]) == "student" for c in lm.calls)  # the rollouts answered from the record
 
 
 # 6 -----------------------------------------------------------------------------------------------------------------

@@ -207,8 +207,9 @@ SIMPLE = (str, int, float, bool, type(None), tuple)  # values whose repr says wh
 def _code(obj) -> tuple[str, str | None]:
     """(module.qualname, what it computes with) of a function, method, class, callable object or `functools.partial`:
     its source, and beside it what the source does not show: a partial's bound arguments, a callable object's attributes,
-    a closure's values, and the module-level constants and helper functions its code names (the helpers' source). The
-    source is None where Python cannot read it (typed into a REPL, built in): the name then stands for it alone."""
+    a closure's values, and the module-level constants and helper functions its code names (the helpers' source, and
+    in turn what theirs names). The source is None where Python cannot read it (typed into a REPL, built in): the name
+    then stands for it alone."""
     extra = []
     while isinstance(obj, functools.partial):
         extra.append(repr((obj.args, sorted(obj.keywords.items()))))
@@ -221,13 +222,18 @@ def _code(obj) -> tuple[str, str | None]:
         source = inspect.getsource(target)
     except (OSError, TypeError):
         source = None
-    for fn in [target] if inspect.isfunction(target) else [v for v in vars(target).values() if inspect.isfunction(v)]:
+    functions = [target] if inspect.isfunction(target) else [v for v in vars(target).values() if inspect.isfunction(v)]
+    seen = set(functions)
+    while functions:
+        fn = functions.pop(0)
         extra += [repr(c.cell_contents) for c in fn.__closure__ or () if isinstance(c.cell_contents, SIMPLE)]
         for used in fn.__code__.co_names:
             value = fn.__globals__.get(used)
             if isinstance(value, SIMPLE):
                 extra.append(f"{used}={value!r}")
-            elif inspect.isfunction(value) and value.__module__ == fn.__module__ and value is not fn:
+            elif inspect.isfunction(value) and value.__module__ == fn.__module__ and value not in seen:
+                seen.add(value)
+                functions.append(value)
                 with contextlib.suppress(OSError, TypeError):
                     extra.append(inspect.getsource(value))
     return name, "\n".join([source or "", *extra]) if source or extra else None

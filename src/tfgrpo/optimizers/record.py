@@ -67,6 +67,16 @@ class BudgetExhausted(BaseException):
     for one try's failure and go on)."""
 
 
+class RecordError(BaseException):
+    """The run's record could not be written (a full disk, a folder where the file should be): the run stops, and
+    compile raises the `OSError` itself (`error`). A BaseException on its way up, as `BudgetExhausted` is: no `except
+    Exception` of the program takes it for one call's failure."""
+
+    def __init__(self, error: OSError):
+        super().__init__(str(error))
+        self.error = error
+
+
 @dataclass(frozen=True)
 class Tag:
     """What a unit of work's LM calls are charged and recorded to: the record, the scope and the stage; and `unit`,
@@ -222,11 +232,14 @@ class Record:
         return entry
 
     def _write_line(self, line: str) -> None:
-        if self._file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a", encoding="utf-8")
-        self._file.write(line + "\n")
-        self._file.flush()
+        try:
+            if self._file is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = open(self.path, "a", encoding="utf-8")
+            self._file.write(line + "\n")
+            self._file.flush()
+        except OSError as exc:
+            raise RecordError(exc if exc.filename else type(exc)(exc.errno, exc.strerror, str(self.path))) from exc
 
     def _cost(self, model: str, usage: dict) -> float | None:
         if model not in self._prices:

@@ -30,7 +30,7 @@ from dspy.teleprompt.teleprompt import Teleprompter
 
 from tfgrpo.base import hooks
 from tfgrpo.optimizers.checkpoint import Checkpoint, Keys
-from tfgrpo.optimizers.record import LIMITS, BudgetExhausted, Record
+from tfgrpo.optimizers.record import LIMITS, BudgetExhausted, Record, RecordError
 from tfgrpo.optimizers.runner import Run, Scope, State
 from tfgrpo.optimizers.workers import StageBars, guard_cache, with_own_lms
 from tfgrpo.optimizers.knobs import KNOBS, Knobs, args_doc, check_knob
@@ -161,6 +161,13 @@ class TrainingFreeGRPO(Teleprompter):
             raise ValueError("TrainingFreeGRPO learns from the student's own attempts and takes no teacher; to have "
                              "a stronger model make the learning calls, pass reflection_lm=")
         guard_cache()  # an empty reply is never served back from DSPy's cache to a retry or a resume
+        try:
+            return self._compile(student, trainset, valset, attribution_set)
+        except RecordError as exc:  # (a full disk, say): the error itself, naming the record's file
+            raise exc.error from None
+
+    def _compile(self, student: dspy.Module, trainset: list, valset: list | None, attribution_set: list | None
+                 ) -> dspy.Module:
         store = Checkpoint(self.log_dir)
         with store.locked():  # one compile per log_dir: a second one is refused at once
             plan = make_plan(self, student, trainset, valset, attribution_set, say=True)

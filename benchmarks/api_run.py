@@ -221,7 +221,7 @@ def main() -> None:
         rest = server.stats()
     after = unit_files(root / "budgeted")
     redone = sum(after.get(path) != sig for path, sig in saved.items() if path != "run.json") + \
-        len(resent(root / "budgeted", keys))
+        len(resent(root / "budgeted", keys, root / "full"))
     print(f"run 2: stopped early: {stopped.detailed_results.stopped_early}; ${cut['billed_usd']:.4f} billed")
     print(f"run 3: {len(billed_calls(rest))} calls, library equal to run 1's: "
           f"{resumed.experience_library.texts() == compiled.experience_library.texts()}, redone={redone}")

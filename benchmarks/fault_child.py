@@ -161,11 +161,12 @@ def run_child(server: FakeLMServer, log_dir: Path, opts: dict, kill_after: int |
 
 
 def kill_and_resume(make_server, root: Path, opts: dict, kill_after: int, kill_kind: str | None = None,
-                    between=None) -> dict:
+                    between=None, reference: Path | None = None) -> dict:
     """Kill a compile at its `kill_after`-th call (of `kill_kind`), resume it in a new process, and account for
     the calls: per kind, those of the killed run, those of the resumed run, and those the record held at the kill;
-    and what the resume did again (`rewritten`: a saved file written again, or a recorded call sent again).
-    `between(server, log_dir)` runs after the kill, before the resume (its result is under "between")."""
+    and what the resume did again (`rewritten`: a saved file written again, or, against the uninterrupted run whose
+    log_dir is `reference`, a recorded call sent again). `between(server, log_dir)` runs after the kill, before the
+    resume (its result is under "between")."""
     log_dir = root / f"run_kill{kill_after}{kill_kind or ''}"
     with make_server() as server:
         code, _, text, killed = run_child(server, log_dir, opts, kill_after=kill_after, kill_kind=kill_kind)
@@ -178,7 +179,7 @@ def kill_and_resume(make_server, root: Path, opts: dict, kill_after: int, kill_k
     resumed = {k: after["kinds"][k]["calls"] - at_kill["kinds"][k]["calls"] for k in KINDS}
     rewritten = [f for f, sig in files.items()
                  if f != "run.json" and (log_dir / f).exists() and signature(log_dir / f) != sig]
-    rewritten += [f"calls.jsonl: {key}" for key in resent(log_dir, keys)]
+    rewritten += [f"calls.jsonl: {key}" for key in resent(log_dir, keys, reference)] if reference else []
     return {"between": meanwhile, "log_dir": log_dir, "killed": killed, "kill_exit": code, "exit": code2, "result": result, "output": text + text2,
             "killed_calls": calls(at_kill), "resumed_calls": resumed, "done_units": done,
             "rewritten": rewritten, "faults": {k: after["faults"][k] for k in FAULTS}}

@@ -59,7 +59,8 @@ def fault_row(name: str, rate: float, share: float, root: Path, opts: dict, betw
     with faulty() as srv:
         code, ref, text, _ = run_child(srv, root / "reference", opts)
         ref_stats = srv.stats()
-    run = kill_and_resume(faulty, root, opts, kill_after=max(1, int(share * ref_stats["calls"])), between=between)
+    run = kill_and_resume(faulty, root, opts, kill_after=max(1, int(share * ref_stats["calls"])), between=between,
+                          reference=root / "reference")
     equal = bool(ref and run["result"]) and ref.get("status") == run["result"].get("status") and \
         ref.get("library") == run["result"].get("library")
     return dict(name=name, injected=sum(ref_stats["faults"].values()) + sum(run["faults"].values()),
@@ -118,7 +119,7 @@ def outage_row(root: Path, opts: dict) -> dict:
         code_res, res, text_res, _ = run_child(srv, log, opts)
         res_calls = sum(calls(srv.stats()).values())
     rewritten = [f for f, sig in files.items() if (log / f).exists() and signature(log / f) != sig]
-    rewritten += resent(log, keys)
+    rewritten += resent(log, keys, root / "reference")
     equal = bool(ref and res) and ref["status"] == res["status"] == "ok" and ref["library"] == res["library"]
     return dict(name="reflection_outage", injected=sum(out_stats["faults"].values()),
                 crashes=sum(c not in (0, STOPPED) for c in (code_ref, code_out, code_res)),

@@ -3,6 +3,7 @@ record lines that do not parse, which files a resume wrote again and which recor
 
 from __future__ import annotations
 
+import collections
 import json
 from pathlib import Path
 
@@ -61,11 +62,11 @@ def record_keys(log_dir: Path) -> list[str]:
     return [e["key"] for e in record_entries(log_dir) if "key" in e]
 
 
-def resent(log_dir: Path, before: list[str]) -> list[str]:
-    """The recorded calls (of `before`: the keys at a kill) that were sent again since (each request of the fault
-    benchmarks is distinct, so a key recorded twice was asked twice)."""
-    known = set(before)
-    return [key for key in record_keys(log_dir)[len(before):] if key in known]
+def resent(log_dir: Path, before: list[str], reference: Path) -> list[str]:
+    """The calls the record held at a kill (`before`: their keys) that the killed and resumed runs together asked more
+    often than an uninterrupted run did (`reference`: its log_dir): sent again though their replies were kept."""
+    now, once = collections.Counter(record_keys(log_dir)), collections.Counter(record_keys(reference))
+    return sorted(key for key in set(before) if now[key] > once[key])
 
 
 def torn_files(log_dir: Path) -> list[str]:

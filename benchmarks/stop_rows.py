@@ -84,13 +84,13 @@ def _hanging(srv, log_dir: Path, opts: dict) -> subprocess.Popen:
     return proc
 
 
-def _resumed(srv, log_dir: Path, opts: dict, ref: dict) -> tuple[int, dict, str, int, bool]:
+def _resumed(srv, log_dir: Path, opts: dict, ref: dict, reference: Path) -> tuple[int, dict, str, int, bool]:
     """Resume `log_dir` with the same metric, no longer hanging: exit code, result, output, work done again (a saved
     file written again, a recorded call sent again), library equal?"""
     files, keys = unit_files(log_dir), record_keys(log_dir)
     code, result, text = _result(*_spawn(srv.api_base, log_dir, {**opts, "metric": "hang_once"}, None))
     redone = sum(1 for f, sig in files.items() if f != "run.json" and (log_dir / f).exists()
-                 and signature(log_dir / f) != sig) + len(resent(log_dir, keys))
+                 and signature(log_dir / f) != sig) + len(resent(log_dir, keys, reference))
     return code, result or {}, text, redone, bool(result) and result.get("library") == ref.get("library")
 
 
@@ -110,7 +110,7 @@ def stop_rows(root: Path, opts: dict) -> list[dict]:
             and srv.stats()["calls"] == sent
         holder.send_signal(signal.SIGKILL)
         holder.communicate()
-        code3, res3, text3, redone, equal = _resumed(srv, log, opts, ref)
+        code3, res3, text3, redone, equal = _resumed(srv, log, opts, ref, root / "reference")
         locked = dict(name="locked_log_dir", injected=1, crashes=int(code2 not in (0, F.STOPPED)) + int(code3 != 0),
                       corrupted=F.corrupted(opts, [ref, res3], [root / "reference", log]), redone=redone,
                       extra=srv.stats()["calls"] - 2 * ref_calls, size=F.size(ref), equal=equal,
@@ -130,7 +130,7 @@ def stop_rows(root: Path, opts: dict) -> list[dict]:
             text4, _ = proc.communicate()
         stopped_s, code4 = time.time() - started, proc.returncode
         kept = len(record_keys(log))
-        code5, res5, text5, redone, equal = _resumed(srv, log, opts, ref)
+        code5, res5, text5, redone, equal = _resumed(srv, log, opts, ref, root / "reference")
         proc, out = _spawn(srv.api_base, root / "timeout", {**opts, "metric": "hang_once", "metric_timeout_s": 0.5},
                            root / "timeout.hanging")
         code6, res6, text6 = _result(proc, out)

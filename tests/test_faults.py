@@ -113,15 +113,15 @@ def reference(tmp_path_factory):
         per_kind = C.calls(server.stats())
     assert code == 0, output[-3000:]
     assert len(result["library"]["experiences"]) > 0 and len(result["steps"]) == 4
-    return result, per_kind
+    return result, per_kind, root / "log"
 
 
 @pytest.mark.parametrize("share, kind", [(0.15, None), (0.5, None), (0.85, None), (2, "consolidation")],
                          ids=["early", "middle", "late", "2nd-consolidation"])
 def test_kill_9_and_resume_equals_an_uninterrupted_run_and_redoes_nothing(tmp_path, reference, share, kind):
-    ref, ref_calls = reference
+    ref, ref_calls, ref_dir = reference
     kill_after = share if kind else max(1, int(share * sum(ref_calls.values())))
-    run = C.kill_and_resume(_server, tmp_path, KILL_OPTS, kill_after=kill_after, kill_kind=kind)
+    run = C.kill_and_resume(_server, tmp_path, KILL_OPTS, kill_after=kill_after, kill_kind=kind, reference=ref_dir)
     assert run["killed"] and run["kill_exit"] == -9, run["output"][-3000:]
     assert run["exit"] == 0, run["output"][-3000:]
     # (a) the same library as without the kill
@@ -145,7 +145,7 @@ def test_kill_9_and_resume_under_reply_faults(tmp_path, reference):
         code, ref, output, _ = C.run_child(srv, root, KILL_OPTS)
         total = srv.stats()["calls"]
     assert code == 0, output[-3000:]
-    run = C.kill_and_resume(server, tmp_path, KILL_OPTS, kill_after=total // 2)
+    run = C.kill_and_resume(server, tmp_path, KILL_OPTS, kill_after=total // 2, reference=root)
     assert run["killed"] and run["exit"] == 0, run["output"][-3000:]
     assert run["result"]["library"] == ref["library"] and run["rewritten"] == []
 

@@ -164,27 +164,33 @@ def replies(log_dir) -> int:
     return sum(len(e["reply"]["responses"]) or 1 for e in lines if "key" in e)
 
 
+ON_THE_EVENT_LOOP = ["predict_typed", "best_of_n", "refine", "react", "several_completions", "predictor_in_forward",
+                     "holds_a_generator"]
+
+
 @pytest.mark.parametrize("stop", ["budget", "kill"])
-@pytest.mark.parametrize("name", list(PROGRAMS))
-def test_a_compile_stopped_and_run_again_gives_the_program_of_a_run_never_stopped(name, stop, tmp_path):
+@pytest.mark.parametrize("name, backend", [(name, "threads") for name in PROGRAMS] +
+                         [(name, "async") for name in ON_THE_EVENT_LOOP])
+def test_a_compile_stopped_and_run_again_gives_the_program_of_a_run_never_stopped(name, backend, stop, tmp_path):
     """Stopped part way (its token budget runs out, or the process dies at a call), then compiled again on its log_dir
     with the budget lifted: the same program as a run never stopped, the program run again as it is (the metric gets
-    what dspy.Evaluate gives it), and no request the stopped run had answered is sent again."""
+    what dspy.Evaluate gives it), and no request the stopped run had answered is sent again; on threads, and on the
+    event loop (backend="async") for the shapes with an async path."""
     whole_lm = ScriptedLM(respond)
-    whole, _ = compile_program(name, whole_lm, log_dir=str(tmp_path / "whole"))
+    whole, _ = compile_program(name, whole_lm, log_dir=str(tmp_path / "whole"), backend=backend)
     if stop == "kill":
         first = ScriptedLM(crashing(len(whole_lm.calls) // 2))
         with pytest.raises(Crash):
-            compile_program(name, first, log_dir=str(tmp_path / "run"))
+            compile_program(name, first, log_dir=str(tmp_path / "run"), backend=backend)
     else:
         first = ScriptedLM(respond)
-        stopped, _ = compile_program(name, first, log_dir=str(tmp_path / "run"),
+        stopped, _ = compile_program(name, first, log_dir=str(tmp_path / "run"), backend=backend,
                                      max_total_tokens=tokens(whole.detailed_results) // 2)
         assert "max_total_tokens" in stopped.detailed_results.stopped_early
     kept, before = replies(tmp_path / "run"), recorded(tmp_path / "run")
     assert len(first.calls) - kept <= 2  # the stopped run's replies were kept, but those in flight as it died
     lm = ScriptedLM(respond)
-    again, metric = compile_program(name, lm, log_dir=str(tmp_path / "run"))
+    again, metric = compile_program(name, lm, log_dir=str(tmp_path / "run"), backend=backend)
     assert learned(again) == learned(whole)
     # no request was sent more often than by a run never stopped, for those the stopped run had answered (an attempt's
     # calls; with dspy.Parallel, whose trace is in the order its threads end, a learning call's prompt may differ)

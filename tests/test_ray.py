@@ -183,3 +183,24 @@ def test_a_program_that_does_not_pickle_is_named_by_its_part(cluster):
         with pytest.raises(TypeError, match=r"and program\.cache\['lock'\] \(_thread\.lock\) does not pickle"):
             _attempt(with_own_lms(HoldsALock()), make_trainset(1)[0])
     assert time.time() - started < 30
+
+
+def test_the_metric_gets_what_the_program_returned_on_the_node(cluster):
+    """What a task's program returned travels back as it is: every completion of `n=3`; a return value that does not
+    pickle (an open file) is refused, naming the part, instead of reaching the metric as something else."""
+    from user_programs import Several, WithFile
+
+    seen = []
+
+    def completions(example, pred, trace=None):
+        seen.append(len(pred.completions))
+        return 1.0
+
+    with server() as srv, dspy.context(lm=srv.lm()):
+        with Run(knobs=Knobs(backend="ray", num_threads=2, progress=lambda *_: None), metric=completions) as run, \
+                Scope(run, "test") as scope:
+            attempts = scope.scored("validation", [(with_own_lms(Several(), rollout_id=i), x)
+                                                   for i, x in enumerate(make_trainset(2))])
+        assert [a.reward for a in attempts] == [1.0, 1.0] and seen == [3, 3]
+        with pytest.raises(TypeError, match=r"prediction\.log \(_io\.TextIOWrapper\) does not pickle"):
+            _attempt(with_own_lms(WithFile()), make_trainset(1)[0])

@@ -187,3 +187,16 @@ def test_a_record_with_a_torn_or_foreign_line_resumes_and_asks_only_those_again(
     assert again.experience_library.texts() == first.experience_library.texts()
     assert len(lm.calls) == 2  # the line overwritten and the torn one
     assert "1 line(s) do not read as calls" in caplog.text
+
+
+@pytest.mark.parametrize("budget", [{"max_metric_calls": 12}, {"max_total_tokens": 1500}])
+def test_a_step_the_budget_refused_is_refused_again_on_a_resume(tmp_path, budget):
+    """The budget reads what the run's record holds, not what this process spent: the same call after a budget stop
+    stops where the first one did, sending nothing, however many times it is run."""
+    first = run(ScriptedLM(learner), tmp_path, **budget)
+    assert first.detailed_results.stopped_early
+    for _ in range(2):
+        lm = ScriptedLM(learner)
+        again = run(lm, tmp_path, **budget)
+        assert lm.calls == [] and again.detailed_results.stopped_early == first.detailed_results.stopped_early
+        assert again.detailed_results.run_usage == first.detailed_results.run_usage

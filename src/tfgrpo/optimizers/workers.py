@@ -670,8 +670,10 @@ def _remote_attempt(program: dspy.Module, example: dspy.Example, settings: dict,
         attempt = run_program(program, example)[1]
     import ray
 
-    if attempt.prediction is not None and (part := unpicklable(attempt.prediction, "prediction",
-                                                                ray.cloudpickle.dumps)) is not None:
+    returned, dumps = attempt.prediction, ray.cloudpickle.dumps
+    fields = returned.items() if isinstance(returned, dspy.Prediction) else [("", returned)]
+    part = next((p for k, v in fields if (p := unpicklable(v, f"prediction.{k}" if k else "prediction", dumps))), None)
+    if part is not None:
         raise TypeError(f'backend="ray" sends what the program returned back to the driver for the metric, and {part} '
                         f'does not pickle: return it in a form that does (its text, say), or use backend="threads"')
     return attempt, record.lines

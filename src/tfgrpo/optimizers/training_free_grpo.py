@@ -154,6 +154,8 @@ class TrainingFreeGRPO(Teleprompter):
                 reads, no LM configured, a teacher, or a `max_cost` with no price to count; `RunMismatchError`
                 (a ValueError): `log_dir` holds a run made with other settings.
             RunLockedError: Another compile holds `log_dir`.
+            OSError: The run's record in `log_dir` could not be written (a full disk, say): every reply before it is
+                kept, and the same call resumes once the disk is back.
             MetricError: The metric raised, or returned something other than a score in [0, 1].
             TooManyFailuresError: More than `max_failure_rate` of a step's units (or of a validation) failed.
         """

@@ -92,15 +92,18 @@ def run_json_row(root: Path, opts: dict, share: float) -> dict:
 
 
 def metric_error_row(root: Path, opts: dict) -> dict:
-    """A compile whose metric has a typo: it must stop with a MetricError naming the metric, not learn from 0s."""
+    """A compile whose metric has a typo (it raises on every attempt): it must stop in its first step with an error
+    naming the metric (TooManyFailuresError: each attempt it raised on scores 0, as dspy.Evaluate scores it, and more
+    than max_failure_rate of them stop the step), not learn from 0s."""
     with server() as srv:
         code, result, text, _ = run_child(srv, root / "log", {**opts, "metric": "misspelled"})
         learning = sum(srv.stats()["kinds"][k]["calls"] for k in LEARNING)
     result = result or {}
-    raised = code == STOPPED and result.get("status") == "metric_error" and "misspelled_metric" in result["error"]
+    raised = code == STOPPED and result.get("status") in ("metric_error", "stopped") and \
+        "misspelled_metric" in result["error"]
     return dict(name="metric_error", injected=1, crashes=int(code not in (0, STOPPED)), redone=0, extra=learning,
                 corrupted=corrupted(opts, [result], [root / "log"]), size=size(result), equal=None, output=text,
-                status="raised: MetricError" if raised else f"silent ({result.get('status', 'no result')})")
+                status="raised: the metric's error" if raised else f"silent ({result.get('status', 'no result')})")
 
 
 def outage_row(root: Path, opts: dict) -> dict:

@@ -28,7 +28,7 @@ X = r"[+-]?\d+\.\d+"  # a figure as the benchmarks print them
 COVERED = {"api_run.py", "faults.py", "learning_paths.py", "local_learning.py", "local_math.py", "local_throughput.py",
            "local_web.py", "peers.py", "replay.py", "rule_ceiling.py", "step_latency.py", "worth.py", "ceiling.py",
            "same_run.py", "carry.py", "ray_backend.py", "async_backend.py", "judge_billing.py",
-           "rate_limit.py"}  # each has a test below
+           "rate_limit.py", "library_budget.py"}  # each has a test below
 NOT_BENCHMARKS = {"__init__.py", "common.py", "fault_child.py", "log_dir_checks.py", "stop_rows.py",
                   "trust_rows.py"}  # helpers of the benchmarks
 
@@ -50,6 +50,24 @@ def fake():
 
 def endpoint(server: FakeLMServer) -> list[str]:
     return ["--api-base", server.api_base, "--model", "fake"]
+
+
+def test_library_budget(tmp_path):
+    """At its smallest size: 10 steps of each arm; the capped arm's libraries never pass the budget, and the placed
+    layout's calls are no longer than the whole library's."""
+    lines = run("library_budget.py", "--steps", "10", "--budget", "40", "--held-out", "2", "--plot",
+                str(tmp_path / "p.png"))
+    steps = [re.fullmatch(r"library_budget step=(\d+) arm=(placed|budget) plan=(\d+) solve=(\d+) check=(\d+) "
+                          r"retired=(\d+)", line) for line in lines if " step=" in line]
+    assert len(steps) == 20 and all(steps)
+    assert all(max(int(m.group(i)) for i in (3, 4, 5)) <= 40 for m in steps if m.group(2) == "budget")
+    arms = {m.group(1): m for line in lines if (m := re.fullmatch(
+        r"library_budget arm=(\w+) steps=10 max_tokens=(\d+) retired=(\d+) experiences=(\d+)", line))}
+    assert set(arms) == {"placed", "budget"} and int(arms["budget"].group(2)) <= 40
+    layouts = {(m.group(1), m.group(2)): float(m.group(3)) for line in lines if (m := re.fullmatch(
+        rf"library_budget layout=(placed|everywhere) arm=(placed|budget) prompt_tokens_per_call=({X}) calls=6", line))}
+    assert len(layouts) == 4 and all(layouts["placed", a] <= layouts["everywhere", a] for a in ("placed", "budget"))
+    assert (tmp_path / "p.png").stat().st_size > 0
 
 
 def test_judge_billing():

@@ -103,7 +103,8 @@ def test_the_configs_defaults_are_the_optimizers():
 
 FINGERPRINTED = ["num_generations", "temperature", "num_train_epochs", "batch_size", "seed",
                  "max_operations_per_group", "use_ground_truth", "learning_path", "max_experiences",
-                 "max_words_per_experience", "max_demos", "probe_size", "max_probed_edits", "refit"]
+                 "max_words_per_experience", "max_library_tokens", "duplicate_overlap", "max_demos", "probe_size",
+                 "max_probed_edits", "refit"]
 
 
 def test_the_fingerprint_holds_the_knobs_that_change_what_a_run_computes():
@@ -113,7 +114,8 @@ def test_the_fingerprint_holds_the_knobs_that_change_what_a_run_computes():
     assert list(fingerprinted_knobs(TrainingFreeGRPO(metric)).items()) == [
         ("num_generations", 5), ("temperature", 0.7), ("num_train_epochs", 3), ("batch_size", 50), ("seed", 0),
         ("max_operations_per_group", 2), ("use_ground_truth", True), ("learning_path", "auto"),
-        ("max_experiences", None), ("max_words_per_experience", 32), ("max_demos", 0), ("probe_size", 0),
+        ("max_experiences", None), ("max_words_per_experience", 32), ("max_library_tokens", None),
+        ("duplicate_overlap", 0.7), ("max_demos", 0), ("probe_size", 0),
         ("max_probed_edits", 3), ("refit", "auto")]
 
 

@@ -183,6 +183,36 @@ class WithGenerator(dspy.Module):
         return dspy.Prediction(answer=pred.answer, words=(w for w in pred.answer.split()))
 
 
+class Approach(dspy.Signature):
+    """Say how to work out the sum."""
+
+    question: str = dspy.InputField()
+    approach: str = dspy.OutputField()
+
+
+class Check(dspy.Signature):
+    """Check the answer to the question."""
+
+    question: str = dspy.InputField()
+    answer: int = dspy.InputField()
+    correct: bool = dspy.OutputField()
+
+
+class Pipeline(dspy.Module):
+    """Three predictors, each a step of its own: a plan, a solver (ChainOfThought) and a typed check."""
+
+    def __init__(self):
+        super().__init__()
+        self.plan = dspy.Predict(Approach)
+        self.solve = dspy.ChainOfThought("question, approach -> answer: int")
+        self.check = dspy.Predict(Check)
+
+    def forward(self, question):
+        approach = self.plan(question=question).approach
+        answer = self.solve(question=question, approach=approach).answer
+        return dspy.Prediction(answer=answer, correct=self.check(question=question, answer=answer).correct)
+
+
 def reward(args, pred) -> float:
     return 1.0 if right(pred) else 0.0
 

@@ -317,14 +317,21 @@ def _print_library(state: dict, retired: bool = False, hint: str = "pass --retir
     from tfgrpo.programs.library import injection_like
 
     gone = state.get("retired", [])
-    table = Table(title=f"experience library ({len(state['experiences'])} active, {len(gone)} retired)")
-    for col in ("id", "experience", "step", "sources", "edits"):
+    shown = [(e, "") for e in state["experiences"]] + [(e, " (retired)") for e in gone if retired]
+    title = f"experience library ({len(state['experiences'])} active, {len(gone)} retired)"
+    if not shown:  # (no empty table)
+        console.print(f"{title}: none active" + (f"; {len(gone)} retired experience(s) not shown: {hint}" if gone
+                                                  else ""), markup=False, highlight=False, soft_wrap=True)
+        return
+    placed = any(e.get("predictors") for e, _ in shown)  # (a program of several predictors: where each one goes)
+    table = Table(title=title)
+    for col in ("id", "experience", *(("for",) if placed else ()), "step", "sources", "edits"):
         table.add_column(col, overflow="fold")
     flagged = {e["id"]: words for e in state["experiences"] if (words := injection_like(e["text"]))}
-    shown = [(e, "") for e in state["experiences"]] + [(e, " (retired)") for e in gone if retired]
     for e, mark in shown:
         sources = ", ".join(e["sources"][:4]) + (" ..." if len(e["sources"]) > 4 else "")
         table.add_row(Text(e["id"] + (" (!)" if e["id"] in flagged else "") + mark), Text(e["text"]),
+                      *((Text(", ".join(e.get("predictors") or ["every predictor"])),) if placed else ()),
                       str(e["created_step"]), Text(sources), Text(" > ".join(h["action"] for h in e["history"])))
     console.print(table)
     if gone and not retired:

@@ -18,7 +18,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
                       model_validator)
 
 from tfgrpo.local_model import DEFAULT_SPECULATIVE, SpeculativeMode
-from tfgrpo.local_weights import DEFAULT_MODEL
+from tfgrpo.local_weights import DEFAULT_MODEL, MODELS
 from tfgrpo.optimizers.knobs import KNOBS, Knobs, check_knob
 
 if sys.version_info >= (3, 11):
@@ -28,7 +28,8 @@ else:  # pragma: no cover
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # a misspelled key is an error, not a silent default
+    # a misspelled key is an error, not a silent default; a value of the wrong type ("12" for 12) too
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class LMConfig(_Strict):
@@ -51,6 +52,14 @@ class LMConfig(_Strict):
     parallel: int | None = Field(None, ge=1)  # local only: requests decoded together (llama-server; default: cores/2, at most 4)
     # more settings for dspy.LM, as its keyword arguments: reasoning_effort = "low", extra_body = {...} ([policy.extra])
     extra: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _known_local_model(self):
+        """A local backend's model is one of the embedded models (a dry run refuses what a run would)."""
+        if self.backend == "local" and self.model not in MODELS:
+            raise ValueError(f"model = {self.model!r} is no embedded model (backend = \"local\"): choose one of "
+                             f"{sorted(MODELS)}, or set backend = \"litellm\" (with api_base for a server of your own)")
+        return self
 
     @field_validator("extra")
     @classmethod

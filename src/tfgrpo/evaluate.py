@@ -21,7 +21,7 @@ from tfgrpo.optimizers.runner import Run, Scope
 from tfgrpo.optimizers.spend import metered
 from tfgrpo.optimizers.workers import with_own_lms
 from tfgrpo.optimizers.knobs import Knobs
-from tfgrpo.optimizers.rewards import call_metric
+from tfgrpo.optimizers.rewards import MetricError, call_metric
 
 
 def evaluate_program(program: dspy.Module, examples: list, metric: Callable, *, lm: dspy.BaseLM, num_runs: int = 1,
@@ -40,6 +40,8 @@ def evaluate_program(program: dspy.Module, examples: list, metric: Callable, *, 
     with Run(knobs=Knobs(num_threads=num_threads, progress=progress, backend=backend), metric=metric) as run, \
             Scope(run, stage) as scope:
         attempts = scope.scored(stage, [(candidates[r], examples[i]) for i, r in jobs])
+    if raised := next((a.metric_error for a in attempts if a.metric_error), None):  # (a figure is no place for 0s
+        raise MetricError(raised)  # the metric made up)
     usage = run.record.usage().get(stage, totals([]))
     rows = []
     for (i, r), a in zip(jobs, attempts):

@@ -316,6 +316,13 @@ class RunLockedError(RuntimeError):
         self.holder = holder
 
 
+def _unwritable(folder: Path, exc: OSError) -> OSError:
+    """The error of a log_dir a compile cannot write to (read-only storage, another user's folder), with the fix."""
+    return type(exc)(exc.errno, f"log_dir {folder} cannot be written ({exc.strerror}): a compile keeps its record of LM "
+                                "calls and its finished steps there as it runs. Pass a writable log_dir; to go on from "
+                                "a run stored there, copy the folder somewhere writable and pass the copy")
+
+
 class RunLock:
     """`with RunLock(log_dir):` holds the run directory's lock, or raises `RunLockedError` naming the holder.
     `log_dir=None` locks nothing."""
@@ -326,13 +333,19 @@ class RunLock:
     def __enter__(self) -> "RunLock":
         if self.path is None or fcntl is None:
             return self
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise _unwritable(self.path.parent, exc) from None
         key = str(self.path.resolve())
         with _held_lock:
             if key in _held and _held[key][0] == threading.get_ident():
                 _held[key][1] += 1
                 return self
-            f = open(self.path, "a+", encoding="utf-8")
+            try:
+                f = open(self.path, "a+", encoding="utf-8")
+            except OSError as exc:
+                raise _unwritable(self.path.parent, exc) from None
             try:
                 fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:

@@ -11,14 +11,14 @@ those returns either: a 1.5B reflector otherwise writes the facts it was shown a
 from __future__ import annotations
 
 import logging
-import re
+
 import dspy
 
 from tfgrpo.base.util import clip
 from tfgrpo.optimizers.records import Failed, Group, Lessons, Scored
 from tfgrpo.optimizers.runner import LearningPath, Run, Scope
 from tfgrpo.programs.contrast_learner import ContrastLearner
-from tfgrpo.programs.library import ExperienceLibrary
+from tfgrpo.programs.library import ExperienceLibrary, overlap
 from tfgrpo.programs.render import format_fields, outcome, tool_actions, tool_observations
 from tfgrpo.signatures.operations import Operation
 
@@ -26,8 +26,6 @@ logger = logging.getLogger(__name__)
 
 
 REDUNDANT_OVERLAP = 0.5  # Jaccard overlap of content words above which two experiences say the same thing
-_STOP = {"a", "an", "the", "to", "of", "and", "or", "in", "on", "for", "with", "by", "is", "are", "be", "it", "its",
-         "each", "every", "all", "any", "that", "this", "when", "then", "as", "at", "from", "into", "if", "use"}
 
 
 def contrast_pairs(rewards: list[float], max_pairs: int) -> list[tuple[int, int]]:
@@ -40,12 +38,6 @@ def contrast_pairs(rewards: list[float], max_pairs: int) -> list[tuple[int, int]
             break
         pairs.append((b, w))
     return pairs
-
-
-def overlap(a: str, b: str) -> float:
-    """Jaccard overlap of the content words of two texts."""
-    wa, wb = ({w for w in re.findall(r"[a-z0-9]+", t.lower()) if w not in _STOP} for t in (a, b))
-    return len(wa & wb) / len(wa | wb) if wa | wb else 1.0
 
 
 def fold(existing: list[str], proposals: list[Operation]) -> tuple[list[Operation], int]:
@@ -105,7 +97,7 @@ class ContrastPath(LearningPath):
             def call():
                 with dspy.context(lm=run.reflection_lm):
                     return learner(task=task, better_attempt=self._shown(better), worse_attempt=self._shown(worse),
-                                   library=library, allowed=run.instructions, seen=seen)
+                                   library=library, allowed=run.instructions, seen=seen, roles=run.roles or None)
             return call
 
         pairs = contrast_pairs(group.rewards, knobs.max_operations_per_group)
@@ -128,7 +120,7 @@ class ContrastPath(LearningPath):
                 if rec["refused"]:
                     logger.warning("Refused a rule from query %s: %s (%r)", group.index, rec["refused"], rec["rule"][:80])
                 if rec["operation"]:
-                    proposals.append((group.key, Operation.model_validate(rec["operation"])))
+                    proposals.append((group.key, rec["operation"]))
         plan, counts["redundant"] = fold(library.texts(), [op for _, op in proposals])
         return Lessons(plan=plan, proposals=proposals, learning_failures=failures, operations_proposed=proposed,
                        details=counts, consolidation=f"folded in code: {len(plan)} of {len(proposals)} kept")

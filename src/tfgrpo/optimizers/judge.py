@@ -293,14 +293,15 @@ def probe_edits(run: Run, scope: Scope, state: State, step: int, groups: list[Gr
                                          best_demos(demos, knobs.max_demos - 1, "gain") + [c.demo]))
         else:
             trial = library.copy()
-            trial.apply(list(c.operations), step=step, quiet=True)  # said once, as it was proposed
+            # (its refusals said once, as it was proposed)
+            trial.apply(list(c.operations), step=step, quiet=True, fold_at=knobs.duplicate_overlap)
             programs.append(with_learned(run.program, run.targets, trial, demos))
     seed = rollout_id(knobs.seed, step, "probe")
     runnable = [with_own_lms(p, rollout_id=seed, temperature=knobs.temperature) for p in programs]
     queries = probe_queries(len(run.trainset), [g.index for g in groups], knobs.probe_size, seed=knobs.seed, step=step)
     # the current program's attempt on a probe query keeps the rollout ID of the step that first probed it there, so
     # that a later step whose program has not changed gets the same attempt back (its calls answered by the record)
-    current = digest([[e.model_dump() for e in library.active.values()], [d.to_record() for d in demos]])
+    current = digest([[e.dump() for e in library.active.values()], [d.to_record() for d in demos]])
     first = state.probed.get(current, {})
     earlier = {s: with_own_lms(programs[0], rollout_id=rollout_id(knobs.seed, s, "probe"), temperature=knobs.temperature)
                for s in set(first.values())}
@@ -308,7 +309,7 @@ def probe_edits(run: Run, scope: Scope, state: State, step: int, groups: list[Gr
     def program_of(p: int, qi: int) -> dspy.Module:
         return earlier[first[str(qi)]] if p == 0 and str(qi) in first else runnable[p]
     probe = Probe(candidates, list(queries)).run(scope, program_of, run.trainset)
-    probed = {str(qi): step for (p, qi), a in probe.found.items() if p == 0 and not a.error and not a.timeout
+    probed = {str(qi): step for (p, qi), a in probe.found.items() if p == 0 and not a.error and not a.metric_failed
               and str(qi) not in first}
     kept_ops = [op for c, k in zip(candidates, probe.kept) if k for op in c.operations]
     best = next((i for i, (c, k) in enumerate(zip(candidates, probe.kept))  # a demo is shown solving its query
@@ -337,7 +338,8 @@ def _candidates(knobs: Knobs, state: State, step: int, groups: list[Group], plan
     for op in plan:
         if len(candidates) >= knobs.max_probed_edits:
             break
-        if library.copy().apply([op], step=step).num_applied:  # one the library refuses is not worth a probe
+        if library.copy().apply([op], step=step, fold_at=knobs.duplicate_overlap).num_applied:  # one the library
+            # refuses, or folds into an experience that says the same, is not worth a probe
             candidates.append(Candidate(label=f"{op.action} {op.ids or ''} {op.text[:60]!r}", operations=(op,)))
     if library.active and len(candidates) < knobs.max_probed_edits:  # a spare slot: must a current experience stay?
         target = list(library.active)[step % len(library.active)]  # each in turn

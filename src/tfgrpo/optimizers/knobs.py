@@ -88,15 +88,17 @@ def knob(default: Any, check: Check, doc: str, *, fingerprinted: bool = False) -
 # up to 2 of the model's own winning attempts as demos, every edit probed on 8 other training queries, and the run
 # ending where a probe could not tell edits apart or nothing is left to learn. "medium" and "heavy" are the same settings
 # with larger budgets. "paper" is the paper's setting for capable models, its budget the paper's run (3 epochs of 100
-# queries x 5 attempts). The figures behind each are in benchmarks/measurements.md.
+# queries x 5 attempts). Each caps what a predictor's library may hold in tokens: the small-model presets at 512 (the 1.5B's
+# context of 8,192 holds its demos and the task beside it), the paper's at an eighth of the model's context window.
+# The figures behind each are in benchmarks/measurements.md.
 SMALL_MODEL = dict(num_generations=4, batch_size=4, max_operations_per_group=1, max_demos=2, probe_size=8,
                    probe_min_power=0.4, stop_when_nothing_to_learn=True)
 PRESETS = {
-    "light": dict(SMALL_MODEL, num_train_epochs=1, max_metric_calls=150),
-    "medium": dict(SMALL_MODEL, num_train_epochs=3, max_metric_calls=300),
-    "heavy": dict(SMALL_MODEL, num_train_epochs=5, max_metric_calls=800),
+    "light": dict(SMALL_MODEL, num_train_epochs=1, max_metric_calls=150, max_library_tokens=512),
+    "medium": dict(SMALL_MODEL, num_train_epochs=3, max_metric_calls=300, max_library_tokens=512),
+    "heavy": dict(SMALL_MODEL, num_train_epochs=5, max_metric_calls=800, max_library_tokens=512),
     "paper": dict(num_generations=5, batch_size=50, num_train_epochs=3, max_operations_per_group=2, max_demos=0,
-                  probe_size=0, stop_when_nothing_to_learn=False, max_metric_calls=2000),
+                  probe_size=0, stop_when_nothing_to_learn=False, max_metric_calls=2000, max_library_tokens="auto"),
 }
 MEASURED = {"light": "Qwen2.5-Coder-1.5B (Q4, llama.cpp)", "paper": "DeepSeek-V3.1 (by the paper)"}
 SMALL_PRESET_B = 2  # auto="auto" takes "light" for reflection models of at most this size: the size it was measured at
@@ -157,6 +159,20 @@ class Knobs:
         "Cap on the library's size; None for no cap."))
     max_words_per_experience: int = knob(32, integer(4), fingerprinted=True, doc=(
         "Experiences longer than this are refused (at least 4)."))
+    max_library_tokens: int | str | None = knob(None, Check(
+        lambda v: v is None or v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 16),
+        "None, \"auto\" or an integer >= 16"), fingerprinted=True, doc=(
+        "The most tokens of experiences each predictor carries in its instructions, counted with the policy model's "
+        "own tokenizer where it is known (the embedded model's, from its server; an OpenAI model's, by LiteLLM), else "
+        "estimated (plan() says which). After each step, what passes it retires, the experience left unedited longest "
+        "first, each retirement in the step's record (`details[\"retired\"]`); the paper's consolidation is asked to "
+        "merge or delete first where the step's proposals would pass it. \"auto\": an eighth of the policy model's context window where it is known, else no cap. plan() "
+        "refuses a budget with which the longest prompt would not fit the context window. None: no cap."))
+    duplicate_overlap: float | None = knob(0.7, optional(number(0, 1)), fingerprinted=True, doc=(
+        "A new experience whose content words overlap an existing one's by this share or more (Jaccard) says the "
+        "same: it is folded into the existing one, its sources and predictors joining the existing one's, instead of "
+        "added; "
+        "counted under the step's `details[\"folded\"]`. None: only an exact duplicate is refused."))
     target_predictors: list[str] | None = knob(None, optional(PREDICTOR_NAMES), doc=(
         "Names of the predictors that get the library; None for all."))
     max_demos: int = knob(0, integer(0), fingerprinted=True, doc=(
@@ -231,7 +247,7 @@ class Knobs:
         "When more than this share of a step's attempts, summaries or group advantages, or of an epoch's "
         "validation runs, fail, the run stops with `TooManyFailuresError` and the step is not done; a resume "
         "makes the failed ones again (what was answered comes back from the record). A failure is an LM call that failed, a program or tool that raised, a metric "
-        "call that timed out; a reply that came back but did not parse is the program's own 0, not a failure."))
+        "call that timed out or raised; a reply that came back but did not parse is the program's own 0, not a failure."))
     metric_timeout_s: float | None = knob(None, optional(positive("a number of seconds > 0")), doc=(
         "Seconds one metric call may take: a call still running then (a judge LM that hangs, a sandbox that never "
         "returns) is abandoned and scores 0, counted as a failure: said in a warning, under "

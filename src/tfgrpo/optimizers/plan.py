@@ -25,20 +25,21 @@ import inspect
 import logging
 import statistics
 from dataclasses import dataclass, field
+from typing import Callable
 
 import dspy
 from dspy.adapters.chat_adapter import ChatAdapter
 
 from tfgrpo.base.util import digest
 from tfgrpo.optimizers.checkpoint import Checkpoint, code_fingerprint, prompt_versions
-from tfgrpo.optimizers.spend import metered, model_price
+from tfgrpo.optimizers.spend import context_window, metered, model_price, token_counter
 from tfgrpo.optimizers.workers import fixed_temperature, run_program
 from tfgrpo.optimizers.judge import carried_demos
 from tfgrpo.optimizers.record import role
 from tfgrpo.optimizers.knobs import Knobs, fingerprinted_knobs, resolve
 from tfgrpo.optimizers.records import Demo
 from tfgrpo.optimizers.rewards import score_attempt
-from tfgrpo.programs.inject import PROVENANCE_KEY, resolve_targets, starting_library
+from tfgrpo.programs.inject import NO_PREDICTORS, PROVENANCE_KEY, predictor_roles, resolve_targets, starting_library
 from tfgrpo.programs.learning import AdvantageExtractor, Consolidator, Summarizer
 from tfgrpo.programs.library import ExperienceLibrary
 
@@ -72,6 +73,7 @@ class Plan:
         resume: What `log_dir` holds of the run a compile goes on from: its finished `steps` (reused whole) and the LM
             `calls` its record holds (a request asked again is answered from it); 0 and 0 for a new run.
         notes: What the checks found worth a word (duplicates, a valset that overlaps the trainset, ...).
+        library_tokens: `max_library_tokens` resolved: the tokens of experiences a predictor may carry (None: no cap).
     """
 
     knobs: Knobs
@@ -91,6 +93,9 @@ class Plan:
     demos: list[Demo] = field(default_factory=list, repr=False)  # the demos the student carries (with max_demos)
     refit: bool = False  # the carried items are measured on this run's model before the steps (`refit`)
     carried: dict = field(default_factory=dict, repr=False)  # the student's saved provenance: where it learned
+    library_tokens: int | None = None
+    count_tokens: Callable[[str], int] | None = field(default=None, repr=False)  # how `library_tokens` are counted
+    roles: dict[str, str] = field(default_factory=dict, repr=False)  # several targets: what each does (`Run.roles`)
 
     def summary(self) -> str:
         """The plan in a few lines, as the run starts and the dry run print it."""
@@ -200,6 +205,7 @@ def make_plan(optimizer, student: dspy.Module, trainset: list, valset: list | No
     if not hasattr(type(program), "forward") and not hasattr(type(program), "aforward"):
         raise TypeError(f"{type(program).__name__} defines neither forward() nor aforward(): a dspy.Module runs one of "
                         "them on each example")
+    library_tokens, count_tokens = library_budget(knobs, program, targets, trainset, lms["policy"][0], notes)
     fingerprint = make_fingerprint(knobs, program, targets, trainset, valset, library, demos, lms, optimizer.metric)
     saved = Checkpoint(knobs.log_dir).check(fingerprint, other_versions=knobs.resume_other_versions,
                                             quiet=say)  # as compile (whose start says what it reuses)
@@ -220,7 +226,49 @@ def make_plan(optimizer, student: dspy.Module, trainset: list, valset: list | No
                 turns=_turns(program),
                 expected=expected, bound=bound, budget=budget, resume=saved, notes=notes,
                 fingerprint=fingerprint, targets=targets, library=library, demos=demos, refit=refit,
-                carried=carried)
+                carried=carried, library_tokens=library_tokens, count_tokens=count_tokens,
+                roles=predictor_roles(program, targets) if len(targets) > 1 else {})
+
+
+def library_budget(knobs: Knobs, program: dspy.Module, targets: list[str], trainset: list, lm: dspy.BaseLM,
+                   notes: list[str]) -> tuple[int | None, Callable[[str], int] | None]:
+    """`max_library_tokens` as the run uses it (None: no cap), and how its tokens are counted (`token_counter`); a
+    note says both. "auto" takes an eighth of the policy model's context window (no cap where it is not known). A
+    budget with which the longest prompt would not fit the window is refused: a target predictor's instructions and
+    fields with the longest training input, the budget's experiences, `max_demos` demos as long, and a reply at the
+    `max_tokens` cap (a tool loop's trajectory comes on top of that)."""
+    if knobs.max_library_tokens is None:
+        return None, None
+    count, basis = token_counter(lm)
+    window, budget = context_window(lm), knobs.max_library_tokens
+    if budget == "auto" and window is None:
+        notes.append(f"max_library_tokens='auto': the context window of {lm.model!r} is not known (neither its server "
+                     "nor LiteLLM's model map says it), so the libraries have no cap; pass a number of tokens")
+        return None, None
+    budget = window // 8 if budget == "auto" else budget
+    fit = ""
+    if window is not None:
+        cap = lm.kwargs.get("max_tokens") or lm.kwargs.get("max_completion_tokens") or 1024
+        longest = max(trainset, key=lambda x: len(str(x.inputs().toDict())))
+        prompts, inputs = {}, count(str(longest.inputs().toDict()))
+        for name, predictor in program.named_predictors():
+            if name in targets:
+                sig = predictor.signature
+                messages = ChatAdapter().format(sig, demos=[], inputs={k: dict(longest).get(k, "")
+                                                                      for k in sig.input_fields})
+                prompts[name] = count("\n".join(str(m["content"]) for m in messages))
+        name = max(prompts, key=prompts.get)
+        need = prompts[name] + budget + knobs.max_demos * (inputs + cap) + cap
+        if need > window:
+            raise ValueError(
+                f"max_library_tokens={budget}: the longest prompt would not fit the context window of {lm.model!r} "
+                f"({window:,} tokens): predictor {name!r} with the longest training input takes {prompts[name]:,}, "
+                f"the library up to {budget:,}, {knobs.max_demos} demo(s) up to {knobs.max_demos * (inputs + cap):,} "
+                f"and the reply up to {cap:,}, {need:,} in all. Pass a smaller max_library_tokens, fewer max_demos or "
+                "a smaller max_tokens, or give the model a larger context")
+        fit = f"; the longest prompt up to {need:,} of the context window's {window:,}"
+    notes.append(f"library: at most {budget:,} tokens of experiences per predictor, counted by {basis}{fit}")
+    return budget, count
 
 
 # -- checks -----------------------------------------------------------------------------------------------------------
@@ -311,7 +359,7 @@ def _lms(optimizer, program: dspy.Module) -> dict:
             raise ValueError(f"predictor {name!r} has no LM: call dspy.configure(lm=dspy.LM(...)) or set one on it")
         policy[id(lm)] = lm
     if not policy:
-        raise ValueError("the program has no predictors (dspy.Predict or subclasses) to carry experiences")
+        raise ValueError(NO_PREDICTORS)
     reflection = optimizer.reflection_lm or dspy.settings.lm or next(iter(policy.values()))
     return {"policy": list(policy.values()), "reflection": reflection}
 

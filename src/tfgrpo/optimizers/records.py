@@ -51,21 +51,28 @@ class Attempt:
 class Scored(Attempt):
     """An attempt with its score: the reward in [0, 1] (None for an attempt that got no answer, never scored), what
     the metric said of it (`feedback`, cut to `render.MAX_FEEDBACK_CHARS`; `feedback_chars`: its length before, when
-    it was cut), `timeout` when the metric call timed out (scored 0), and which of its query's G attempts
-    it is (`g`)."""
+    it was cut), `timeout` when the metric call timed out and `metric_error` when the metric raised on it (scored 0
+    either way, as `dspy.Evaluate` scores it with its failure score), and which of its query's G attempts it is
+    (`g`)."""
 
     reward: float | None = None
     feedback: str = ""
     timeout: str | None = None
     feedback_chars: int | None = None
     g: int = 0
+    metric_error: str | None = None
+
+    @property
+    def metric_failed(self) -> str | None:
+        """Why the metric gave this attempt no score of its own (it timed out, or raised), or None."""
+        return self.timeout or self.metric_error
 
     @classmethod
     def of(cls, attempt: Attempt, score: dict, g: int = 0) -> Scored:
-        """`attempt` with a score: its "reward", "feedback", "timeout" and "feedback_chars"."""
+        """`attempt` with a score: its "reward", "feedback", "timeout", "metric_error" and "feedback_chars"."""
         return cls(**{f.name: getattr(attempt, f.name) for f in fields(Attempt)}, reward=score.get("reward"),
                    feedback=score.get("feedback", ""), timeout=score.get("timeout"),
-                   feedback_chars=score.get("feedback_chars"), g=g)
+                   feedback_chars=score.get("feedback_chars"), g=g, metric_error=score.get("metric_error"))
 
 
 @dataclass(frozen=True)

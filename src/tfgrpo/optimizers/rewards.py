@@ -100,7 +100,8 @@ def _within(timeout_s: float, metric: Callable, args: tuple, where: str) -> Any:
 def score_attempt(metric: Callable, example: dspy.Example, attempt: Attempt, timeout_s: float | None = None,
                   g: int = 0) -> Scored:
     """The attempt with its reward and feedback; an attempt that raised scores 0 without asking the metric. A metric
-    call that times out (`timeout_s`) scores 0 too, with the timeout under `timeout`. A
+    call that times out (`timeout_s`) scores 0 too, with the timeout under `timeout`, and so does one that raises,
+    its error under `metric_error` (a metric that returns what is no reward raises `MetricError`). A
     feedback longer than `MAX_FEEDBACK_CHARS` is cut to it (head and tail kept), its length before in
     `feedback_chars`: every learning call reads it."""
     if attempt.error or attempt.outputs is None:
@@ -111,13 +112,17 @@ def score_attempt(metric: Callable, example: dspy.Example, attempt: Attempt, tim
         return Scored.of(attempt, {"reward": 0.0, "feedback": "the metric timed out on this attempt",
                                    "timeout": str(exc)}, g)
     except MetricError as exc:
-        if not attempt.bare:
+        if attempt.bare:  # a program that returned no Prediction (dspy.BestOfN's None when every try failed): a
+            # metric that cannot read it scores it 0, as dspy.Evaluate's failure_score does
+            returned = attempt.outputs["returned"]
+            return Scored.of(attempt, {"reward": 0.0, "feedback": f"the program returned {returned!r} and the metric "
+                                                                  f"raised on it: {exc.__cause__ or exc}"}, g)
+        if exc.__cause__ is None:  # it returned what no reward is: a bug of the metric's, the same on every attempt
             raise
-        # a program that returned no Prediction (dspy.BestOfN's None when every try failed): a metric that cannot
-        # read it scores it 0, as dspy.Evaluate's failure_score does
-        returned = attempt.outputs["returned"]
-        return Scored.of(attempt, {"reward": 0.0, "feedback": f"the program returned {returned!r} and the metric "
-                                                              f"raised on it: {exc.__cause__ or exc}"}, g)
+        # it raised on this attempt: scored 0 as dspy.Evaluate scores it (its failure_score) and counted; more than
+        # max_failure_rate of a step's attempts stops the step, naming the first
+        return Scored.of(attempt, {"reward": 0.0, "feedback": "the metric raised on this attempt",
+                                   "metric_error": str(exc)}, g)
     if len(feedback) > MAX_FEEDBACK_CHARS:
         return Scored.of(attempt, {"reward": score, "feedback": clip(feedback, MAX_FEEDBACK_CHARS),
                                    "feedback_chars": len(feedback)}, g)

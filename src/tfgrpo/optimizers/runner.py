@@ -85,6 +85,10 @@ class Run:
     targets: list[str] = field(default_factory=list)
     trainset: list = field(default_factory=list)
     instructions: str = ""  # the program's own instructions (what a rule may repeat)
+    roles: dict[str, str] = field(default_factory=dict)  # several target predictors: each one's name and what it does
+    # (the learning calls are told them and place each experience on some); one: empty, and nothing is placed
+    library_tokens: int | None = None  # `max_library_tokens` as plan() resolved it (None: no cap)
+    count_tokens: Callable[[str], int] | None = None  # the policy model's tokens in a text, as plan() counts them
 
     def __post_init__(self):
         install()  # (once per process: every LM call of a unit leaves through its run's record)
@@ -111,11 +115,13 @@ class State:
     step: int = 0
     probed: dict[str, dict[str, int]] = field(default_factory=dict)
 
-    def apply(self, verdict: Verdict, sources: list[str], *, quiet: bool = False) -> tuple[State, ApplyReport]:
+    def apply(self, verdict: Verdict, sources: list[str], *, quiet: bool = False, fold_at: float | None = None
+              ) -> tuple[State, ApplyReport]:
         """The state after a step: the verdict's operations validated and applied in code, all or nothing per operation,
-        to a copy of the library (`sources`: the queries they came from; `quiet`: a probe said its refusals already)."""
+        to a copy of the library (`sources`: the queries they came from; `quiet`: a probe said its refusals already;
+        `fold_at`: `duplicate_overlap`)."""
         library = self.library.copy()
-        report = library.apply(verdict.plan, step=self.step, sources=sources, quiet=quiet)
+        report = library.apply(verdict.plan, step=self.step, sources=sources, quiet=quiet, fold_at=fold_at)
         probed = {program: {**verdict.probed.get(program, {}), **self.probed.get(program, {})}
                   for program in {*self.probed, *verdict.probed}}  # (a query's first step stays)
         return State(library=library, demos=verdict.demos, pending=verdict.found, step=self.step + 1,
@@ -192,7 +198,7 @@ class Scope:
         self._go_on()
         with dspy.context(**self.tag(stage)):
             value = fn(item)
-        self._ended(stage)
+        self._ended(stage, value.metric_failed if isinstance(value, Scored) else None)  # (a metric that failed)
         return value
 
     def each(self, fn: Callable[[Any], Any], items: list) -> list:
@@ -251,7 +257,7 @@ class Scope:
 
     def _too_many(self, stage: str) -> None:
         counted = self.failures[stage]
-        units = "attempts" if role(stage) == "policy" else f"{stage} calls"
+        units = {"policy": "attempts", "metric": "metric calls"}.get(role(stage), f"{stage} calls")
         where = str(self.run.store.root) if self.run.store.root is not None else None
         raise TooManyFailuresError(f"{self.name}: {len(counted.errors)} of {max(counted.units, self.expected.get(stage, 0))}"
                                    f" {units} failed (first: {counted.errors[0]}); every reply so far is kept in "
@@ -301,7 +307,7 @@ class Scope:
     def _said(self, stage: str, attempt: Attempt) -> None:
         self._say_clipped("attempt", attempt.text_chars)
         # (a reply that came back and did not parse is the program's own 0, no outage)
-        self._ended(stage, None if attempt.unparsed else attempt.error or getattr(attempt, "timeout", None))
+        self._ended(stage, None if attempt.unparsed else attempt.error or getattr(attempt, "metric_failed", None))
 
     def score(self, attempt: Attempt, example: dspy.Example, g: int = 0) -> Scored:
         """The metric on an attempt against `example` (the ground truth, or its group's majority answer), under the

@@ -1,6 +1,7 @@
-"""What LM calls cost, and how fast they may be sent: a model's price (`model_price`), a meter of the calls made
-outside a compile's record (`metered`: a plan's pilot, an evaluation) and the pacer that keeps a provider's
-requests-per-minute limit (`RequestPacer`). A compile's own calls are priced and charged by its record (record.py).
+"""What LM calls cost, and how fast they may be sent: a model's price (`model_price`), its tokens and context window
+(`token_counter`, `context_window`), a meter of the calls made outside a compile's record (`metered`: a plan's pilot,
+an evaluation) and the pacer that keeps a provider's requests-per-minute limit (`RequestPacer`). A compile's own calls
+are priced and charged by its record (record.py).
 
 Calls and tokens of a meter come from DSPy's usage-tracker hook, which every call that reaches the provider reports to
 (replies from DSPy's cache are not counted); dollars are tokens times the model's price (DSPy's copy of LiteLLM's price
@@ -12,10 +13,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import contextvars
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import dspy
 import pydantic
@@ -45,6 +47,71 @@ def model_price(model: str, prices: dict | None = None) -> dict[str, float] | No
     if found["input"] is None or found["output"] is None:
         return None
     return {**found, "cached_input": found["cached_input"] if found["cached_input"] is not None else found["input"]}
+
+
+ESTIMATE = "an estimate (LiteLLM's default tokenizer, not the model's own)"
+
+
+def token_counter(lm: Any) -> tuple[Callable[[str], int], str]:
+    """How to count `lm`'s tokens in a text, and what that count is: the model's own tokenizer where it is known (a
+    llama.cpp server's, the embedded model's among them, by its `/tokenize`; an OpenAI model's, by LiteLLM), else an
+    estimate (`ESTIMATE`)."""
+    model, base = str(getattr(lm, "model", "")), (getattr(lm, "kwargs", None) or {}).get("api_base")
+    if base and _server_json(base, "/tokenize", {"content": "a"}) is not None:
+        return functools.partial(_server_tokens, base), f"the model's own tokenizer ({model}'s server)"
+    own = (_model_info(model) or {}).get("litellm_provider") in ("openai", "azure")
+    return functools.partial(_litellm_tokens, model), f"{model}'s own tokenizer (LiteLLM)" if own else ESTIMATE
+
+
+def context_window(lm: Any) -> int | None:
+    """The most tokens a prompt of `lm` may hold, where it is known: what a llama.cpp server (the embedded model's)
+    was started with, else LiteLLM's model map; None where neither knows."""
+    base = (getattr(lm, "kwargs", None) or {}).get("api_base")
+    props = _server_json(base, "/props") if base else None
+    if isinstance(props, dict) and isinstance(n := (props.get("default_generation_settings") or {}).get("n_ctx"), int):
+        return n
+    info = _model_info(str(getattr(lm, "model", ""))) or {}
+    return info.get("max_input_tokens") or info.get("max_tokens")
+
+
+def _model_info(model: str) -> dict | None:
+    """LiteLLM's model map's entry for `model`, or None where it has none (said quietly: LiteLLM prints its list of
+    providers for a model it does not know)."""
+    import litellm
+
+    quiet, litellm.suppress_debug_info = litellm.suppress_debug_info, True
+    try:
+        return litellm.get_model_info(model)
+    except Exception:  # noqa: BLE001 - a model LiteLLM does not know
+        return None
+    finally:
+        litellm.suppress_debug_info = quiet
+
+
+def _server_json(base: str, path: str, body: dict | None = None) -> Any:
+    """A llama.cpp server's answer at `path` (beside its OpenAI API at `base`), or None where none answers."""
+    import json
+    import urllib.request
+
+    root = base.rstrip("/").removesuffix("/v1")
+    request = urllib.request.Request(root + path, data=json.dumps(body).encode() if body is not None else None,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as reply:
+            return json.loads(reply.read())
+    except Exception:  # noqa: BLE001 - not a llama.cpp server, or none at all
+        return None
+
+
+def _server_tokens(base: str, text: str) -> int:
+    found = _server_json(base, "/tokenize", {"content": text})
+    return len(found["tokens"]) if isinstance(found, dict) else _litellm_tokens("", text)
+
+
+def _litellm_tokens(model: str, text: str) -> int:
+    import litellm
+
+    return litellm.token_counter(model=model or "gpt-4o", text=text) if text else 0
 
 
 class UsageMeter(UsageTracker):

@@ -48,7 +48,7 @@ from tfgrpo.programs.inject import with_learned
 from tfgrpo.programs.learning import AdvantageExtractor, Consolidator, Summarizer
 from tfgrpo.programs.library import ApplyReport, ExperienceLibrary
 from tfgrpo.programs.render import format_fields, outcome, query_key
-from tfgrpo.signatures.operations import Operation
+from tfgrpo.signatures.operations import EVERY, Operation
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,8 @@ def step(run: Run, state: State, epoch: int, batch: list[int]) -> tuple[State, S
                         index, knobs.num_generations // 2)
             results = [(group, None) for group in first.values()]
         else:  # 1. each query's group, straight through its stages
-            scope.expect("rollout", len(batch) * (knobs.num_generations - knobs.num_generations // 2 * bool(first)))
+            for stage in ("rollout", "reward"):  # (past max_failure_rate of either, the step stops at once)
+                scope.expect(stage, len(batch) * (knobs.num_generations - knobs.num_generations // 2 * bool(first)))
             results = scope.each(lambda qi: _group(run, scope, state, programs, qi, knobs.num_generations,
                                                    first.get(qi), learn=not waits), batch)
         scope.check("rollout")  # 2. every unit of each stage has run: its failure check
@@ -90,11 +91,16 @@ def step(run: Run, state: State, epoch: int, batch: list[int]) -> tuple[State, S
         seconds = {**{s: t - t0 for s, t in scope.finished.items()}, "learning": time.time() - t0}
         verdict = judge(run, scope, state, index, groups, lessons)  # 4. what the step keeps
     sources = sorted({q for q, _ in lessons.proposals})
-    new, report = state.apply(verdict, sources, quiet=bool(knobs.probe_size))  # 5. applied, and recorded
+    new, report = state.apply(verdict, sources, quiet=bool(knobs.probe_size),  # 5. applied, and recorded
+                              fold_at=knobs.duplicate_overlap)
+    retired = new.library.fit(run.library_tokens, run.count_tokens, run.targets, step=index) \
+        if run.library_tokens else []  # (what passes max_library_tokens, on the new state's own copy)
+    for r in retired:
+        logger.info("Step %d: %s retired from %s", index, r["id"], r["reason"])
     stages = ("rollout", *run.path.stages, *(("probe",) if verdict.record else ()))
     usage = {**{s: totals([]) for s in stages}, **run.record.usage(scope=name)}
     stats = _record(run, new, epoch, groups=groups, lessons=lessons, verdict=verdict, report=report, usage=usage,
-                    before=run.record.usage(scope=name, new=False), seconds=seconds, t0=t0)
+                    before=run.record.usage(scope=name, new=False), seconds=seconds, t0=t0, retired=retired)
     logger.info("Step %d: %d operations proposed, applied %s, %d refused by the library; library has %d experiences",
                 index, stats.operations_proposed, report.applied, len(report.rejected), len(new.library))
     run.record.sync()  # (the step's calls on disk before its record says it is finished)
@@ -140,7 +146,8 @@ def _first_look(run: Run, scope: Scope, state: State, programs: list, batch: lis
     """The first look (`probe_min_power`): the first half of each query's attempts, checked as the rollout is; the
     groups by query."""
     half = run.knobs.num_generations // 2
-    scope.expect("rollout", len(batch) * half)
+    for stage in ("rollout", "reward"):
+        scope.expect(stage, len(batch) * half)
     results = scope.each(lambda qi: _group(run, scope, state, programs, qi, half, learn=False), batch)
     scope.check("rollout")
     return {group.index: group for group, _ in results}
@@ -157,17 +164,18 @@ def _rollout_programs(run: Run, state: State) -> list[dspy.Module]:
 
 
 def _check_attempts(run: Run, scope: Scope, index: int, groups: list[Group]) -> None:
-    """Say what the step's attempts met: metric calls that timed out (each scored 0; more than `max_failure_rate` of
-    them stop the step, as an outage does), attempts that raised (scored 0), LM calls that failed (left out) and
-    prompts refused for their length."""
+    """Say what the step's attempts met: metric calls that timed out or raised (each scored 0; more than
+    `max_failure_rate` of them stop the step, as an outage does), attempts that raised (scored 0), LM calls that
+    failed (left out) and prompts refused for their length."""
     scored = sum(len(g.attempts) for g in groups)
-    timeouts = [a.timeout for g in groups for a in g.attempts if a.timeout]
-    if timeouts and len(timeouts) > run.knobs.max_failure_rate * scored:
-        raise TooManyFailuresError(f"step {index}: the metric timed out on {len(timeouts)} of {scored} attempts (first: "
-                                   f"{timeouts[0]}); every reply so far is kept in log_dir={run.knobs.log_dir!r}")
-    if timeouts:
-        logger.warning("Step %d: the metric timed out on %d of %d attempts, each scored 0 (first: %s)", index,
-                       len(timeouts), scored, timeouts[0])
+    failed = [a.metric_failed for g in groups for a in g.attempts if a.metric_failed]
+    if failed and len(failed) > run.knobs.max_failure_rate * scored:
+        raise TooManyFailuresError(f"step {index}: the metric failed (timed out or raised) on {len(failed)} of {scored} "
+                                   f"attempts (first: {failed[0]}); every reply so far is kept in "
+                                   f"log_dir={run.knobs.log_dir!r}")
+    if failed:
+        logger.warning("Step %d: the metric failed (timed out or raised) on %d of %d attempts, each scored 0 (first: "
+                       "%s)", index, len(failed), scored, failed[0])
     raised = [a.error for g in groups for a in g.attempts if a.error]
     if raised:
         logger.warning("Step %d: %d of %d attempts raised, each scored 0 as the program's own answer (for instance "
@@ -187,12 +195,19 @@ def _check_attempts(run: Run, scope: Scope, index: int, groups: list[Group]) -> 
 
 
 def _record(run: Run, new: State, epoch: int, *, groups: list[Group], lessons: Lessons, verdict: Verdict,
-            report: ApplyReport, usage: dict, before: dict, seconds: dict, t0: float) -> StepResult:
-    """The record of the step that made `new`: what it made (its groups, lessons, verdict and the library's report of
-    the edits) and spent (`usage` by stage, `before`: of it, what a run stopped in the step had spent; when each stage
-    ended, `t0`: when the step began)."""
+            report: ApplyReport, usage: dict, before: dict, seconds: dict, t0: float, retired: list[dict]
+            ) -> StepResult:
+    """The record of the step that made `new`: what it made (its groups, lessons, verdict, the library's report of
+    the edits and what `max_library_tokens` retired) and spent (`usage` by stage, `before`: of it, what a run stopped in
+    the step had spent; when each stage ended, `t0`: when the step began)."""
+    # where the plan's experiences go: some predictors, every one ("all"), or every one as it named none of them
+    placed = ["all" if EVERY in op.predictors else "some" if op.predictors else "none named"
+              for op in verdict.plan if hasattr(op, "predictors")]
+    library = {**({"folded": [{"text": op.text, "into": into} for op, into in report.folded]} if report.folded else {}),
+               **({"retired": retired} if retired else {}),
+               **({"placed": {k: placed.count(k) for k in ("some", "all", "none named")}} if placed else {})}
     attempts, informative = [a for g in groups for a in g.attempts], [g for g in groups if g.informative]
-    timeouts = [a for a in attempts if a.timeout]
+    timeouts, raised = [a for a in attempts if a.timeout], [a for a in attempts if a.metric_error]
     made_attempts = sum(g.size for g in groups)
     return StepResult(
         step=new.step - 1, epoch=epoch, batch_size=len(groups), learning_path=run.path_name,
@@ -210,7 +225,8 @@ def _record(run: Run, new: State, epoch: int, *, groups: list[Group], lessons: L
         metric_calls=len(attempts) + (verdict.record or {}).get("attempts_run", 0),
         demos=[d.query for d in verdict.demos], probe=verdict.record, queries=[g.index for g in groups],
         usage_before_resume=before,
-        details={**lessons.details, **({"metric_timeouts": len(timeouts)} if timeouts else {})})
+        details={**lessons.details, **({"metric_timeouts": len(timeouts)} if timeouts else {}),
+                 **({"metric_errors": len(raised)} if raised else {}), **library})
 
 
 def learn_from_groups(path: LearningPath, groups: list[Group], *, settings: Knobs, reflection_lm: dspy.BaseLM,
@@ -286,9 +302,10 @@ class PaperPath(LearningPath):
         # the ground truth shown to the learning calls: the labels the program also outputs (else all of them)
         answer_key = clip(format_fields({k: v for k, v in labels.items() if k in produced} or labels), 2000) \
             if knobs.use_ground_truth else ""
-        rendered = library.render() or EMPTY_LIBRARY
+        rendered = library.render(tagged=bool(run.roles)) or EMPTY_LIBRARY
         task = format_fields(group.example.inputs())
-        summarizer, extractor = Summarizer(knobs.use_ground_truth), AdvantageExtractor(knobs.use_ground_truth)
+        summarizer = Summarizer(knobs.use_ground_truth)
+        extractor = AdvantageExtractor(knobs.use_ground_truth, run.roles or None)
         summarizer.set_lm(run.reflection_lm)
         extractor.set_lm(run.reflection_lm)
 
@@ -330,15 +347,17 @@ class PaperPath(LearningPath):
     @staticmethod
     def _consolidate(run: Run, scope: Scope, library: ExperienceLibrary, proposals: list[tuple[str, Operation]]
                      ) -> tuple[list[Operation], str]:
-        """One call turns the batch's proposals into the plan; if it fails, the (validated) proposals are the plan."""
+        """One call turns the batch's proposals into the plan; if it fails, the (validated) proposals are the plan.
+        Where the proposals, applied as they are, would pass `max_library_tokens`, the call is asked to make room."""
         if not proposals:
             return [], "nothing proposed"
-        consolidator = Consolidator()
+        consolidator = Consolidator(run.roles or None, room=_room(run, library, [op for _, op in proposals]))
         consolidator.set_lm(run.reflection_lm)
 
         def consolidate():
-            return Consolidation(plan=consolidator(experiences=library.render() or EMPTY_LIBRARY, proposals=proposals,
-                                                   max_words=run.knobs.max_words_per_experience), status="ok")
+            return Consolidation(plan=consolidator(experiences=library.render(tagged=bool(run.roles)) or EMPTY_LIBRARY,
+                                                   proposals=proposals, max_words=run.knobs.max_words_per_experience),
+                                 status="ok")
 
         made = scope.call("consolidation", consolidate)
         if isinstance(made, Failed):  # the proposals were validated one by one already: apply them as they are
@@ -347,3 +366,19 @@ class PaperPath(LearningPath):
         return made.plan, made.status
 
 
+
+
+def _room(run: Run, library: ExperienceLibrary, operations: list[Operation]) -> str:
+    """What the consolidation call is told where `operations`, applied as they are, would pass `max_library_tokens`
+    (the predictors it would pass for); "" where they would not, or there is no cap."""
+    if not run.library_tokens:
+        return ""
+    trial = library.copy()
+    trial.apply(operations, step=0, quiet=True, fold_at=run.knobs.duplicate_overlap)
+    over = [name for name in run.targets if run.count_tokens(trial.for_predictor(name).render()) > run.library_tokens]
+    if not over:
+        return ""
+    whose = f" for {', '.join(over)}" if run.roles else ""
+    return (f"A predictor's experiences may hold at most {run.library_tokens} tokens; applied as proposed, these edits "
+            f"would pass that{whose}. Make room: merge experiences that say the same thing, delete the ones that help "
+            "least, and leave out the weakest proposals.")

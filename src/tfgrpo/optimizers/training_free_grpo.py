@@ -206,7 +206,8 @@ class TrainingFreeGRPO(Teleprompter):
         return Run(knobs=knobs, metric=self.metric, record=record, store=store, path=path,
                    path_name=plan.learning_path, reflection_lm=reflection_lm, program=program, targets=plan.targets,
                    trainset=trainset, instructions=" ".join(p.signature.instructions
-                                                            for _, p in program.named_predictors()))
+                                                            for _, p in program.named_predictors()),
+                   roles=plan.roles, library_tokens=plan.library_tokens, count_tokens=plan.count_tokens)
 
     def _learn(self, run: Run, plan: Plan, valset: list | None, held_out: list | None, trackers: list) -> dspy.Module:
         """With `plan.refit`, the carried items measured and pruned on `held_out`; then the epochs' steps and
@@ -218,11 +219,18 @@ class TrainingFreeGRPO(Teleprompter):
         if total:
             bar("step", sum(run.store.get(Keys.step(i)) is not None for i in range(total)), total)
         rng = random.Random(knobs.seed)
+        # the plan is the run: where it expects no step within the budget (and log_dir holds none), nothing is sent
+        no_step = bool(total) and not plan.expected["total"].get("steps", total) and not plan.resume.get("steps")
+        if no_step:
+            limits = ", ".join(f"{k}={v:g}" for k, v in plan.budget.items() if v is not None)
+            stopped = (f"the budget ({limits}) pays for no step of {knobs.batch_size} queries x "
+                       f"{knobs.num_generations} attempts at what the plan expects one to cost: nothing was sent; "
+                       "raise the budget, or lower batch_size or num_generations (optimizer.plan(...) shows the costs)")
         try:
-            if plan.refit:
+            if plan.refit and not no_step:
                 refit, kept = _refit(run, plan, state, held_out)
                 state = State(library=kept.library, demos=kept.demos)
-            for epoch in range(knobs.num_train_epochs):
+            for epoch in range(0 if no_step else knobs.num_train_epochs):
                 if state.step == total:  # max_steps reached with the last epoch
                     break
                 order = list(range(len(run.trainset)))
@@ -250,7 +258,7 @@ class TrainingFreeGRPO(Teleprompter):
             logger.info("Keeping the library of epoch %d: validation score %.3f, the best of %d validated epoch(s) (ties "
                         "go to the later epoch); %d experiences", best[0].epoch, best[0].val_score, len(epochs),
                         len(best[1].library))
-        learned, worth = self._attribution(run, learned, held_out, stopped)
+        learned, worth = (learned, None) if no_step else self._attribution(run, learned, held_out, stopped)
         compiled = with_learned(run.program, run.targets, *learned)
         usage = run.record.by_role(new=True)
         compiled.detailed_results = TrainingFreeGRPOResult(
@@ -344,7 +352,7 @@ def validate(run: Run, state: State, valset: list, epoch: int) -> EpochResult:
         attempts = scope.scored("validation", [(program, x) for x in valset])
         scope.check("validation")
     answered = [a for a in attempts if not a.failed]
-    errors = [a.error or a.timeout for a in attempts if a.error or a.timeout]
+    errors = [a.error or a.metric_failed for a in attempts if a.error or a.metric_failed]
     if errors:
         logger.warning("Epoch %d: the program failed on %d of %d validation examples (first: %s); a failed LM call is "
                        "left out, any other failure scores 0", epoch, len(errors), len(attempts), errors[0])
@@ -390,6 +398,7 @@ def _limits(steps: list[StepResult], usage: dict, stopped: str | None, sent: dic
                        "of": len(last.probe["queries"])} if last else None,
               "calls": {stage: used["calls"] for stage, used in sent.items() if used.get("calls")},
               "learning_failures": sum(s.learning_failures for s in steps),
+              "retired": [{"step": s.step, **r} for s in steps for r in (s.details or {}).get("retired", [])],
               "stopped": stopped or "ran every step"}
     shares = [x["solved"] / max(x["of"], 1) for x in (limits["best_written"], limits["kept"]) if x]
     limits["verdict"] = ("no winning attempt was probed: the rollouts wrote nothing to keep" if not best else
@@ -408,8 +417,11 @@ def _limits(steps: list[StepResult], usage: dict, stopped: str | None, sent: dic
     nothing = "nothing new (every call answered from log_dir's record)" if reused else "nothing (no call was made)"
     failed = f"; {limits['learning_failures']} learning call(s) failed (each step's learning_failures)" \
         if limits["learning_failures"] else ""
-    logger.warning("compile spent: %s; calls by stage %s%s; %s", "; ".join(parts) or nothing, limits["calls"], failed,
-                   limits["stopped"])
+    retired = f"; {len(limits['retired'])} experience(s) retired past max_library_tokens (" + ", ".join(
+        f"{r['id']} from {r['predictor']} at step {r['step']}" for r in limits["retired"][:5]) + (
+        ", ..." if len(limits["retired"]) > 5 else "") + "; each step's details['retired'])" if limits["retired"] else ""
+    logger.warning("compile spent: %s; calls by stage %s%s%s; %s", "; ".join(parts) or nothing, limits["calls"], failed,
+                   retired, limits["stopped"])
     if best or last:
         logger.warning("what limited the run: %s", limits["summary"])
     return limits

@@ -160,8 +160,9 @@ def predictor_names(program: dspy.Module, trace: list) -> list[str]:
         if name is None:
             name = type(predictor).__name__
             _say_once(f"unnamed {name}", "A call of a %s that is not among the program's predictors (named_predictors) "
-                      "and shares no signature with exactly one of them: a demo of that call reaches no predictor",
-                      name)
+                      "and shares no signature with exactly one of them, as one built inside forward() is: neither the "
+                      "library nor a demo reaches it. Declare it in __init__ (self.name = dspy.Predict(...)) to have "
+                      "it learn", name)
         names.append(name)
     return names
 

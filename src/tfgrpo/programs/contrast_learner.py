@@ -5,7 +5,8 @@ Every reply is typed by a signature built from the live library (`contrast_signa
 under its JSON schema (`ConstrainedJSONAdapter`), and checked in code for generality: a rule that repeats
 the query's names, numbers or phrases (or the learning prompt's own words: "the better attempt", "a new
 rule") is sent back once to be rewritten, and refused if it still does.
-The result is a plain dict (for checkpoints) that says what happened, so every refusal can be counted.
+In a program of several predictors (`roles`) the reply also names the predictor its rule is for, typed by their names.
+The result is a plain dict that says what happened, so every refusal can be counted; its `operation` the edit.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from tfgrpo.programs.generality import parroted_phrases, restated_words, specifi
 from tfgrpo.programs.learning import call_with_one_retry, single_call_adapter
 from tfgrpo.programs.library import ExperienceLibrary
 from tfgrpo.signatures.contrast import GeneralizeRule, contrast_signature
-from tfgrpo.signatures.operations import Operation
+from tfgrpo.signatures.operations import Operation, placed
 
 EMPTY = "(empty: no rules yet)"
 
@@ -28,13 +29,15 @@ class ContrastLearner(dspy.Module):
         self.adapter = ConstrainedJSONAdapter(constrained) if constrained else None  # None: DSPy's default adapter
 
     def forward(self, *, task: str, better_attempt: str, worse_attempt: str, library: ExperienceLibrary,
-                allowed: str = "", seen: str = "") -> dict:
+                allowed: str = "", seen: str = "", roles: dict[str, str] | None = None) -> dict:
         """`allowed`: text whose words and numbers belong to the task itself (the program's instructions);
         `seen`: what the attempts' tools returned (search results, pages), whose names and facts are as specific
-        to this task as the task's own."""
-        sig = contrast_signature(list(library.active), self.max_words)
+        to this task as the task's own; `roles`: the program's predictors, by name, with what each does (None: one
+        predictor)."""
+        sig = contrast_signature(list(library.active), self.max_words, list(roles or []))
+        inputs = {"predictors": "\n".join(f"{name}: {role}" for name, role in roles.items())} if roles else {}
         reply = self._call(sig, task=task, better_attempt=better_attempt, worse_attempt=worse_attempt,
-                           library=library.render() or EMPTY)
+                           library=library.render(tagged=bool(roles)) or EMPTY, **inputs)
         rec = {"difference": str(reply.difference or ""), "action": reply.action,
                "target_id": str(getattr(reply, "target_id", "none")), "rule": str(reply.rule or "").strip(),
                "specific": [], "rewritten": False, "operation": None, "refused": None}
@@ -57,7 +60,9 @@ class ContrastLearner(dspy.Module):
             rec["refused"] = "empty rule"
             return rec
         ids = [rec["target_id"]] if rec["action"] == "modify" else []
-        rec["operation"] = Operation(action=rec["action"], ids=ids, text=rec["rule"]).model_dump()
+        rec["operation"] = placed(list(roles)).model_validate(
+            {"action": rec["action"], "ids": ids, "text": rec["rule"], "predictors": [reply.predictor]}) if roles \
+            else Operation(action=rec["action"], ids=ids, text=rec["rule"])
         return rec
 
     @staticmethod

@@ -1,6 +1,7 @@
 """Putting a library into a DSPy program, and saving/loading programs that carry one.
 
-The experiences are appended to each target predictor's instructions inside one tagged block. The same
+The experiences are appended to each target predictor's instructions inside one tagged block, each predictor's own
+(an experience names the predictors it is for; none: every one). The same
 block is used while learning and when deployed, re-applying it replaces the old block (idempotent), and the
 instructions before it (for ReAct: the tool list) are left untouched. Because the block lives in the
 signature's instructions, a program saved with `program.save(...)` carries it, and stock DSPy loads it with
@@ -65,33 +66,43 @@ def library_from_instructions(program: dspy.Module, targets: list[str], *, max_w
     """The library rendered into the `targets`' instructions, read back (None when none of them has a block).
 
     Used when a program carries no `experience_library` attribute, e.g. after stock DSPy's `program.load(...)`
-    into a fresh program: the IDs and texts come back; the provenance was not in the instructions, so each
-    experience's history starts with a "recovered" entry. A ValueError when the targets' blocks disagree."""
-    found = {}
+    into a fresh program: the IDs and texts come back, each experience for the predictors whose block holds it (for
+    every one, where every target's does); the provenance was not in the instructions, so each experience's history
+    starts with a "recovered" entry. A ValueError when two blocks give one ID different texts."""
+    found: dict[str, tuple[str, str, str]] = {}  # ID -> (ID, text, excerpt), in the order first seen
+    holders: dict[str, list[str]] = {}  # ID -> the predictors whose block holds it
     for name, predictor in program.named_predictors():
         if name in targets:
             try:
-                items = rendered_experiences(predictor.signature.instructions)
+                items = rendered_experiences(predictor.signature.instructions) or []
             except ValueError as exc:
                 raise ValueError(f"predictor {name!r}: {exc}") from None
-            if items:
-                found[name] = items
+            for item in items:
+                if found.setdefault(item[0], item) != item:
+                    raise ValueError(f"the experience blocks of predictors {holders[item[0]][0]!r} and {name!r} give "
+                                     f"{item[0]} different texts; attach the library to recover "
+                                     "(program.experience_library = ...) or strip the blocks "
+                                     "(tfgrpo.programs.strip_experiences)")
+                holders.setdefault(item[0], []).append(name)
     if not found:
         return None
-    first, items = next(iter(found.items()))
-    differ = [name for name, other in found.items() if other != items]
-    if differ:
-        raise ValueError(f"the experience blocks in the instructions of predictors {first!r} and {differ} differ; "
-                         "attach the library to recover (program.experience_library = ...) or strip the blocks "
-                         "(tfgrpo.programs.strip_experiences)")
-    return ExperienceLibrary.recovered(items, max_words=max_words, max_experiences=max_experiences)
+    library = ExperienceLibrary.recovered(list(found.values()), max_words=max_words, max_experiences=max_experiences)
+    for exp in library:
+        exp.predictors = [] if len(holders[exp.id]) == len(targets) else holders[exp.id]
+    return library
+
+
+NO_PREDICTORS = ("the program has no predictors to carry experiences: DSPy finds a module's predictors (dspy.Predict, "
+                 "dspy.ChainOfThought, ...) among its attributes, so declare each in __init__ (self.answer = "
+                 "dspy.Predict(\"question -> answer\")) and call it in forward; one built inside forward() is made "
+                 "anew on each call and nothing can carry what was learned into it")
 
 
 def resolve_targets(program: dspy.Module, target_predictors: list[str] | None) -> list[str]:
     """Names of the predictors that receive experiences; a clear error for a name the program lacks."""
     names = [name for name, _ in program.named_predictors()]
     if not names:
-        raise ValueError("the program has no predictors (dspy.Predict or subclasses) to carry experiences")
+        raise ValueError(NO_PREDICTORS)
     if target_predictors is None:
         return names
     missing = [t for t in target_predictors if t not in names]
@@ -101,14 +112,28 @@ def resolve_targets(program: dspy.Module, target_predictors: list[str] | None) -
 
 
 def apply_library(program: dspy.Module, library: ExperienceLibrary, target_predictors: list[str] | None = None) -> dspy.Module:
-    """Write the library into the target predictors' instructions (in place) and attach it; returns `program`."""
+    """Write the library into the target predictors' instructions (in place), each predictor's own experiences
+    (`ExperienceLibrary.for_predictor`), and attach it; returns `program`."""
     targets = set(resolve_targets(program, target_predictors))
     for name, predictor in program.named_predictors():
         if name in targets:
-            new = with_experiences(predictor.signature.instructions, library)
+            new = with_experiences(predictor.signature.instructions, library.for_predictor(name))
             predictor.signature = predictor.signature.with_instructions(new)
     setattr(program, LIBRARY_KEY, library)
     return program
+
+
+def predictor_roles(program: dspy.Module, targets: list[str]) -> dict[str, str]:
+    """What each target predictor does, by name, as the learning calls are told it: its fields (inputs -> outputs)
+    and the first sentence of its own instructions."""
+    roles = {}
+    for name, predictor in program.named_predictors():
+        if name in targets:
+            sig = predictor.signature
+            first = strip_experiences(sig.instructions).strip().split("\n")[0].split(". ")[0].rstrip(".")
+            roles[name] = f"{', '.join(sig.input_fields)} -> {', '.join(sig.output_fields)}" + (f": {first}" if first
+                                                                                               else "")
+    return roles
 
 
 def apply_demos(program: dspy.Module, demos: list, targets: list[str]) -> dspy.Module:
@@ -198,7 +223,7 @@ def load_program(program: dspy.Module, path: str | Path, target_predictors: list
                          f"has {names}: was it saved from this program?")
     own_types = field_types(program)
     for name, predictor in program.named_predictors():
-        if problem := _saved_disagrees(state[name], predictor, library):
+        if problem := _saved_disagrees(state[name], predictor, library.for_predictor(name) if library else None):
             raise ValueError(f"{path}: predictor {name!r}: {problem}")
         saved, own = saved_types.get(name) if isinstance(saved_types, dict) else None, own_types[name]
         if isinstance(saved, dict) and (changed := [f for f in own if f in saved and saved[f] != own[f]]):

@@ -4,6 +4,9 @@
 operations on the library) and `Consolidator` (a batch's operations -> one plan). Without ground truth the
 `reference_answer` input is removed from the signatures, so no answer key can reach the LM.
 
+In a program of several predictors (`roles`: each one's name and what it does), the advantage and consolidation calls
+are told the predictors and each operation names those its experience is for (`placed`, typed by their names).
+
 The modules validate what comes back (pydantic) and ask once more, quoting the error, when a reply cannot be
 parsed; a second failure raises `LearningCallError`, which the optimizer counts as a failed call. A reply
 that does not parse thus costs exactly two LM calls: DSPy's fallback from the chat format to JSON is turned
@@ -24,7 +27,7 @@ from dspy.utils.exceptions import AdapterParseError
 
 from tfgrpo.base.util import clip
 from tfgrpo.signatures.learning import ConsolidateOperations, ExtractGroupAdvantage, SummarizeRollout
-from tfgrpo.signatures.operations import Operation
+from tfgrpo.signatures.operations import Operation, placed
 
 logger = logging.getLogger(__name__)
 
@@ -48,15 +51,34 @@ def single_call_adapter() -> dspy.Adapter:
     return adapter
 
 
+ROLES = ("The program has several predictors, listed in `predictors` with what each does. Each operation names the "
+         "predictors its experience is for (`predictors`): a lesson about one step goes to that step's predictor "
+         "only; \"all\" where it helps every one.")
+
+
+def _placed(signature: type[dspy.Signature], roles: dict[str, str] | None) -> type[dspy.Signature]:
+    """`signature` told the program's predictors (`roles`: name -> what it does) and its operations placed on them
+    (its output of type `list[Operation]`); as it is for a program of one predictor (`roles` None)."""
+    if not roles:
+        return signature
+    output = next(name for name, f in signature.output_fields.items() if f.annotation == list[Operation])
+    signature = signature.with_updated_fields(output, type_=list[placed(list(roles))])
+    return signature.prepend("predictors", dspy.InputField(desc="the program's predictors, one a line: name: what it "
+                                                                "does"), type_=str).with_instructions(
+        f"{signature.instructions}\n\n{ROLES}")
+
+
 class _ValidatedCall(dspy.Module):
     """A predictor that, when its reply cannot be parsed, asks once more and then gives up loudly."""
 
-    def __init__(self, signature: type[dspy.Signature], use_ground_truth: bool):
+    def __init__(self, signature: type[dspy.Signature], use_ground_truth: bool, roles: dict[str, str] | None = None):
         super().__init__()
-        self.use_ground_truth = use_ground_truth
-        self.predict = dspy.Predict(_signature(signature, use_ground_truth))
+        self.use_ground_truth, self.roles = use_ground_truth, roles
+        self.predict = dspy.Predict(_placed(_signature(signature, use_ground_truth), roles))
 
     def forward(self, **inputs):
+        if self.roles:
+            inputs["predictors"] = "\n".join(f"{name}: {role}" for name, role in self.roles.items())
         if not self.use_ground_truth:
             inputs.pop("reference_answer", None)
         with dspy.context(adapter=single_call_adapter()):
@@ -95,8 +117,8 @@ class Summarizer(_ValidatedCall):
 
 
 class AdvantageExtractor(_ValidatedCall):
-    def __init__(self, use_ground_truth: bool = True):
-        super().__init__(ExtractGroupAdvantage, use_ground_truth)
+    def __init__(self, use_ground_truth: bool = True, roles: dict[str, str] | None = None):
+        super().__init__(ExtractGroupAdvantage, use_ground_truth, roles)
 
     def forward(self, **inputs) -> list[Operation]:
         ops = list(super().forward(**inputs).operations or [])
@@ -107,8 +129,11 @@ class AdvantageExtractor(_ValidatedCall):
 
 
 class Consolidator(_ValidatedCall):
-    def __init__(self):
-        super().__init__(ConsolidateOperations, use_ground_truth=True)
+    def __init__(self, roles: dict[str, str] | None = None, room: str = ""):
+        super().__init__(ConsolidateOperations, use_ground_truth=True, roles=roles)
+        if room:  # the libraries would pass their budget: the plan is asked to make room first
+            self.predict.signature = self.predict.signature.with_instructions(
+                f"{self.predict.signature.instructions}\n\n{room}")
 
     def forward(self, *, experiences: str, proposals: list[tuple[str, Operation]], max_words: int) -> list[Operation]:
         rendered = json.dumps([{"from_query": q, **op.model_dump()} for q, op in proposals], ensure_ascii=False, indent=1)

@@ -16,6 +16,11 @@ the saved file. Refusing is simpler than escaping, which every reader of the blo
 An experience that reads like an instruction to the model rather than a lesson ("ignore all previous
 instructions", `injection_like`) is kept but logged as a WARNING that names it: learned rules come from text a model
 wrote, sometimes after reading pages written by strangers (docs/long-runs.md says why this warns, not refuses).
+
+In a program of several predictors an experience names the predictors it is for (`predictors`; none: every one), and
+each predictor carries only its own (`for_predictor`). A new experience that says what one already says (their content
+words overlap by `fold_at` or more, `overlap`) is folded into it instead of added: the old wording stays, the sources
+of both are kept. `fit` keeps each predictor's library within a budget of tokens, retiring what was worth least.
 """
 
 from __future__ import annotations
@@ -25,11 +30,12 @@ import logging
 import re
 import unicodedata
 from dataclasses import dataclass, field
+from typing import Callable
 
 from dspy.predict.parameter import Parameter
 from pydantic import BaseModel, Field
 
-from tfgrpo.signatures.operations import Operation
+from tfgrpo.signatures.operations import EVERY, Operation
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +44,8 @@ class Edit(BaseModel):
     """One entry of an experience's history."""
 
     step: int
-    action: str  # add | modify | merge | delete | merged_into | recovered (read back from a program's instructions)
+    action: str  # add | modify | merge | delete | merged_into | fold (a new one said the same) | narrowed (left a
+    # predictor's library, over its budget) | recovered (read back from a program's instructions)
     text: str = ""  # the wording after the edit (before it, for delete)
     related: list[str] = Field(default_factory=list)  # merged-from IDs, or the ID this one was merged into
 
@@ -50,14 +57,24 @@ class Experience(BaseModel):
     created_step: int
     sources: list[str] = Field(default_factory=list)  # keys of the training queries it was learned from
     history: list[Edit] = Field(default_factory=list)
+    predictors: list[str] = Field(default_factory=list)  # the predictors it is for, by name; none: every one
+
+    def dump(self) -> dict:
+        """The experience as a saved library holds it (`predictors` only where it names some)."""
+        return self.model_dump(exclude=set() if self.predictors else {"predictors"})
+
+    def is_for(self, predictor: str) -> bool:
+        return not self.predictors or predictor in self.predictors
 
 
 @dataclass
 class ApplyReport:
-    """What happened to a plan: the operations applied by action and those refused, with the reason."""
+    """What happened to a plan: the operations applied by action, those refused (with the reason) and the new
+    experiences folded into one that already said the same (with its ID)."""
 
     applied: dict[str, int] = field(default_factory=lambda: {"add": 0, "modify": 0, "merge": 0, "delete": 0})
     rejected: list[tuple[Operation, str]] = field(default_factory=list)
+    folded: list[tuple[Operation, str]] = field(default_factory=list)
 
     @property
     def num_applied(self) -> int:
@@ -152,6 +169,24 @@ def _kept(char: str) -> bool:
     return char.isalnum() or kind[0] == "M" or (kind[0] == "S" and not char.isascii())
 
 
+# words that say nothing of a rule's content, left out of `overlap`
+_STOP = {"a", "an", "the", "to", "of", "and", "or", "in", "on", "for", "with", "by", "is", "are", "be", "it", "its",
+         "each", "every", "all", "any", "that", "this", "when", "then", "as", "at", "from", "into", "if", "use"}
+
+
+def overlap(a: str, b: str) -> float:
+    """How much two texts say the same: the Jaccard overlap of their content words (case-folded, `_STOP` words left
+    out), from 0 (no word shared) to 1 (the same words)."""
+    wa, wb = ({w for w in re.findall(r"\w+", _canonical(t)) if w not in _STOP} for t in (a, b))
+    return len(wa & wb) / len(wa | wb) if wa | wb else 1.0
+
+
+def _named(op: Operation) -> list[str]:
+    """The predictors a (placed) operation's experience is for; none where it names none, or every one ("all")."""
+    named = list(dict.fromkeys(getattr(op, "predictors", None) or []))
+    return [] if EVERY in named else named
+
+
 def _canonical(text: str) -> str:
     """The text as duplicates are compared: Unicode-normalised (NFKC), case-folded, its content characters kept and
     every run of others (spaces, punctuation) made one space."""
@@ -190,16 +225,27 @@ class ExperienceLibrary(Parameter):
             (f", {len(self.retired)} retired" if self.retired else "") + ")"
         return "\n  ".join([head] + [f"[{e.id}] {e.text}" for e in self.active.values()])
 
-    def render(self) -> str:
+    def render(self, *, tagged: bool = False) -> str:
         """The library as the numbered lines that go into prompts: `[E3] When ..., ...`, each followed by its
-        excerpt, if it has one, as an indented fenced block."""
-        return "\n".join(f"[{e.id}] {e.text}" + (_fenced(e.excerpt) if e.excerpt else "") for e in self.active.values())
+        excerpt, if it has one, as an indented fenced block. `tagged` (what the learning calls read): an experience
+        for some predictors only says which, `[E3] (for plan) When ...`."""
+        return "\n".join(f"[{e.id}] " + (f"(for {', '.join(e.predictors)}) " if tagged and e.predictors else "")
+                         + e.text + (_fenced(e.excerpt) if e.excerpt else "") for e in self.active.values())
+
+    def for_predictor(self, name: str) -> "ExperienceLibrary":
+        """The experiences the predictor `name` carries (those for it, and those for every predictor), as a library
+        of their own."""
+        state = self.dump_state()
+        state["experiences"] = [x for x in state["experiences"] if not x.get("predictors") or name in x["predictors"]]
+        return self.from_state(state)
 
     # -- writing -------------------------------------------------------------------------------------------
     def apply(self, operations: list[Operation], *, step: int, sources: list[str] | None = None,
-              quiet: bool = False) -> ApplyReport:
+              quiet: bool = False, fold_at: float | None = None) -> ApplyReport:
         """Carry out a plan. Invalid operations are refused one by one (logged, unless `quiet`: a trial on a copy
-        that was logged before); the rest take effect at once.
+        that was logged before); the rest take effect at once. With `fold_at`, a new experience whose content words
+        overlap an existing one's by that much or more is folded into it (`overlap`), its sources and predictors
+        joining the existing one's.
 
         The work happens on a scratch copy that replaces this library's state only at the end, so an
         unexpected error leaves the library exactly as it was.
@@ -207,6 +253,16 @@ class ExperienceLibrary(Parameter):
         scratch = copy.deepcopy(self)
         report = ApplyReport()
         for op in operations:
+            if op.action == "add" and fold_at is not None and (same := scratch._saying(op, fold_at)) is not None:
+                same.sources = list(dict.fromkeys(same.sources + (sources or [])))
+                named = _named(op)  # (for the predictors of both)
+                same.predictors = [] if not named or not same.predictors else list(dict.fromkeys(same.predictors
+                                                                                                 + named))
+                same.history.append(Edit(step=step, action="fold", text=" ".join(op.text.split())))
+                report.folded.append((op, same.id))
+                if not quiet:
+                    logger.info("Folded add %r into %s, which says the same: %r", op.text[:80], same.id, same.text[:80])
+                continue
             reason = scratch._apply_one(op, step=step, sources=sources or [], quiet=quiet)
             if reason is None:
                 report.applied[op.action] += 1
@@ -216,6 +272,31 @@ class ExperienceLibrary(Parameter):
                     logger.warning("Refused %s %s %r: %s", op.action, op.ids, op.text[:80], reason)
         self.__dict__.update(scratch.__dict__)
         return report
+
+    def _saying(self, op: Operation, fold_at: float) -> Experience | None:
+        """The active experience that says what `op`'s text says (overlap at least `fold_at`), or None."""
+        return next((e for e in self.active.values() if overlap(op.text, e.text) >= fold_at), None)
+
+    def fit(self, budget: int, count: Callable[[str], int], predictors: list[str], *, step: int) -> list[dict]:
+        """Retire experiences until each of `predictors` carries at most `budget` tokens of them (`count(text)`: the
+        tokens of its `render()`), the one left unedited longest first (the probe, where a run has one, already retires
+        those the program does as well without). One that is for other predictors too leaves only this one's library.
+        Returns each retirement: {"id", "predictor", "tokens" (the predictor's before), "reason"}."""
+        retired = []
+        for name in predictors:
+            while (tokens := count(self.for_predictor(name).render())) > budget:
+                exp = min((e for e in self.active.values() if e.is_for(name)),
+                          key=lambda e: (e.history[-1].step, int(e.id[1:])))
+                others = [p for p in (exp.predictors or predictors) if p != name]
+                if others:
+                    exp.predictors = others
+                    exp.history.append(Edit(step=step, action="narrowed", text=exp.text, related=others))
+                else:
+                    del self.active[exp.id]
+                    exp.history.append(Edit(step=step, action="delete", text=exp.text))
+                    self.retired[exp.id] = exp
+                retired.append({"id": exp.id, "predictor": name, "tokens": tokens, "reason": f"{name}'s library held {tokens} tokens, over max_library_tokens={budget}"})
+        return retired
 
     def _apply_one(self, op: Operation, *, step: int, sources: list[str], quiet: bool = False) -> str | None:
         """Apply one operation in place; return None on success, else why it was refused (nothing changed)."""
@@ -233,16 +314,19 @@ class ExperienceLibrary(Parameter):
             problem = self._check_text(text, ignore=op.ids) or _check_excerpt(excerpt)
             if problem:
                 return problem
+        named = _named(op)
         if op.action == "add":
             if self.max_experiences is not None and len(self.active) >= self.max_experiences:
                 return f"library is full ({self.max_experiences} experiences)"
             exp = self._add(text, step=step, sources=sources, history=Edit(step=step, action="add", text=text),
                             excerpt=excerpt)
+            exp.predictors = named
         elif op.action == "modify":
             exp = self.active[op.ids[0]]
             exp.text, exp.excerpt = text, excerpt or exp.excerpt
             exp.sources = list(dict.fromkeys(exp.sources + sources))
             exp.history.append(Edit(step=step, action="modify", text=text))
+            exp.predictors = named or exp.predictors
         elif op.action == "delete":
             exp = self.active.pop(op.ids[0])
             exp.history.append(Edit(step=step, action="delete", text=exp.text))
@@ -252,6 +336,8 @@ class ExperienceLibrary(Parameter):
             merged_sources = [s for e in merged for s in e.sources]
             exp = self._add(text, step=step, sources=list(dict.fromkeys(merged_sources + sources)),
                             history=Edit(step=step, action="merge", text=text, related=list(op.ids)))
+            exp.predictors = named or ([] if any(not e.predictors for e in merged) else
+                                       list(dict.fromkeys(p for e in merged for p in e.predictors)))
             for e in merged:
                 e.history.append(Edit(step=step, action="merged_into", text=e.text, related=[exp.id]))
                 self.retired[e.id] = e
@@ -293,8 +379,8 @@ class ExperienceLibrary(Parameter):
             "max_words": self.max_words,
             "max_experiences": self.max_experiences,
             "next_id": self.next_id,
-            "experiences": [e.model_dump() for e in self.active.values()],
-            "retired": [e.model_dump() for e in self.retired.values()],
+            "experiences": [e.dump() for e in self.active.values()],
+            "retired": [e.dump() for e in self.retired.values()],
         }
 
     def load_state(self, state: dict) -> "ExperienceLibrary":

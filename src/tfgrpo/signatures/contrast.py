@@ -45,12 +45,19 @@ class GeneralizeRule(dspy.Signature):
     general_rule: str = dspy.OutputField(desc="the rewritten rule, one sentence")
 
 
-def contrast_signature(active_ids: list[str], max_words: int) -> type[dspy.Signature]:
-    """`ContrastAttempts` with the actions and IDs that are legal against the current library."""
+def contrast_signature(active_ids: list[str], max_words: int, predictors: list[str] = ()) -> type[dspy.Signature]:
+    """`ContrastAttempts` with the actions and IDs that are legal against the current library, and in a program of
+    several `predictors` the predictor the rule is for, one of their names (or "all")."""
     sig = ContrastAttempts.with_updated_fields(
         "rule", desc=f"the rule, one sentence of at most {max_words} words (empty when the action is none)")
+    if len(predictors) > 1:
+        sig = sig.prepend("predictors", dspy.InputField(desc="the program's predictors, one a line: name: what it "
+                                                             "does"), type_=str)
+        sig = sig.append("predictor", dspy.OutputField(desc='the predictor whose step the rule is about; "all" '
+                                                            'when it helps every step'),
+                         type_=Literal[tuple(predictors) + ("all",)])
     if not active_ids:
         return sig
     sig = sig.with_updated_fields("action", type_=Literal["add", "modify", "none"])
-    return sig.insert(2, "target_id", dspy.OutputField(desc='the id of the rule to modify; "none" unless modifying'),
-                      type_=Literal[tuple(active_ids) + ("none",)])
+    return sig.insert(2, "target_id", dspy.OutputField(
+        desc='the id of the rule to modify; "none" unless modifying'), type_=Literal[tuple(active_ids) + ("none",)])

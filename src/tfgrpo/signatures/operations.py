@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, create_model, field_validator
 
 Action = Literal["add", "modify", "merge", "delete"]
 SYNONYMS = {"update": "modify", "edit": "modify", "revise": "modify", "replace": "modify", "remove": "delete",
@@ -68,3 +68,26 @@ def normalize_id(raw) -> str:
         return f"E{int(text)}"
     match = re.fullmatch(r"E\s*-?\s*0*(\d+)", text)
     return f"E{int(match.group(1))}" if match else text
+
+
+EVERY = "all"  # what a placed operation names for an experience that is for every predictor
+
+
+def placed(names: list[str]) -> type[Operation]:
+    """`Operation` with `predictors`, which of the program's predictors (`names`, or "all") its experience is for,
+    typed as a `Literal` of those names, so that a model decoding under the schema can name no other; a name the
+    model makes up anyway is dropped as the reply is read (none left: every predictor, counted by the step)."""
+    choice = Literal[tuple(names) + (EVERY,)]
+    return create_model(
+        "PlacedOperation", __base__=Operation,
+        predictors=(list[choice], Field(default_factory=list, description=(
+            f'the predictors the experience is for: a lesson about one step of the program goes to that step\'s '
+            f'predictor only; "{EVERY}" for every one'))),
+        __validators__={"_known": field_validator("predictors", mode="before")(_known_names(set(names)))})
+
+
+def _known_names(names: set[str]):
+    def known(cls, value):
+        value = [value] if isinstance(value, str) else list(value or [])
+        return [str(v).strip() for v in value if str(v).strip() in names | {EVERY}]
+    return classmethod(known)

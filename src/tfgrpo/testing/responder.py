@@ -3,7 +3,8 @@
 Student calls ("What is A + B?") are right or wrong by a hash of the request and a seed; the learning calls
 (told apart by `prompts.kind_of`) get short, well-formed replies built from the prompt: a summary, 1-2
 add/modify operations on IDs listed in the prompt, a plan echoing the proposals (with a merge once the library
-is large), a best-vs-worst rule for the contrast path, its rewrite, and tips for the direct baseline.
+is large), a best-vs-worst rule for the contrast path, its rewrite, and tips for the direct baseline. Where a learning
+call lists the program's predictors, each lesson names one of them (or "all") by a hash.
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ class Responder:
             return {**values, **self._small_learner(kind, fields, inputs)}
         ids = re.findall(r"^\[(E\d+)\]", inputs.get("experiences", ""), flags=re.MULTILINE)
         ops = self._advantage(inputs, ids) if kind == "advantage" else self._plan(inputs, ids)
+        if kind == "advantage" and (names := _predictors(inputs)):  # a program of several predictors: each op placed
+            for op in ops:
+                op["predictors"] = [self._place(names, inputs.get("task_input", ""), op["text"])]
         if invent:  # IDs that were never issued
             ops = [{"action": "modify", "ids": ["E999"], "text": "When unsure, guess a round number."},
                    {"action": "delete", "ids": ["E777"]}, {"action": "merge", "ids": ["E1", "E888"], "text": "When adding, be careful."}]
@@ -107,6 +111,11 @@ class Responder:
                         "text": f"When a sum looks easy, {_HINTS[n % 8]} and double-check (revision {n})."})
         return ops
 
+    def _place(self, names, *key):
+        """The predictor a lesson is for: one of `names` by a hash of `key`, or "all" one time in four."""
+        n = int(hash_unit(self.seed, "place", *key) * 4 * len(names))
+        return names[n % len(names)] if n < 3 * len(names) else "all"
+
     def _small_learner(self, kind, fields, inputs):
         """The contrast path's calls (one rule per best-vs-worst pair, and its rewrite) and the direct baseline."""
         key = inputs.get("task", "") or inputs.get("rule", "")
@@ -119,6 +128,8 @@ class Responder:
                   "action": "add", "rule": f"When adding two numbers, {hint}."}
         if "target_id" in fields:
             values["target_id"] = "none"
+        if "predictor" in fields:
+            values["predictor"] = self._place(_predictors(inputs), key, hint)
         return values
 
     def _plan(self, inputs, ids):
@@ -130,8 +141,14 @@ class Responder:
         if len(ids) >= self.merge_at:
             plan.append({"action": "merge", "ids": ids[:2], "text": f"When adding, {_HINTS[len(ids) % 8]} and re-add to confirm."})
         for p in proposals if isinstance(proposals, list) else []:
-            op = {"action": p.get("action"), "ids": p.get("ids") or [], "text": p.get("text") or ""}
+            op = {"action": p.get("action"), "ids": p.get("ids") or [], "text": p.get("text") or "",
+                  **({"predictors": p["predictors"]} if p.get("predictors") else {})}
             if (k := json.dumps(op, sort_keys=True)) not in seen:
                 seen.add(k)
                 plan.append(op)
         return plan
+
+
+def _predictors(inputs: dict) -> list[str]:
+    """The predictor names a learning call lists in its `predictors` input ("name: what it does" a line)."""
+    return [line.split(":")[0].strip() for line in inputs.get("predictors", "").splitlines() if ":" in line]

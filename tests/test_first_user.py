@@ -1,0 +1,128 @@
+"""What a first user meets: a plan that expects no step sends nothing, a log_dir that cannot be written gets one line
+with the fix, and a predictor built inside forward() gets a message that names the fix."""
+
+import logging
+import re
+from pathlib import Path
+
+import dspy
+import pytest
+
+from scripted_lm import ScriptedLM
+from test_optimizer import make_trainset, metric
+from test_resume import learner
+from tfgrpo.optimizers import TrainingFreeGRPO
+
+
+def student(messages, kwargs):
+    a, b = re.findall(r"What is (\d+) \+ (\d+)\?", messages[-1]["content"])[-1]
+    return {"answer": str(int(a) + int(b))}
+
+
+def test_a_budget_that_pays_for_no_step_sends_nothing_and_says_why(tmp_path, caplog):
+    lm = ScriptedLM(student)
+    dspy.configure(lm=lm)
+    optimizer = TrainingFreeGRPO(metric, num_generations=4, batch_size=4, max_metric_calls=5, attribution=True,
+                                 log_dir=str(tmp_path / "run"))
+    plan = optimizer.plan(dspy.Predict("question -> answer"), trainset=make_trainset(8), valset=make_trainset(4))
+    assert plan.expected["total"]["steps"] == 0 and "0 step(s)" in plan.summary()
+    compiled = optimizer.compile(dspy.Predict("question -> answer"), trainset=make_trainset(8),
+                                 valset=make_trainset(4))
+    assert lm.calls == []  # not one call: no step, no validation, no attribution
+    stopped = compiled.detailed_results.stopped_early
+    assert "pays for no step of 4 queries x 4 attempts" in stopped and "nothing was sent" in stopped
+    assert "max_metric_calls=5" in stopped and stopped in caplog.text
+
+
+def test_a_log_dir_that_cannot_be_written_is_one_line_with_the_fix():
+    folder = Path("/sys/tfgrpo-log-dir")  # (not writable even by root: the kernel's own file system)
+    try:
+        folder.mkdir()
+    except OSError:
+        pass
+    else:
+        folder.rmdir()
+        pytest.skip("/sys is writable here")
+    dspy.configure(lm=ScriptedLM(student))
+    with pytest.raises(OSError, match=r"log_dir /sys/tfgrpo-log-dir cannot be written \(.*\): a compile keeps its "
+                                      r"record .* Pass a writable log_dir"):
+        TrainingFreeGRPO(metric, num_generations=2, log_dir=str(folder)).compile(
+            dspy.Predict("question -> answer"), trainset=make_trainset(2))
+
+
+class BuiltInForward(dspy.Module):
+    def forward(self, question):
+        return dspy.Predict("question -> answer")(question=question)
+
+
+class BesideOne(dspy.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = dspy.Predict("question -> answer")
+
+    def forward(self, question):
+        draft = self.first(question=question).answer
+        return dspy.ChainOfThought("question, draft -> answer")(question=question, draft=draft)
+
+
+def test_a_predictor_built_inside_forward_gets_the_fix_named(tmp_path, caplog):
+    dspy.configure(lm=ScriptedLM(lambda m, k: {"reasoning": "ok", **student(m, k)}))
+    with pytest.raises(ValueError, match=r"no predictors to carry experiences: .* declare each in __init__ "
+                                         r"\(self.answer = dspy.Predict\(\"question -> answer\"\)\)"):
+        TrainingFreeGRPO(metric, log_dir=str(tmp_path / "a")).compile(BuiltInForward(), trainset=make_trainset(2))
+    with caplog.at_level(logging.WARNING):
+        TrainingFreeGRPO(metric, num_generations=2, batch_size=2, num_train_epochs=1,
+                         log_dir=str(tmp_path / "b")).compile(BesideOne(), trainset=make_trainset(2))
+    assert "neither the library nor a demo reaches it. Declare it in __init__" in caplog.text
+
+
+def test_a_metric_that_raises_on_some_attempts_scores_them_0_and_goes_on(tmp_path, caplog):
+    """As dspy.Evaluate scores an example whose metric raised with its failure_score: one query's attempts of four
+    raise (a judge's parser, say), the rest are scored, and the step goes on, counting them."""
+
+    def flaky(example, pred, trace=None):
+        if "What is 2 +" in example.question:
+            raise SystemError("the judge's parser gave up")
+        return metric(example, pred, trace)
+
+    dspy.configure(lm=ScriptedLM(learner))  # (right on even rollout IDs: every group has contrast)
+    compiled = TrainingFreeGRPO(metric=flaky, num_generations=4, batch_size=4, num_train_epochs=1,
+                                log_dir=str(tmp_path / "run")).compile(dspy.Predict("question -> answer"),
+                                                                       trainset=make_trainset(4))
+    step = compiled.detailed_results.to_dict()["steps"][0]
+    assert step["details"]["metric_errors"] == 4 and step["groups"] == 4
+    assert "the metric failed (timed out or raised) on 4 of 16 attempts" in caplog.text
+    assert "SystemError: the judge's parser gave up" in caplog.text
+
+
+def test_show_prints_no_empty_library_table():
+    from typer.testing import CliRunner
+
+    from tfgrpo.cli import app
+
+    shown = CliRunner().invoke(app, ["show", "game24"])
+    assert shown.exit_code == 0, shown.output
+    assert "experience library (0 active, 1 retired): none active; 1 retired experience(s) not shown: pass --retired " \
+        "to list them" in shown.output
+    assert "experience " not in shown.output.split("none active")[1].split("demos (2)")[0]  # no table between
+
+
+def test_a_dry_run_refuses_an_unknown_embedded_model(tmp_path):
+    from typer.testing import CliRunner
+
+    from tfgrpo.cli import app
+
+    config = tmp_path / "c.toml"
+    config.write_text('[task]\nname = "math"\n[policy]\nbackend = "local"\nmodel = "qwen2.5-coder-7b"\n')
+    result = CliRunner().invoke(app, ["compile", str(config), "--dry-run"])
+    assert result.exit_code != 0
+    assert "'qwen2.5-coder-7b' is no embedded model" in result.output and "qwen2.5-coder-1.5b" in result.output
+
+
+def test_a_config_value_of_the_wrong_type_is_refused_as_a_typo_is(tmp_path):
+    from tfgrpo.config import Config, ConfigError
+
+    config = tmp_path / "c.toml"
+    config.write_text('[task]\nname = "math"\ntrain_limit = "12"\n')
+    with pytest.raises(ConfigError, match=r"train_limit.*(integer|int)"):
+        Config.load(config)

@@ -295,3 +295,16 @@ def test_setup_and_the_tests_are_given_one_figure_each():
              for m in re.finditer(pattern, " ".join(path.read_text(encoding="utf-8").split()))
              if not m.group(0).startswith(figures[name])]
     assert not found, f"pages that give another figure than {FIGURES.relative_to(ROOT)}: {found}"
+
+
+def test_the_api_page_shows_no_builtin_docstring_and_every_knob_s_type(api_page):
+    """An attribute whose value is a plain bool, int, str or tuple is not documented by its type's own docstring
+    ("bool(x) -> bool"), and each knob's entry gives its type as declared."""
+    shown = text(api_page)
+    for said in ("bool(x) -> bool", "int([x]) -> integer", "str(object='') -> str", "Built-in immutable sequence",
+                 "S.format(*args, **kwargs)"):
+        assert said not in shown, said
+    cls = "tfgrpo.optimizers.training_free_grpo.TrainingFreeGRPO"
+    entries = "".join(text(section(api_page, cls, f"{cls}.compile")).split())
+    for name, knob in KNOBS.items():  # (the page names a type without its module: BaseLM, PathLike)
+        assert f"{name}({re.sub(r'[a-z]+[.]', '', knob.type)},default:".replace(" ", "") in entries, name

@@ -28,7 +28,26 @@ class RuntimeDocs(griffe.Extension):
         # the signature Python builds from it
         cls.docstring = griffe.Docstring(inspect.getdoc(TrainingFreeGRPO), lineno=cls.lineno, endlineno=cls.endlineno,
                                          parent=cls, parser="google", parser_options={"warn_missing_types": False})
-        defaults = {name: p.default for name, p in inspect.signature(TrainingFreeGRPO).parameters.items()}
+        signature = inspect.signature(TrainingFreeGRPO).parameters
         for param in cls.members["__init__"].parameters:
-            if defaults.get(param.name, inspect.Parameter.empty) is not inspect.Parameter.empty:
-                param.default = repr(defaults[param.name])
+            if param.name in signature and signature[param.name].default is not inspect.Parameter.empty:
+                param.default = repr(signature[param.name].default)
+            if param.name in signature and signature[param.name].annotation is not inspect.Parameter.empty:
+                param.annotation = signature[param.name].annotation  # (the knob's type, as declared)
+        _no_builtin_docstrings(pkg)
+
+
+# what Python's own types say of themselves: never an attribute's docstring (griffe reads an attribute whose value
+# is a plain bool, int, str or tuple as documented by its type's docstring)
+BUILTIN = {inspect.getdoc(t) for t in (bool, int, float, str, bytes, tuple, list, dict, set, frozenset, type(None),
+                                      str.format)}
+
+
+def _no_builtin_docstrings(obj: griffe.Object) -> None:
+    for member in obj.members.values():
+        if member.is_alias:
+            continue
+        if member.docstring is not None and inspect.cleandoc(member.docstring.value) in BUILTIN:
+            member.docstring = None
+        if member.is_module or member.is_class:
+            _no_builtin_docstrings(member)

@@ -15,7 +15,12 @@ import os
 import re
 import textwrap
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:  # (the knobs' types, as the API page and help() show them; never imported here)
+    import dspy
+
+    from tfgrpo.optimizers.runner import LearningPath
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +138,7 @@ class Knobs:
     seed: int = knob(0, integer(), fingerprinted=True, doc=(
         "Seeds the order of the trainset and the attempts' rollout IDs."))
     # learning calls
-    reflection_lm: Any = knob(None, optional(lazy_instance("dspy", "BaseLM", "a dspy.BaseLM")), doc=(
+    reflection_lm: dspy.BaseLM | None = knob(None, optional(lazy_instance("dspy", "BaseLM", "a dspy.BaseLM")), doc=(
         "LM of the learning calls (summaries, group advantages, consolidation). None: `dspy.settings.lm`, else the "
         "student's LM. A stronger model than the student learns better."))
     max_operations_per_group: int = knob(2, integer(1), fingerprinted=True, doc=(
@@ -141,7 +146,7 @@ class Knobs:
     use_ground_truth: bool = knob(True, FLAG, fingerprinted=True, doc=(
         "False scores each attempt against the majority answer of its group and shows the learning calls no "
         "answer key."))
-    learning_path: str | Any = knob(
+    learning_path: str | LearningPath = knob(
         "auto", Check(lambda v: (isinstance(v, str) and v in PATHS) or PATH_INSTANCE.valid(v),
                       "'auto', 'paper', 'contrast' or a LearningPath instance"), fingerprinted=True, doc=(
             "\"paper\" (summaries, group advantages, one consolidation call), \"contrast\" (one short call per "
@@ -386,8 +391,8 @@ def default_text(name: str) -> str:
 
 
 def args_doc() -> str:
-    """The knobs as the Args entries of a Google-style docstring, each ending with its default."""
-    entries = [f"{name}: {f.metadata['doc']} Default {default_text(name)}." for name, f in KNOBS.items()]
+    """The knobs as the Args entries of a Google-style docstring, each with its type and ending with its default."""
+    entries = [f"{name} ({f.type}): {f.metadata['doc']} Default {default_text(name)}." for name, f in KNOBS.items()]
     return "".join(textwrap.fill(e, 116, initial_indent=" " * 8, subsequent_indent=" " * 12) + "\n" for e in entries)
 
 

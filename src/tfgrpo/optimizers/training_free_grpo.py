@@ -72,7 +72,8 @@ DOC = """Learns a library of natural-language experiences for a DSPy program, an
 
 
 _SIGNATURE = inspect.Signature([inspect.Parameter("metric", inspect.Parameter.POSITIONAL_OR_KEYWORD)] + [
-    inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=f.default) for name, f in KNOBS.items()])
+    inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+    for name, f in KNOBS.items()])
 
 
 class TrainingFreeGRPO(Teleprompter):

@@ -76,7 +76,8 @@ def test_a_bad_knob_is_refused_by_the_constructor_and_the_config_alike(name, val
 def documented_defaults() -> dict[str, str]:
     """Each argument of the class docstring's Args section, and the default it states ("Default 5.")."""
     doc = TrainingFreeGRPO.__doc__.split("Args:", 1)[1]
-    entries = re.findall(r"^ {8}(\w+): (.*?)(?=^ {8}\w+: |\Z)", doc, flags=re.MULTILINE | re.DOTALL)
+    entries = re.findall(r"^ {8}(\w+)(?: \([^)]*\))?: (.*?)(?=^ {8}\w+(?: \([^)]*\))?: |\Z)", doc,
+                         flags=re.MULTILINE | re.DOTALL)  # "name (type): ..." (a knob's type) or "name: ..."
     return {name: m.group(1) if (m := re.search(r'Default ("[^"]*"|-?\d+(?:\.\d+)?|None|True|False)(?=[\s.:,(]|$)',
                                                 " ".join(text.split()))) else None for name, text in entries}
 

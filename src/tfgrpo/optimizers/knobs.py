@@ -397,10 +397,11 @@ def args_doc() -> str:
 
 
 def knob_table() -> str:
-    """The knobs as a Markdown list, one entry each: its name, its default, whether a resume must keep it, what it
-    does (docs/usage.md holds it between its `knobs` markers; a list reads on a phone where a table of long cells
+    """The knobs as a Markdown list, one entry each: its name, type and default, whether a resume must keep it, what
+    it does (docs/usage.md holds it between its `knobs` markers; a list reads on a phone where a table of long cells
     does not)."""
-    rows = [f"- **`{name}`** = `{default_text(name)}`{' (a resume keeps it)' if f.metadata['fingerprinted'] else ''}: "
+    rows = [f"- **`{name}`** (`{f.type}`) = `{default_text(name)}`"
+            f"{' (a resume keeps it)' if f.metadata['fingerprinted'] else ''}: "
             f"{f.metadata['doc']}" for name, f in KNOBS.items()]
     return "\n" + "\n".join(rows) + "\n\n"
 

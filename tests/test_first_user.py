@@ -126,3 +126,24 @@ def test_a_config_value_of_the_wrong_type_is_refused_as_a_typo_is(tmp_path):
     config.write_text('[task]\nname = "math"\ntrain_limit = "12"\n')
     with pytest.raises(ConfigError, match=r"train_limit.*(integer|int)"):
         Config.load(config)
+
+
+def test_the_command_list_flows_at_80_columns():
+    """`tfgrpo -h` in an 80-column terminal: each command's description wraps where the line is full, never where its
+    docstring's own lines broke."""
+    from typer.testing import CliRunner
+
+    from tfgrpo.cli import app
+
+    shown = CliRunner(env={"COLUMNS": "80"}).invoke(app, ["-h"], terminal_width=80)
+    panel = shown.output.split("Commands")[1].split("╰")[0].splitlines()[1:]
+    entries, width = [], 80 - 4 - 10  # (the borders; the commands' column)
+    for line in panel:
+        body = line.strip("│").rstrip()
+        if body[:2].strip():  # " name  text": a new entry
+            entries.append([body[10:].strip()])
+        elif entries:
+            entries[-1].append(body.strip())
+    assert len(entries) >= 8
+    for lines in entries:
+        assert all(len(line) > width - 16 for line in lines[:-1]), lines

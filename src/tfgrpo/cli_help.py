@@ -51,7 +51,13 @@ class HelpCommand(_Plain, TyperCommand):
 
 
 class HelpGroup(_Plain, TyperGroup):
-    pass
+    def get_command(self, ctx, name):
+        """The command, its line in the list its docstring's first paragraph as one flowing text (the docstring's own
+        line breaks would break the list's lines where the terminal's width does not)."""
+        command = super().get_command(ctx, name)
+        if command is not None and command.short_help is None and command.help:
+            command.short_help = " ".join(command.help.split("\n\n")[0].split())
+        return command
 
 
 def reference_text() -> str:

@@ -112,6 +112,25 @@ def test_contrast_call_is_constrained_by_the_live_library(local_lm):
 
 
 @pytest.mark.local_model
+def test_the_real_model_places_a_rule_on_a_predictor_of_the_program(local_lm):
+    """In a program of several predictors the contrast call's reply, decoded under its JSON schema by the real server,
+    names one of the program's predictors (or "all"), and the rule's operation carries it."""
+    roles = {"plan": "question -> approach: Say how to search for the answer",
+             "write_program": "numbers, approach -> code: Write a Python program that prints the expression"}
+    learner = ContrastLearner(max_words=32, constrained="json_object")
+    with dspy.context(lm=local_lm):
+        rec = learner(task="numbers: [4, 7, 12, 12]", library=ExperienceLibrary(), allowed="Game of 24", roles=roles,
+                      better_attempt="plan: try every order\ncode: ...\noutput: (7-4)*12-12\nresult: judged correct "
+                                     "(reward 1.00)",
+                      worse_attempt="plan: add them\ncode: print(4+7+12+12)\noutput: 35\nresult: judged wrong "
+                                    "(reward 0.00)")
+    schema = local_lm.history[-1]["kwargs"]["response_format"]["schema"]
+    assert schema["properties"]["predictor"]["enum"] == ["plan", "write_program", "all"]
+    if rec["operation"] is not None:
+        assert rec["operation"].predictors in (["plan"], ["write_program"], ["all"]), rec
+
+
+@pytest.mark.local_model
 def test_game24_compiles_on_the_contrast_path(local_lm, tmp_path):
     """The small-reflector path end to end: code-writing rollouts in the sandbox, partial-credit rewards,
     contrast calls under the schema, a library that loads back."""

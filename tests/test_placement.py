@@ -197,8 +197,8 @@ def test_forty_steps_never_leave_a_library_past_its_budget(tmp_path, caplog):
     """40 steps of 2 queries, each adding one experience of ~12 words: the libraries pass 60 tokens (counted as
     plan() counts them for a model without a tokenizer: LiteLLM's estimate) early, and every step's library stays
     within it; every retirement says why, in its step's record and in the run's summary."""
-    compiled = compile_(ScriptedLM(learner), tmp_path / "long", batch_size=2, num_train_epochs=10,
-                        max_library_tokens=60)
+    lm = ScriptedLM(learner)
+    compiled = compile_(lm, tmp_path / "long", batch_size=2, num_train_epochs=10, max_library_tokens=60)
     results = compiled.detailed_results.to_dict()
     steps = results["steps"]
     assert len(steps) == 40
@@ -213,6 +213,9 @@ def test_forty_steps_never_leave_a_library_past_its_budget(tmp_path, caplog):
     assert all(count(compiled.experience_library.for_predictor(n).render()) <= 60 for n in NAMES)
     assert all(r["reason"].endswith("over max_library_tokens=60") for r in retired)
     assert f"{len(retired)} experience(s) retired past max_library_tokens" in caplog.text  # the end-of-run summary
+    asked = [c["messages"][0]["content"] for c in lm.calls if kind_of(c["messages"]) == "consolidation"]
+    assert any("may hold at most 60 tokens" in a and "Make room" in a for a in asked)  # where proposals would pass it
+    assert not all("Make room" in a for a in asked)  # and only there
 
 
 def compiled_counter():

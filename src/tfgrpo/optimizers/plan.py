@@ -254,8 +254,9 @@ def library_budget(knobs: Knobs, program: dspy.Module, targets: list[str], train
         for name, predictor in program.named_predictors():
             if name in targets:
                 sig = predictor.signature
-                messages = ChatAdapter().format(sig, demos=[], inputs={k: dict(longest).get(k, "")
-                                                                      for k in sig.input_fields})
+                messages = ChatAdapter().format(sig, demos=[], inputs={  # (as `_tokens` renders a prompt)
+                    k: dict(longest).get(k, "") for k, f in sig.input_fields.items()
+                    if k in dict(longest) or f.annotation is not dspy.History})
                 prompts[name] = count("\n".join(str(m["content"]) for m in messages))
         name = max(prompts, key=prompts.get)
         need = prompts[name] + budget + knobs.max_demos * (inputs + cap) + cap

@@ -17,10 +17,11 @@ import textwrap
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Callable
 
-if TYPE_CHECKING:  # (the knobs' types, as the API page and help() show them; never imported here)
+if TYPE_CHECKING:  # (a knob's type, as the API page and help() show it; never imported here)
     import dspy
 
-    from tfgrpo.optimizers.runner import LearningPath
+# runner.LearningPath, named in `learning_path`'s type as the docs show it (runner imports this module, not back)
+LearningPath = Any
 
 logger = logging.getLogger(__name__)
 

@@ -220,13 +220,15 @@ class TrainingFreeGRPO(Teleprompter):
         if total:
             bar("step", sum(run.store.get(Keys.step(i)) is not None for i in range(total)), total)
         rng = random.Random(knobs.seed)
-        # the plan is the run: where it expects no step within the budget (and log_dir holds none), nothing is sent
-        no_step = bool(total) and not plan.expected["total"].get("steps", total) and not plan.resume.get("steps")
+        # a budget that cannot pay for the first step's attempts (what the run knows before any call: its metric calls,
+        # and whatever a resumed record has spent) sends nothing: no step, refit or attribution
+        need = min(knobs.batch_size, len(run.trainset)) * knobs.num_generations + \
+            2 * min(knobs.probe_size, len(run.trainset))
+        short = run.record.reached(need) if total and not plan.resume.get("steps") else None
+        no_step = short is not None
         if no_step:
-            limits = ", ".join(f"{k}={v:g}" for k, v in plan.budget.items() if v is not None)
-            stopped = (f"the budget ({limits}) pays for no step of {knobs.batch_size} queries x "
-                       f"{knobs.num_generations} attempts at what the plan expects one to cost: nothing was sent; "
-                       "raise the budget, or lower batch_size or num_generations (optimizer.plan(...) shows the costs)")
+            stopped = (f"{short}: nothing was sent (raise the budget, or lower batch_size or num_generations; "
+                       "optimizer.plan(...) shows what a step needs)")
         try:
             if plan.refit and not no_step:
                 refit, kept = _refit(run, plan, state, held_out)

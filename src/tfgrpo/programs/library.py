@@ -20,7 +20,8 @@ wrote, sometimes after reading pages written by strangers (docs/long-runs.md say
 In a program of several predictors an experience names the predictors it is for (`predictors`; none: every one), and
 each predictor carries only its own (`for_predictor`). A new experience that says what one already says (their content
 words overlap by `fold_at` or more, `overlap`) is folded into it instead of added: the old wording stays, the sources
-of both are kept. `fit` keeps each predictor's library within a budget of tokens, retiring what was worth least.
+of both are kept. `fit` keeps each predictor's library within a budget of tokens, retiring the experience left
+unedited longest first.
 """
 
 from __future__ import annotations

@@ -118,13 +118,14 @@ def test_the_real_model_places_a_rule_on_a_predictor_of_the_program(local_lm):
     roles = {"plan": "question -> approach: Say how to search for the answer",
              "write_program": "numbers, approach -> code: Write a Python program that prints the expression"}
     learner = ContrastLearner(max_words=32, constrained="json_object")
+    before = len(local_lm.history)
     with dspy.context(lm=local_lm):
         rec = learner(task="numbers: [4, 7, 12, 12]", library=ExperienceLibrary(), allowed="Game of 24", roles=roles,
                       better_attempt="plan: try every order\ncode: ...\noutput: (7-4)*12-12\nresult: judged correct "
                                      "(reward 1.00)",
                       worse_attempt="plan: add them\ncode: print(4+7+12+12)\noutput: 35\nresult: judged wrong "
                                     "(reward 0.00)")
-    schema = local_lm.history[-1]["kwargs"]["response_format"]["schema"]
+    schema = local_lm.history[before]["kwargs"]["response_format"]["schema"]  # (the contrast call; a rewrite may follow)
     assert schema["properties"]["predictor"]["enum"] == ["plan", "write_program", "all"]
     if rec["operation"] is not None:
         assert rec["operation"].predictors in (["plan"], ["write_program"], ["all"]), rec

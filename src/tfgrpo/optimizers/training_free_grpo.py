@@ -220,11 +220,12 @@ class TrainingFreeGRPO(Teleprompter):
         if total:
             bar("step", sum(run.store.get(Keys.step(i)) is not None for i in range(total)), total)
         rng = random.Random(knobs.seed)
-        # a budget that cannot pay for the first step's attempts (what the run knows before any call: its metric calls,
-        # and whatever a resumed record has spent) sends nothing: no step, refit or attribution
+        # a new run whose budget cannot pay for the first step's attempts (what it knows before any call: the metric
+        # calls) sends nothing: no step, refit or attribution (a resume goes through its steps, the record answering)
         need = min(knobs.batch_size, len(run.trainset)) * knobs.num_generations + \
             2 * min(knobs.probe_size, len(run.trainset))
-        short = run.record.reached(need) if total and not plan.resume.get("steps") else None
+        short = run.record.reached(need) if total and not (plan.resume.get("steps") or plan.resume.get("calls")) \
+            else None
         no_step = short is not None
         if no_step:
             stopped = (f"{short}: nothing was sent (raise the budget, or lower batch_size or num_generations; "

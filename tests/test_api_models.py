@@ -3,7 +3,6 @@ network here): a failed call is no answer, a budget holds inside a step and a re
 model keeps the temperature it requires, `plan()` makes no call and foresees the calls, and the docs' API example
 runs."""
 
-import json
 import logging
 import re
 import subprocess

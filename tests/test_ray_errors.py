@@ -47,7 +47,6 @@ def test_a_node_that_imports_another_tfgrpo_is_refused_before_any_task_unless_as
     `__version__`, as `ray.init(runtime_env={"py_modules": [...]})` ships one, while the installed one is the same):
     the driver refuses it before any attempt runs, naming the node's version and the flag; with
     `ray_other_versions=True` the run goes on, says so, and keeps every node's versions."""
-    from tfgrpo.optimizers.knobs import Knobs
     from tfgrpo.testing.ray_cluster import LocalRayCluster
 
     other = tmp_path / "other" / "tfgrpo"

@@ -5,7 +5,6 @@ scripted LM, from the outside, as a user would."""
 import functools
 import logging
 import re
-import textwrap
 
 import dspy
 import pytest

@@ -16,7 +16,7 @@ from typing import Callable
 import dspy
 
 from tfgrpo.base.util import bootstrap_ci, read_jsonl_rows, write_atomic
-from tfgrpo.optimizers.record import totals
+from tfgrpo.optimizers.spend import totals
 from tfgrpo.optimizers.runner import Run, Scope
 from tfgrpo.optimizers.spend import metered
 from tfgrpo.optimizers.workers import with_own_lms

@@ -43,7 +43,7 @@ from typing import Any
 
 import dspy
 
-from tfgrpo.optimizers.spend import model_price
+from tfgrpo.optimizers.spend import call_cost, model_price, totals, usage_of
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ class Record:
             self._say_direct()
         if result is not None and key is not None and holds_text(result.outputs):
             entry = {"key": key, "scope": tag.scope, "stage": tag.stage, "model": model,
-                     "usage": {} if result.cache_hit else _usage(result.usage), "cost": None, "reply": result.dump()}
+                     "usage": {} if result.cache_hit else usage_of(result.usage), "cost": None, "reply": result.dump()}
             if result.cache_hit:
                 entry["free"] = True
         return self.take(entry, share)
@@ -218,7 +218,9 @@ class Record:
     def take(self, entry: dict | None, share: dict | None = None) -> dict | None:
         """Record a call's `entry` (priced here: its `cost`; None: nothing to record) and release `share`."""
         if entry is not None and not entry.get("free"):
-            entry["cost"] = self._cost(entry["model"], entry["usage"])
+            if entry["model"] not in self._prices:
+                self._prices[entry["model"]] = model_price(entry["model"], self.custom_prices)
+            entry["cost"] = call_cost(self._prices[entry["model"]], entry["usage"])
         line = json.dumps(entry, ensure_ascii=False, default=str) if entry is not None else None
         with self._lock:
             for name, value in (share or {}).items():
@@ -241,13 +243,6 @@ class Record:
         except OSError as exc:
             raise RecordError(exc if exc.filename else type(exc)(exc.errno, exc.strerror, str(self.path))) from exc
 
-    def _cost(self, model: str, usage: dict) -> float | None:
-        if model not in self._prices:
-            self._prices[model] = model_price(model, self.custom_prices)
-        price, cached = self._prices[model], usage.get("cached_tokens", 0)
-        return None if price is None else ((usage.get("prompt_tokens", 0) - cached) * price["input"]
-                                           + cached * price["cached_input"]
-                                           + usage.get("completion_tokens", 0) * price["output"])
 
     # -- the budget -------------------------------------------------------------------------------------------------
     def charge(self, stage: str, calls: int = 1) -> dict:
@@ -349,28 +344,10 @@ class Record:
             return {c["scope"] for c in self.calls} | set(self._scored)
 
 
-def totals(entries: list[dict]) -> dict:
-    """Calls, prompt, completion and cached tokens of call entries, and their cost where any had a known price."""
-    total = {"calls": len(entries), "prompt_tokens": sum(e["usage"].get("prompt_tokens", 0) for e in entries),
-             "completion_tokens": sum(e["usage"].get("completion_tokens", 0) for e in entries),
-             "cached_tokens": sum(e["usage"].get("cached_tokens", 0) for e in entries)}
-    costs = [e["cost"] for e in entries if e.get("cost") is not None]
-    return {**total, "cost": sum(costs)} if costs else total
-
-
 def add_usage(total: dict[str, float], more: dict[str, float]) -> dict[str, float]:
     for k, v in more.items():
         total[k] = total.get(k, 0) + v
     return total
-
-
-def _usage(usage: dict | None) -> dict[str, int]:
-    """A call's usage as DSPy reports it, in the record's terms."""
-    usage = usage or {}
-    details = usage.get("prompt_tokens_details") or {}
-    cached = details.get("cached_tokens") if isinstance(details, dict) else getattr(details, "cached_tokens", 0)
-    return {"prompt_tokens": int(usage.get("prompt_tokens") or 0),
-            "completion_tokens": int(usage.get("completion_tokens") or 0), "cached_tokens": int(cached or 0)}
 
 
 def _tokens(usage: dict) -> int:

@@ -131,10 +131,7 @@ class UsageMeter(UsageTracker):
         with self._lock:
             if lm not in self.prices:
                 self.prices[lm] = model_price(lm, self.custom)
-            price, cached = self.prices[lm], _cached(entry)
-            entry["cost"] = None if price is None else (
-                (int(entry.get("prompt_tokens") or 0) - cached) * price["input"] + cached * price["cached_input"]
-                + int(entry.get("completion_tokens") or 0) * price["output"])
+            entry["cost"] = call_cost(self.prices[lm], usage_of(entry))
             self.usage_data[lm].append(entry)
 
     def totals(self) -> dict[str, float]:
@@ -142,11 +139,7 @@ class UsageMeter(UsageTracker):
         while threads still report."""
         with self._lock:
             entries = [e for lm_entries in list(self.usage_data.values()) for e in lm_entries]
-        total = {"calls": len(entries), "prompt_tokens": sum(int(e.get("prompt_tokens") or 0) for e in entries),
-                 "completion_tokens": sum(int(e.get("completion_tokens") or 0) for e in entries),
-                 "cached_tokens": sum(_cached(e) for e in entries)}
-        costs = [e["cost"] for e in entries if e.get("cost") is not None]
-        return {**total, "cost": sum(costs)} if costs else total
+        return totals([{"usage": usage_of(e), "cost": e.get("cost")} for e in entries])
 
     def absorb(self, usage_data: dict[str, list[dict]]) -> None:
         """Take in every call another meter saw (its `usage_data`: a unit's own meter, into its stage's; a Ray task's)."""
@@ -155,8 +148,34 @@ class UsageMeter(UsageTracker):
                 self.usage_data[lm].extend(entries)
 
 
-def _cached(entry: dict) -> int:
-    return int((entry.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+def usage_of(usage: dict | None) -> dict[str, int]:
+    """A call's usage as DSPy reports it (LiteLLM's, `prompt_tokens_details` a dict or an object), as prompt,
+    completion and cached prompt tokens."""
+    usage = usage or {}
+    details = usage.get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens") if isinstance(details, dict) else getattr(details, "cached_tokens", 0)
+    return {"prompt_tokens": int(usage.get("prompt_tokens") or 0),
+            "completion_tokens": int(usage.get("completion_tokens") or 0), "cached_tokens": int(cached or 0)}
+
+
+def call_cost(price: dict[str, float] | None, usage: dict[str, int]) -> float | None:
+    """USD of one call's `usage` (`usage_of`'s terms) at `price` (`model_price`'s), cached prompt tokens at the cached
+    price; None where no price is known."""
+    if price is None:
+        return None
+    cached = usage.get("cached_tokens", 0)
+    return ((usage.get("prompt_tokens", 0) - cached) * price["input"] + cached * price["cached_input"]
+            + usage.get("completion_tokens", 0) * price["output"])
+
+
+def totals(entries: list[dict]) -> dict:
+    """Calls, prompt, completion and cached tokens of call entries (each with `usage` in `usage_of`'s terms and a
+    `cost`), and their cost where any had a known price."""
+    total = {"calls": len(entries), "prompt_tokens": sum(e["usage"].get("prompt_tokens", 0) for e in entries),
+             "completion_tokens": sum(e["usage"].get("completion_tokens", 0) for e in entries),
+             "cached_tokens": sum(e["usage"].get("cached_tokens", 0) for e in entries)}
+    costs = [e["cost"] for e in entries if e.get("cost") is not None]
+    return {**total, "cost": sum(costs)} if costs else total
 
 
 @contextlib.contextmanager

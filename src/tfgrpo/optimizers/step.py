@@ -39,7 +39,7 @@ from tfgrpo.base.util import clip
 from tfgrpo.optimizers.checkpoint import Keys
 from tfgrpo.optimizers.judge import judge, unresolvable
 from tfgrpo.optimizers.knobs import Knobs
-from tfgrpo.optimizers.record import totals
+from tfgrpo.optimizers.spend import totals
 from tfgrpo.optimizers.records import Failed, Group, Lessons, Scored, StepResult, Verdict
 from tfgrpo.optimizers.rewards import reference_example
 from tfgrpo.optimizers.runner import CONTEXT_REFUSALS, LearningPath, Run, Scope, State, TooManyFailuresError

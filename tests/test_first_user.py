@@ -1,8 +1,13 @@
 """What a first user meets: a plan that expects no step sends nothing, a log_dir that cannot be written gets one line
-with the fix, and a predictor built inside forward() gets a message that names the fix."""
+with the fix (and a finished run on read-only storage is still read), and a predictor built inside forward() gets a
+message that names the fix."""
 
+import contextlib
 import logging
+import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import dspy
@@ -50,6 +55,57 @@ def test_a_log_dir_that_cannot_be_written_is_one_line_with_the_fix():
                                       r"record .* Pass a writable log_dir"):
         TrainingFreeGRPO(metric, num_generations=2, log_dir=str(folder)).compile(
             dspy.Predict("question -> answer"), trainset=make_trainset(2))
+
+
+@contextlib.contextmanager
+def read_only(folder: Path):
+    """`folder` as read-only storage: through a read-only bind mount (root writes through permission bits), else with
+    its write bits cleared."""
+    if os.geteuid() != 0:
+        modes = {p: p.stat().st_mode for p in [folder, *folder.rglob("*")]}
+        for p in modes:
+            p.chmod(modes[p] & ~0o222)
+        try:
+            yield folder
+        finally:
+            for p, mode in modes.items():
+                p.chmod(mode)
+        return
+    view = folder.with_name(folder.name + "-ro")
+    view.mkdir()
+    mounted = subprocess.run(["mount", "--bind", str(folder), str(view)], capture_output=True).returncode == 0 and \
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(view)], capture_output=True).returncode == 0
+    try:
+        if not mounted:
+            pytest.skip("root here cannot make a read-only bind mount")
+        yield view
+    finally:
+        subprocess.run(["umount", str(view)], capture_output=True)
+        view.rmdir()
+
+
+def test_a_finished_run_on_read_only_storage_is_read_and_an_unfinished_one_names_the_fix(tmp_path):
+    """A second compile on a finished run's log_dir, now on read-only storage, returns the learned program with no call
+    (its steps reused); one with a step still to run stops where it would write, with the one-line fix."""
+    trainset, done, half = make_trainset(4), tmp_path / "done", tmp_path / "half"
+
+    def compile(log_dir, lm):
+        dspy.configure(lm=lm)
+        return TrainingFreeGRPO(metric, num_generations=2, batch_size=2, num_train_epochs=1,
+                                log_dir=str(log_dir)).compile(dspy.Predict("question -> answer"), trainset=trainset)
+
+    first = compile(done, ScriptedLM(learner))
+    assert "check the carry" in first.predictors()[0].signature.instructions  # (it learned: there is a library)
+    shutil.copytree(done, half)
+    for path in half.glob("steps/0001*"):
+        path.unlink()
+    with read_only(tmp_path) as view:
+        again = compile(view / "done", lm := ScriptedLM(learner))
+        assert lm.calls == [] and again.predictors()[0].signature.instructions == \
+            first.predictors()[0].signature.instructions
+        with pytest.raises(OSError, match=r"log_dir .*half cannot be written \(.*\): .* copy the folder somewhere "
+                                          r"writable and pass the copy"):
+            compile(view / "half", ScriptedLM(learner))
 
 
 class BuiltInForward(dspy.Module):

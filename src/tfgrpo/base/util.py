@@ -4,6 +4,7 @@ a JSON-safe copy), and the bootstrap CI of a mean."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -57,7 +58,8 @@ def write_atomic(path: str | Path, text: str) -> Path:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as exc:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # (read-only storage: the file was never made, and cannot be removed)
+            tmp.unlink(missing_ok=True)
         if isinstance(exc, OSError) and exc.filename is None and exc.errno is not None:
             raise type(exc)(exc.errno, exc.strerror, str(path)) from exc  # "[Errno 28] No space left on device: 'path'"
         raise

@@ -20,6 +20,8 @@ for the compile's lifetime and writes who holds it (pid, host, command, since) i
 refused at once with a `RunLockedError` naming the holder. The kernel drops a flock when its process dies, however it
 dies, so a lock left by a killed run is simply taken over. The lock is re-entrant within one thread (the CLI holds it
 around the whole command, the optimizer again around its compile); where `fcntl` is missing (Windows) nothing is locked.
+On read-only storage a log_dir that holds a run is opened under a shared lock: a finished run is read (its steps
+reused, no call made); one with work left stops at its first write, with the fix (copy the folder).
 A saved file that does not parse (written by something else) is treated as absent and made again. run.json is
 different: without it nothing says which settings the saved work was made with, so a log_dir that holds work but no
 readable run.json is refused, never reused; and so is a log_dir an earlier tfgrpo wrote (one file per unit of work,
@@ -36,6 +38,7 @@ call (a refusal, an outage in its first calls) never blocks the corrected run, w
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import importlib.metadata
 import inspect
@@ -175,13 +178,20 @@ class Checkpoint:
         return self._read(self.root / f"{key}.json") if self.root is not None else None
 
     def put(self, key: str, value: Any) -> None:
-        if self.root is not None and not self.closed:
-            write_atomic(self.root / f"{key}.json", json.dumps(value, ensure_ascii=False))
+        self._write(f"{key}.json", json.dumps(value, ensure_ascii=False))
 
     def put_rows(self, key: str, rows: list[dict]) -> None:
         """Save `rows` under `key` as JSON lines (`key.jsonl`)."""
+        self._write(f"{key}.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+    def _write(self, name: str, text: str) -> None:
         if self.root is not None and not self.closed:
-            write_atomic(self.root / f"{key}.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+            try:
+                write_atomic(self.root / name, text)
+            except OSError as exc:
+                if exc.errno not in (errno.EROFS, errno.EACCES):
+                    raise
+                raise _unwritable(self.root, exc) from None
 
     @staticmethod
     def _read(path: Path) -> Any | None:
@@ -345,9 +355,13 @@ class RunLock:
             try:
                 f = open(self.path, "a+", encoding="utf-8")
             except OSError as exc:
-                raise _unwritable(self.path.parent, exc) from None
+                if exc.errno not in (errno.EROFS, errno.EACCES) or not self.path.is_file():
+                    raise _unwritable(self.path.parent, exc) from None
+                # read-only storage that holds a run: a finished run can still be read (its steps reused, its calls
+                # answered from the record); whatever it would have to write fails then, with the same fix
+                f = open(self.path, encoding="utf-8")
             try:
-                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(f.fileno(), (fcntl.LOCK_EX if f.writable() else fcntl.LOCK_SH) | fcntl.LOCK_NB)
             except OSError:
                 f.seek(0)
                 holder = f.read().strip() or "another process (it has not written its name yet)"
@@ -355,11 +369,12 @@ class RunLock:
                 raise RunLockedError(
                     f"{self.path.parent} is in use by another compile ({holder}); two runs in one folder would mix "
                     "their work. Wait for it to end (or stop it), or use another log_dir/run_dir", holder) from None
-            f.seek(0)
-            f.truncate()
-            f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}: "
-                    f"{' '.join(sys.argv) or sys.executable}\n")
-            f.flush()
+            if f.writable():
+                f.seek(0)
+                f.truncate()
+                f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}: "
+                        f"{' '.join(sys.argv) or sys.executable}\n")
+                f.flush()
             _held[key] = [threading.get_ident(), 1, f]
         return self
 
@@ -375,6 +390,7 @@ class RunLock:
             if entry[1] == 0:
                 del _held[key]
                 f = entry[2]
-                f.truncate(0)  # the file stays (removing it would race a process about to lock it); it says nobody
+                if f.writable():  # the file stays (removing it would race a process about to lock it); it says nobody
+                    f.truncate(0)
                 fcntl.flock(f.fileno(), fcntl.LOCK_UN)
                 f.close()

@@ -308,3 +308,27 @@ def test_the_api_page_shows_no_builtin_docstring_and_every_knob_s_type(api_page)
     entries = "".join(text(section(api_page, cls, f"{cls}.compile")).split())
     for name, knob in KNOBS.items():  # (the page names a type without its module: BaseLM, PathLike)
         assert f"{name}({re.sub(r'[a-z]+[.]', '', knob.type)},default:".replace(" ", "") in entries, name
+
+
+PLAN_LINE = re.compile(r"^\s*expected: \d[\d,]* calls, .*$", re.M)  # a plan's figures, as `plan().summary()` says them
+
+
+def test_every_plan_a_page_shows_is_what_the_code_prints_today(tmp_path):
+    """Each `expected: N calls, ...` line a user page shows is one that `tfgrpo compile CONFIG --dry-run` prints today
+    for a config a page names with --dry-run, or that examples/provider_simulator.py prints (the tutorial's first
+    run): a change of the plan's estimate fails here until the pages show the new figures."""
+    pages = {path: path.read_text(encoding="utf-8") for path in user_pages()}
+    configs = sorted({c for text in pages.values() for c in re.findall(r"(configs/[\w.-]+\.toml) --dry-run", text)})
+    assert "configs/local.toml" in configs, "the main job's plan is shown with the command that prints it"
+    printed = [subprocess.run([sys.executable, "-m", "tfgrpo.cli", "compile", str(ROOT / config), "--dry-run"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300) for config in configs]
+    printed.append(subprocess.run([sys.executable, str(ROOT / "examples" / "provider_simulator.py")], cwd=tmp_path,
+                                  capture_output=True, text=True, timeout=300))
+    assert all(run.returncode == 0 for run in printed), [run.stderr[-2000:] for run in printed]
+    today = {" ".join(line.split()) for run in printed for line in PLAN_LINE.findall(run.stdout + run.stderr)}
+    assert today, "the dry runs print no plan line"
+    shown = [(path.relative_to(ROOT), " ".join(line.split())) for path, text in pages.items()
+             for line in PLAN_LINE.findall(text)]
+    stale = [f"{path}: {line}" for path, line in shown if line not in today]
+    assert shown and not stale, "a page shows a plan the code no longer prints:\n" + "\n".join(stale) + \
+        "\nwhat it prints today:\n" + "\n".join(sorted(today))

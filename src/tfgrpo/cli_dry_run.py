@@ -49,21 +49,23 @@ def dry_run(cfg: Config, parts, data: tuple[list, list | None, list | None], kno
     table.add_row("[bold]run total", f"{total['calls']:,}", f"{total['prompt_tokens']:,}",
                   f"{total['completion_tokens']:,}", cost, f"{plan.bound['total']['calls']:,}")
     console.print(table)
-    console.print(plan.summary(), markup=False, highlight=False)
+    console.print(plan.summary(), markup=False, highlight=False, soft_wrap=True)  # (whole lines: a terminal wraps them)
     for line in warnings(cfg, plan.knobs.batch_size, len(trainset)):
         console.print(line, style="yellow", markup=False, highlight=False, soft_wrap=True)
     bound = plan.bound["total"]
     console.print(f"at most: {bound['calls']:,} calls, {bound['prompt_tokens']:,} prompt + "
-                  f"{bound['completion_tokens']:,} completion tokens (every call sent twice, replies at max_tokens)")
+                  f"{bound['completion_tokens']:,} completion tokens (every call sent twice, replies at max_tokens)",
+                  soft_wrap=True)
     for knob, value in plan.budget.items():
         if value is not None:
             shown = f"${value:g}" if knob == "max_cost" else f"{value:,}"
             console.print(f"{knob} = {shown}: charged before each unit of work, the run stops where the next one would "
-                          "not fit (a resume with a larger budget goes on)")
+                          "not fit (a resume with a larger budget goes on)", soft_wrap=True)
     held = held_out if held_out is not None else valset
     if (worth := attribution_runs(plan.knobs, len(trainset), len(held or []))).get("runs"):
         console.print(f"attribution ({worth['method']}, up to {worth['items']} items): at most {worth['runs']:,} program "
-                      f"runs of {plan.turns} call(s) on {len(held)} held-out queries, after the compile")
+                      f"runs of {plan.turns} call(s) on {len(held)} held-out queries, after the compile",
+                      soft_wrap=True)
 
 
 def warnings(cfg: Config, batch_size: int, train_size: int) -> list[str]:

@@ -52,6 +52,7 @@ def test_a_dry_run_needs_no_api_key_and_says_a_run_does(tmp_path):
     real = invoke("compile", str(path))  # refused before anything starts
     assert real.exit_code == 2
     assert f"policy.api_key_env names '{UNSET}', which is not set in the environment" in real.output
+    assert "an API key it needs is not in the environment" in real.output and "invalid config" not in real.output
 
 
 def test_a_dry_run_warns_of_a_batch_larger_than_the_trainset(tmp_path):

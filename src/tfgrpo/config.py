@@ -16,6 +16,7 @@ from typing import Any, Literal, get_args, get_type_hints
 
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, create_model, field_validator,
                       model_validator)
+from pydantic_core import PydanticCustomError
 
 from tfgrpo.local_model import DEFAULT_SPECULATIVE, SpeculativeMode
 from tfgrpo.local_weights import DEFAULT_MODEL, MODELS
@@ -87,8 +88,8 @@ class LMConfig(_Strict):
                              "shown): put the key in an environment variable and give its name, such as "
                              "api_key_env = \"OPENAI_API_KEY\"")
         if value and value not in os.environ and (info.context or {}).get("need_keys", True):
-            raise ValueError(f"api_key_env names {value!r}, which is not set in the environment: export {value}=... "
-                             "first (a dry run needs none)")
+            raise PydanticCustomError("missing_key", "api_key_env names '{name}', which is not set in the environment: "
+                                      "export {name}=... first (a dry run needs none)", {"name": value})
         return value
 
 
@@ -277,7 +278,9 @@ class Config(_Strict):
         try:
             return cls.model_validate(data, context={"need_keys": need_keys})
         except ValidationError as exc:
-            raise ConfigError(f"{path}: invalid config\n  " + "\n  ".join(map(_line, exc.errors()))) from None
+            keys_only = all(e["type"] == "missing_key" for e in exc.errors())  # a valid file, an environment without
+            said = "an API key it needs is not in the environment" if keys_only else "invalid config"  # (its key)
+            raise ConfigError(f"{path}: {said}\n  " + "\n  ".join(map(_line, exc.errors()))) from None
 
 
 # Optional keys whose None has a name of its own in a file; any other optional key is None where it is left out.

@@ -2,7 +2,7 @@
 `max_library_tokens`, and the prompt tokens a call pays with the placed library against the whole library in every
 predictor.
 
-    .venv/bin/python -m benchmarks.library_budget --steps 40 --budget 96 --plot docs/img/library-tokens.png
+    .venv/bin/python -m benchmarks.library_budget --steps 40 --budget 96 --plot docs/assets/library-tokens.png
 
 A three-predictor program (a plan, a ChainOfThought solver, a check: all plain text fields) compiles on the fake LM
 server (`tfgrpo.testing.FakeLMServer`, started here), whose learning calls add a lesson every step and place each on

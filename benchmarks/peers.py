@@ -22,7 +22,8 @@ arms also checkpoint every unit), so an interrupted run resumes where it stopped
 (min: the worst seed's score)
 each after a `#` line placing the arm on the cost frontier (dominated or not by a cheaper arm that beats it by a
 paired CI; which of the arms spending no more calls it beats), and a plot, --out/<task>/peers.png: held-out score
-against compile calls, one point per arm with its 95% CI. With
+against compile calls, one point per arm with its 95% CI: the arms of --out/<task>/table.md where there is one (the
+results table the documentation includes, so the plot shows the table's rows), else the menu's measured arms. With
 --mlflow URI every arm and seed is its own MLflow run (experiment peers-<task>), to compare them in MLflow's UI.
 """
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import re
 import statistics
 import threading
 import time
@@ -83,7 +85,8 @@ EXPLORED = {
                                 "no gain on GSM8K, removed)",
     "tfgrpo-compound+demos": "a demo kept on a sign test (probe_alpha=0.15), half of each group without the demos "
                              "(num_explore_generations=2): lower on held-out puzzles, removed",
-    "tfgrpo-default-before-66": "the default before issue 66's stops (probe_min_power, stop_when_nothing_to_learn)",
+    "tfgrpo-default-no-stops": "the default before issue 66's stops (probe_min_power, stop_when_nothing_to_learn): "
+                               "the settings of tfgrpo-probed-wide+demos run again (saved as tfgrpo-default-before-66)",
     "tfgrpo-default-first-stops": "issue 66's first stops: a step's learning calls made before its probe was "
                                   "skipped (tfgrpo-default replays these draws without them)",
     "tfgrpo-default-stop-ahead": "the same draws stopped one step sooner, where the program a probe kept left the "
@@ -97,6 +100,8 @@ EXPLORED = {
     "tfgrpo-default-look-contrast-fill": "the first look with a skipped probe's free slots filled from groups with "
                                          "contrast only (replayed; fewer demos kept: superseded)",
 }
+# Arms whose results are saved under another directory name; the report and the results tables give the key.
+SAVED_AS = {"tfgrpo-default-no-stops": "tfgrpo-default-before-66"}
 PEER_ARMS = ("baseline", "bootstrap", "bootstrap-rs", "bootstrap-rs-solved", "infer-rules", "knn",
              "knn-bootstrapped", "simba", "simba-solved", "gepa", "mipro")
 KNN_ARMS = ("knn", "knn-bootstrapped")  # compile a pool of solved examples; evaluate by retrieving from it
@@ -299,6 +304,7 @@ def load_results(out: Path, task: str) -> dict[str, dict[int, dict]]:
     found: dict[str, dict[int, dict]] = {}
     for path in sorted((out / task).glob("*/seed*/eval.jsonl")):
         arm, seed = path.parent.parent.name, int(path.parent.name[4:])
+        arm = next((shown for shown, saved in SAVED_AS.items() if saved == arm), arm)
         info = path.parent / "compile.json"
         found.setdefault(arm, {})[seed] = {"rows": read_rows(path),
                                            "compile": json.loads(info.read_text()) if info.exists() else {}}
@@ -311,6 +317,28 @@ def paired(results, a: str, b: str) -> dict:
     rows_a = [dict(r, run=s) for s in seeds for r in results[a][s]["rows"]]
     rows_b = [dict(r, run=s) for s in seeds for r in results[b][s]["rows"]]
     return paired_difference(rows_b, rows_a)
+
+
+def table_arms(table: Path) -> list[str] | None:
+    """The arms a results table names, row by row (the first cell's first `code`), or None where there is no table."""
+    if not table.exists():
+        return None
+    return re.findall(r"^\|\s*(?:\*\*)?`([^`]+)`", table.read_text(encoding="utf-8"), re.MULTILINE)
+
+
+def plot_points(results, arms: list[str]) -> list[tuple[str, float, float, float, float]]:
+    """(arm, mean compile calls per seed, held-out score, 95% CI low, high) of each of `arms` from the saved results:
+    the points of the report's plot. The CI is a bootstrap over problems of each problem's mean over the seeds."""
+    if missing := [a for a in arms if a not in results]:
+        raise SystemExit(f"no saved results for {', '.join(missing)}")
+    points = []
+    for arm in arms:
+        seeds = results[arm].values()
+        means = list(per_problem([r for s in seeds for r in s["rows"]]).values())
+        lo, hi = bootstrap_ci([statistics.fmean(m) for m in means])
+        points.append((arm, statistics.fmean(s["compile"].get("calls", 0) for s in seeds),
+                       statistics.fmean(r["score"] for s in seeds for r in s["rows"]), lo, hi))
+    return points
 
 
 def report(args) -> None:
@@ -326,16 +354,13 @@ def report(args) -> None:
               f"{lift['ci95'][0]:+.3f} .. {lift['ci95'][1]:+.3f})")
     if missing := [a for a in menu(args.task) if a not in results]:
         print(f"# not measured on {args.task}: {', '.join(missing)}")
-    points, spent = [], {a: statistics.fmean(s["compile"].get("calls", 0) for s in results[a].values()) for a in arms}
+    spent = {a: statistics.fmean(s["compile"].get("calls", 0) for s in results[a].values()) for a in arms}
     for arm in sorted(arms, key=lambda a: (a != "baseline", a)):
         seeds, calls = results[arm], spent[arm]
         lift = paired(results, arm, "baseline")
         others = [o for o in arms if o != arm]
         best = max(others, key=lambda o: score[o]) if others else None
         vs = paired(results, arm, best) if best else {"difference": 0.0, "ci95": (0.0, 0.0)}
-        means = list(per_problem([r for s in seeds.values() for r in s["rows"]]).values())
-        lo, hi = bootstrap_ci([statistics.fmean(m) for m in means])
-        points.append((arm, calls, score[arm], lo, hi))
         wall = statistics.fmean(s["compile"].get("wall_s", 0) for s in seeds.values())
         tokens = statistics.fmean(s["compile"].get("prompt_tokens", 0) + s["compile"].get("completion_tokens", 0)
                                   for s in seeds.values())
@@ -353,8 +378,10 @@ def report(args) -> None:
         print(f"peers: task={args.task} optimizer={arm} seeds={len(seeds)} problems={lift['problems']} calls={calls:.0f} "
               f"score={score[arm]:.3f} min={min(statistics.fmean(r['score'] for r in s['rows']) for s in seeds.values()):.3f} "
               f"lift={lift['difference']:+.3f} ci_low={lift['ci95'][0]:+.3f} vs_best_other={vs['difference']:+.3f} ci_low_vs_best={vs['ci95'][0]:+.3f}", flush=True)
-    path = Path(args.out) / args.task / "peers.png"
-    print(f"plot: {score_against_cost(points, path, f'{args.task}: held-out score against compile cost')}")
+    where = Path(args.out) / args.task
+    shown = table_arms(where / "table.md") or arms  # the results table's rows, where there is a table
+    title = f"{args.task}: held-out score against compile cost"
+    print(f"plot: {score_against_cost(plot_points(results, shown), where / 'peers.png', title)}")
 
 
 def frontier(results, arm: str, spent: dict[str, float]) -> str:

@@ -126,15 +126,21 @@ def test_the_example_script_runs(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def api_page(tmp_path_factory) -> str:
-    """The built API page's HTML (mkdocs build --strict, as CI builds the site; not -q, with which mkdocs 1.6 drops its
-    warnings before --strict counts them)."""
+def built_site(tmp_path_factory) -> Path:
+    """The site as CI builds it (mkdocs build --strict; not -q, with which mkdocs 1.6 drops its warnings before
+    --strict counts them)."""
     pytest.importorskip("mkdocstrings_handlers.python", reason="the docs extra is not installed")
     site = tmp_path_factory.mktemp("site")
     build = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)], cwd=ROOT,
                            capture_output=True, text=True, timeout=300, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert build.returncode == 0, build.stderr[-3000:]
-    return (site / "api" / "index.html").read_text(encoding="utf-8")
+    return site
+
+
+@pytest.fixture(scope="module")
+def api_page(built_site) -> str:
+    """The built API page's HTML."""
+    return (built_site / "api" / "index.html").read_text(encoding="utf-8")
 
 
 def text(fragment: str) -> str:
@@ -332,3 +338,24 @@ def test_every_plan_a_page_shows_is_what_the_code_prints_today(tmp_path):
     stale = [f"{path}: {line}" for path, line in shown if line not in today]
     assert shown and not stale, "a page shows a plan the code no longer prints:\n" + "\n".join(stale) + \
         "\nwhat it prints today:\n" + "\n".join(sorted(today))
+
+
+def test_the_pages_give_the_code_s_address_from_pyproject_or_say_it_has_none(built_site, tmp_path):
+    """Where a reader gets the code: pyproject.toml's [project.urls] (none is set: the pages say so, and make no
+    address up); with one, the clone command and the site's repository link (docs/hooks/repository.py)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("repository_hook", ROOT / "docs" / "hooks" / "repository.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    published = tmp_path / "pyproject.toml"
+    published.write_text('[project]\nname = "tfgrpo"\n[project.urls]\nRepository = "https://example.org/tfgrpo.git"\n')
+    assert hook.get_the_code(hook.address(published)).startswith(
+        "Get the code with `git clone https://example.org/tfgrpo.git tfgrpo && cd tfgrpo`")
+    assert hook.on_config({"repo_url": None}) == {"repo_url": hook.address()}
+    said = "".join(hook.get_the_code(hook.address()).replace("`", "").split())  # (spaces aside: markup adds some)
+    for page in ("index.md", "install.md", "contributing.md"):
+        assert hook.MARKER in (ROOT / "docs" / page).read_text(encoding="utf-8"), page
+        built = built_site / ("" if page == "index.md" else page[:-3]) / "index.html"
+        assert said in "".join(text(built.read_text(encoding="utf-8")).split()), page
+    assert not [p for p in user_pages() if "this site is built from" in p.read_text(encoding="utf-8")]

@@ -33,12 +33,32 @@ def test_a_budget_that_pays_for_no_step_sends_nothing_and_says_why(tmp_path, cap
                                  log_dir=str(tmp_path / "run"))
     plan = optimizer.plan(dspy.Predict("question -> answer"), trainset=make_trainset(8), valset=make_trainset(4))
     assert plan.expected["total"]["steps"] == 0 and "0 step(s)" in plan.summary()
+    assert "no step: budget max_metric_calls=5 cannot pay for a step (16 attempts" in plan.summary()
+    assert "compile sends nothing" in plan.summary()
     compiled = optimizer.compile(dspy.Predict("question -> answer"), trainset=make_trainset(8),
                                  valset=make_trainset(4))
     assert lm.calls == []  # not one call: no step, no validation, no attribution
     stopped = compiled.detailed_results.stopped_early
     assert "max_metric_calls=5 cannot pay for another step" in stopped and "(16 attempts" in stopped
     assert "nothing was sent" in stopped and stopped in caplog.text
+
+
+def test_a_token_budget_below_the_first_step_s_estimate_is_said_as_the_run_meets_it(tmp_path):
+    """Before its first call a run knows a step's cost in metric calls only: a token budget that the estimate says the
+    first step passes is not "0 steps" in the plan but a first step that the budget stops, which is what compile
+    does (and a resume with a larger budget goes on from its calls)."""
+    lm = ScriptedLM(learner)
+    dspy.configure(lm=lm)
+    optimizer = TrainingFreeGRPO(metric, num_generations=4, batch_size=4, max_total_tokens=2000,
+                                 log_dir=str(tmp_path / "run"))
+    plan = optimizer.plan(dspy.Predict("question -> answer"), trainset=make_trainset(8))
+    summary = plan.summary()
+    assert plan.expected["total"]["steps"] == 1 and "1 step(s) (of" in summary and "0 step(s)" not in summary
+    assert re.search(r"first step: budget max_total_tokens=2000 is below what its 16 attempts are expected to need "
+                     r"\(~[\d,]+, an estimate", summary), summary
+    compiled = optimizer.compile(dspy.Predict("question -> answer"), trainset=make_trainset(8))
+    assert lm.calls and "budget max_total_tokens=2000 reached" in compiled.detailed_results.stopped_early
+    assert not compiled.detailed_results.steps  # the first step did not finish
 
 
 def test_a_log_dir_that_cannot_be_written_is_one_line_with_the_fix():

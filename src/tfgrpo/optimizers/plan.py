@@ -117,6 +117,8 @@ class Plan:
                  f"budget: {limits}" + ("; the run may stop sooner where more calls cannot pay (probe_min_power, "
                                         "stop_when_nothing_to_learn)" if self.knobs.probe_min_power or
                                         self.knobs.stop_when_nothing_to_learn else "")]
+        if total.get("budget_note") and not (self.resume.get("steps") or self.resume.get("calls")):
+            lines.append(total["budget_note"])
         if self.knobs.backend == "ray":
             lines.append("backend: ray: each attempt a task on the Ray cluster (RAY_ADDRESS, or the one ray.init() "
                          "finds); the budget, the record and the learning calls here")
@@ -446,7 +448,7 @@ def estimate(knobs: Knobs, program: dspy.Module, trainset: list, valset: list | 
              "metric": pilot.get("metric") if pilot else None}  # a judge's calls per scored attempt, as piloted
     scheduled = knobs.total_steps(len(trainset))
     per_step = _tally(knobs, sizes, learning_path, False, scheduled)["per_step"]
-    steps = reachable_steps(knobs, per_step, scheduled, len(trainset))
+    steps, budget_note = reachable_steps(knobs, per_step, scheduled, len(trainset))
     per_epoch = -(-len(trainset) // knobs.batch_size)
     validated = min(knobs.num_train_epochs, -(-steps // per_epoch) if steps == scheduled else steps // per_epoch)
     items = attribution_runs(knobs, len(trainset), len(held_out or []), steps=steps)
@@ -459,7 +461,7 @@ def estimate(knobs: Knobs, program: dspy.Module, trainset: list, valset: list | 
              "valset": len(valset or []) if validated or (measured and held_out is valset) else 0,
              "attribution_set": len(held_out or []) if measured and held_out is not valset else 0}
     for tally in (expected, bound):
-        tally["total"].update(steps=steps, scheduled_steps=scheduled, examples_read=reads,
+        tally["total"].update(steps=steps, scheduled_steps=scheduled, examples_read=reads, budget_note=budget_note,
                               reply=f"{sizes['reply']} tokens (from {sizes['reply_source']})")
     expected["total"]["attribution"] = items
     expected["total"]["cost_unlearned"] = _tally(knobs, sizes, learning_path, False, steps, growth=0)["total"]["cost"]
@@ -497,10 +499,14 @@ def pilot_usage(program: dspy.Module, examples: list, knobs: Knobs, metric=None)
             "spent": f", ${sum(spent):.4f}" if spent else "", "metric": per}
 
 
-def reachable_steps(knobs: Knobs, per_step: dict, scheduled: int, trainset_size: int) -> int:
+def reachable_steps(knobs: Knobs, per_step: dict, scheduled: int, trainset_size: int) -> tuple[int, str | None]:
     """How many of the `scheduled` steps the budgets let the run start, at what a step is expected to spend
-    (`per_step`, by stage): the run starts a step only where what is left pays for its rollouts and a probe of the
-    program and one edit, at what an attempt has cost (`Budget.reached`); the steps before it spend a whole step each."""
+    (`per_step`, by stage), as the run decides (`Record.reached`): it starts a step only where what is left pays for
+    its rollouts and a probe of the program and one edit, each attempt at what one has cost so far; the steps before
+    it spend a whole step each. Before its first call a run knows only what those attempts cost in metric calls, so
+    the first step is refused by `max_metric_calls` alone: a token or dollar budget that the estimate says it passes
+    stops the run inside that step. With the steps, what the plan says of a budget that lets no whole step run, or
+    None."""
     attempts = min(knobs.batch_size, trainset_size) * knobs.num_generations
     need = attempts + 2 * min(knobs.probe_size, trainset_size)
     rollout = per_step["rollout"]
@@ -512,14 +518,25 @@ def reachable_steps(knobs: Knobs, per_step: dict, scheduled: int, trainset_size:
     one = {"metric_calls": 1, "cost": ((rollout["cost"] or 0.0) + (scored.get("cost") or 0.0)) / max(attempts, 1),
            "tokens": sum(s.get(k, 0) for s in (rollout, scored) for k in ("prompt_tokens", "completion_tokens"))
            / max(attempts, 1)}
-    steps = scheduled
-    for name, limit in (("metric_calls", knobs.max_metric_calls), ("tokens", knobs.max_total_tokens),
-                        ("cost", knobs.max_cost)):
+    steps, said = scheduled, None
+    for name, knob, limit in (("metric_calls", "max_metric_calls", knobs.max_metric_calls),
+                              ("tokens", "max_total_tokens", knobs.max_total_tokens), ("cost", "max_cost", knobs.max_cost)):
         if limit is None or not whole[name]:
             continue
         fits = 0 if limit < need * one[name] else int((limit - need * one[name]) // whole[name]) + 1
+        if fits == 0 and name == "metric_calls":
+            said = said or (f"no step: budget {knob}={limit:g} cannot pay for a step ({need} attempts: its rollouts, "
+                            "and a probe of the program and one edit, where it probes); compile sends nothing (raise "
+                            "the budget, or lower batch_size or num_generations)")
+        elif fits == 0:
+            shown = f"${need * one[name]:.4f}" if name == "cost" else f"{need * one[name]:,.0f}"
+            said = said or (f"first step: budget {knob}={limit:g} is below what its {need} attempts are expected to "
+                            f"need (~{shown}, an estimate: plan(..., pilot=N) measures a reply); the run starts it and "
+                            "stops at the first call that would pass the budget (a resume with a larger budget goes on from the calls "
+                            "it made)")
+            fits = 1
         steps = min(steps, fits)
-    return steps
+    return steps, said
 
 
 def _tally(knobs: Knobs, sizes: dict, learning_path: str, bound: bool, steps: int, growth: float = GROWTH) -> dict:

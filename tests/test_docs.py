@@ -168,7 +168,9 @@ def test_the_api_page_documents_every_knob_from_its_one_declaration(api_page):
         said = "".join(knob.metadata["doc"].replace("`", "").split()[:6])  # spaces aside: markup leaves some
         assert "".join(rows[name].split()).startswith(said), f"{name}: the API page says {rows[name][:80]!r}"
     signature = text(section(api_page, cls, f"{cls}.compile"))
-    assert "num_generations = 5" in signature and "knob(" not in signature  # the defaults, not their declaration
+    compact = "".join(signature.split())  # (spaces aside: the highlighter splits tokens)
+    assert "num_generations:int=5" in compact and "knob(" not in signature  # the defaults, not their declaration
+    assert 'TrainingFreeGRPO(metric:Callable,*,auto:str|None="auto"' in compact  # typed, as declared
 
 
 def test_the_api_page_documents_compile(api_page):

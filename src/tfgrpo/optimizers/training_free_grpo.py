@@ -71,7 +71,8 @@ DOC = """Learns a library of natural-language experiences for a DSPy program, an
 """
 
 
-_SIGNATURE = inspect.Signature([inspect.Parameter("metric", inspect.Parameter.POSITIONAL_OR_KEYWORD)] + [
+_SIGNATURE = inspect.Signature([inspect.Parameter("metric", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                  annotation="Callable")] + [
     inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
     for name, f in KNOBS.items()])
 

@@ -359,7 +359,10 @@ class RunLock:
                     raise _unwritable(self.path.parent, exc) from None
                 # read-only storage that holds a run: a finished run can still be read (its steps reused, its calls
                 # answered from the record); whatever it would have to write fails then, with the same fix
-                f = open(self.path, encoding="utf-8")
+                try:
+                    f = open(self.path, encoding="utf-8")
+                except OSError:
+                    raise _unwritable(self.path.parent, exc) from None
             try:
                 fcntl.flock(f.fileno(), (fcntl.LOCK_EX if f.writable() else fcntl.LOCK_SH) | fcntl.LOCK_NB)
             except OSError:

@@ -16,6 +16,7 @@ import pytest
 from scripted_lm import ScriptedLM
 from test_optimizer import make_trainset, metric
 from test_resume import learner
+from tfgrpo.base.util import write_atomic
 from tfgrpo.optimizers import TrainingFreeGRPO
 
 
@@ -126,6 +127,9 @@ def test_a_finished_run_on_read_only_storage_is_read_and_an_unfinished_one_names
         with pytest.raises(OSError, match=r"log_dir .*half cannot be written \(.*\): .* copy the folder somewhere "
                                           r"writable and pass the copy"):
             compile(view / "half", ScriptedLM(learner))
+        with pytest.raises(OSError) as refused:  # what the CLI then saves is named, not its temporary file
+            write_atomic(view / "done" / "program.json", "{}")
+        assert refused.value.filename == str(view / "done" / "program.json")
 
 
 class BuiltInForward(dspy.Module):

@@ -60,8 +60,9 @@ def write_atomic(path: str | Path, text: str) -> Path:
     except BaseException as exc:
         with contextlib.suppress(OSError):  # (read-only storage: the file was never made, and cannot be removed)
             tmp.unlink(missing_ok=True)
-        if isinstance(exc, OSError) and exc.filename is None and exc.errno is not None:
-            raise type(exc)(exc.errno, exc.strerror, str(path)) from exc  # "[Errno 28] No space left on device: 'path'"
+        if isinstance(exc, OSError) and exc.filename in (None, str(tmp)) and exc.errno is not None:
+            # "[Errno 28] No space left on device: 'path'": the file asked for, not the temporary one
+            raise type(exc)(exc.errno, exc.strerror, str(path)) from exc
         raise
     return path
 

@@ -532,8 +532,8 @@ def reachable_steps(knobs: Knobs, per_step: dict, scheduled: int, trainset_size:
             shown = f"${need * one[name]:.4f}" if name == "cost" else f"{need * one[name]:,.0f}"
             said = said or (f"first step: budget {knob}={limit:g} is below what its {need} attempts are expected to "
                             f"need (~{shown}, an estimate: plan(..., pilot=N) measures a reply); the run starts it and "
-                            "stops at the first call that would pass the budget (a resume with a larger budget goes on from the calls "
-                            "it made)")
+                            "stops at the first call that would pass the budget (a resume with a larger budget goes on "
+                            "from the calls it made)")
             fits = 1
         steps = min(steps, fits)
     return steps, said

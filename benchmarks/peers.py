@@ -86,7 +86,7 @@ EXPLORED = {
     "tfgrpo-compound+demos": "a demo kept on a sign test (probe_alpha=0.15), half of each group without the demos "
                              "(num_explore_generations=2): lower on held-out puzzles, removed",
     "tfgrpo-default-no-stops": "the default before issue 66's stops (probe_min_power, stop_when_nothing_to_learn): "
-                               "the settings of tfgrpo-probed-wide+demos run again (saved as tfgrpo-default-before-66)",
+                               "the settings of tfgrpo-probed-wide+demos run again",
     "tfgrpo-default-first-stops": "issue 66's first stops: a step's learning calls made before its probe was "
                                   "skipped (tfgrpo-default replays these draws without them)",
     "tfgrpo-default-stop-ahead": "the same draws stopped one step sooner, where the program a probe kept left the "
@@ -100,8 +100,6 @@ EXPLORED = {
     "tfgrpo-default-look-contrast-fill": "the first look with a skipped probe's free slots filled from groups with "
                                          "contrast only (replayed; fewer demos kept: superseded)",
 }
-# Arms whose results are saved under another directory name; the report and the results tables give the key.
-SAVED_AS = {"tfgrpo-default-no-stops": "tfgrpo-default-before-66"}
 PEER_ARMS = ("baseline", "bootstrap", "bootstrap-rs", "bootstrap-rs-solved", "infer-rules", "knn",
              "knn-bootstrapped", "simba", "simba-solved", "gepa", "mipro")
 KNN_ARMS = ("knn", "knn-bootstrapped")  # compile a pool of solved examples; evaluate by retrieving from it
@@ -304,7 +302,6 @@ def load_results(out: Path, task: str) -> dict[str, dict[int, dict]]:
     found: dict[str, dict[int, dict]] = {}
     for path in sorted((out / task).glob("*/seed*/eval.jsonl")):
         arm, seed = path.parent.parent.name, int(path.parent.name[4:])
-        arm = next((shown for shown, saved in SAVED_AS.items() if saved == arm), arm)
         info = path.parent / "compile.json"
         found.setdefault(arm, {})[seed] = {"rows": read_rows(path),
                                            "compile": json.loads(info.read_text()) if info.exists() else {}}

@@ -35,7 +35,7 @@ from tfgrpo.optimizers.checkpoint import Checkpoint, code_fingerprint, prompt_ve
 from tfgrpo.optimizers.spend import context_window, metered, model_price, token_counter
 from tfgrpo.optimizers.workers import fixed_temperature, run_program
 from tfgrpo.optimizers.judge import carried_demos
-from tfgrpo.optimizers.record import role
+from tfgrpo.optimizers.record import LIMITS, role
 from tfgrpo.optimizers.knobs import Knobs, fingerprinted_knobs, resolve
 from tfgrpo.optimizers.records import Demo
 from tfgrpo.optimizers.rewards import score_attempt
@@ -518,16 +518,17 @@ def reachable_steps(knobs: Knobs, per_step: dict, scheduled: int, trainset_size:
     one = {"metric_calls": 1, "cost": ((rollout["cost"] or 0.0) + (scored.get("cost") or 0.0)) / max(attempts, 1),
            "tokens": sum(s.get(k, 0) for s in (rollout, scored) for k in ("prompt_tokens", "completion_tokens"))
            / max(attempts, 1)}
-    steps, said = scheduled, None
-    for name, knob, limit in (("metric_calls", "max_metric_calls", knobs.max_metric_calls),
-                              ("tokens", "max_total_tokens", knobs.max_total_tokens), ("cost", "max_cost", knobs.max_cost)):
+    steps, said, no_step = scheduled, None, None
+    for name in ("metric_calls", "tokens", "cost"):  # (a note on tokens before one on dollars)
+        knob = LIMITS[name]
+        limit = getattr(knobs, knob)
         if limit is None or not whole[name]:
             continue
         fits = 0 if limit < need * one[name] else int((limit - need * one[name]) // whole[name]) + 1
         if fits == 0 and name == "metric_calls":
-            said = said or (f"no step: budget {knob}={limit:g} cannot pay for a step ({need} attempts: its rollouts, "
-                            "and a probe of the program and one edit, where it probes); compile sends nothing (raise "
-                            "the budget, or lower batch_size or num_generations)")
+            no_step = (f"no step: budget {knob}={limit:g} cannot pay for a step ({need} attempts: its rollouts, and a "
+                       "probe of the program and one edit, where it probes); compile sends nothing (raise the budget, "
+                       "or lower batch_size or num_generations)")
         elif fits == 0:
             shown = f"${need * one[name]:.4f}" if name == "cost" else f"{need * one[name]:,.0f}"
             said = said or (f"first step: budget {knob}={limit:g} is below what its {need} attempts are expected to "
@@ -536,7 +537,7 @@ def reachable_steps(knobs: Knobs, per_step: dict, scheduled: int, trainset_size:
                             "from the calls it made)")
             fits = 1
         steps = min(steps, fits)
-    return steps, said
+    return steps, no_step or said
 
 
 def _tally(knobs: Knobs, sizes: dict, learning_path: str, bound: bool, steps: int, growth: float = GROWTH) -> dict:

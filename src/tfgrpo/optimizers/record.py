@@ -243,7 +243,6 @@ class Record:
         except OSError as exc:
             raise RecordError(exc if exc.filename else type(exc)(exc.errno, exc.strerror, str(self.path))) from exc
 
-
     # -- the budget -------------------------------------------------------------------------------------------------
     def charge(self, stage: str, calls: int = 1) -> dict:
         """Before `calls` LM calls of `stage`: their expected share, now in flight; `BudgetExhausted` where it does not
